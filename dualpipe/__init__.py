@@ -1,0 +1,30 @@
+"""Pipeline schedules as data, one executor, and a drop-in API for deepseek-ai/DualPipe."""
+
+from dualpipe.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
+from dualpipe.executor import DualPipe, DualPipeV, OneFOneB, Pipeline, ZeroBubble1P
+from dualpipe.grads import sum_mirrored_grads
+from dualpipe.hooks import OverlappedForwardBackward
+from dualpipe.p2p import PipelineTimeoutError
+from dualpipe.schedule import Action, Layout, Op, Schedule, build_schedule
+from dualpipe.weight_grad import WeightGradStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Action",
+    "DualPipe",
+    "DualPipeV",
+    "Layout",
+    "OneFOneB",
+    "Op",
+    "OverlappedForwardBackward",
+    "Pipeline",
+    "PipelineTimeoutError",
+    "Schedule",
+    "WeightGradStore",
+    "ZeroBubble1P",
+    "build_schedule",
+    "set_p2p_tensor_dtype",
+    "set_p2p_tensor_shapes",
+    "sum_mirrored_grads",
+]

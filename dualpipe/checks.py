@@ -1,0 +1,254 @@
+"""Static checks on generated schedules: completeness, send/receive matching and freedom from deadlock.
+
+These run on the action lists alone (no tensors, no processes), so they cover many (ranks, chunks) cases in
+milliseconds and they run before a pipeline ever talks to its peers.
+
+Two communication models are checked for deadlock:
+
+- ``"async"`` (gloo, and NCCL with one stream per peer): every send and receive progresses on its own; a
+  compute waits only for the receives that carry its inputs.
+- ``"grouped"`` (NCCL's in-order semantics): each run of consecutive communication actions is one group;
+  a rank's groups run one after another on its communication stream, and a group finishes only when every
+  peer has reached the group holding the matching operation. A schedule that is safe here is safe on
+  NCCL whatever the per-peer stream mapping.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from dualpipe.schedule import Action, Op, Schedule
+
+__all__ = [
+    "DeadlockError",
+    "ScheduleError",
+    "check_complete",
+    "check_matching",
+    "check_schedule",
+    "message_key",
+    "needed_receives",
+    "simulate_progress",
+]
+
+
+class ScheduleError(ValueError):
+    """A generated schedule is inconsistent (a bug in a generator, never a user error)."""
+
+
+class DeadlockError(ScheduleError):
+    """No rank can make progress; the message lists where each rank is stuck."""
+
+
+def message_key(schedule: Schedule, rank: int, a: Action) -> tuple[str, int, int, int, int]:
+    """Identity of the message a communication action carries: (kind, path, chunk, src, dst).
+
+    The two sides of one transfer compute the same key, whatever their local module indices are.
+    """
+    path = schedule.layout.path_of(rank, a.module)
+    kind = "F" if a.op in (Op.SEND_F, Op.RECV_F) else "B"
+    if a.op in (Op.SEND_F, Op.SEND_B):
+        return (kind, path, a.chunk, rank, a.peer)
+    return (kind, path, a.chunk, a.peer, rank)
+
+
+def needed_receives(schedule: Schedule, rank: int, a: Action) -> list[tuple[str, int, int, int, int]]:
+    """Message keys a compute action consumes from other ranks (empty for local hand-overs)."""
+    layout = schedule.layout
+    keys = []
+    if a.op in (Op.F, Op.FB):
+        prev = layout.prev(rank, a.module)
+        if prev is not None and prev[0] != rank:
+            keys.append(("F", layout.path_of(rank, a.module), a.chunk, prev[0], rank))
+    backward = (a.b_module, a.b_chunk) if a.op is Op.FB else (a.module, a.chunk)
+    if a.op in (Op.B, Op.I, Op.FB):
+        nxt = layout.next(rank, backward[0])
+        if nxt is not None and nxt[0] != rank:
+            keys.append(("B", layout.path_of(rank, backward[0]), backward[1], nxt[0], rank))
+    return keys
+
+
+def check_complete(schedule: Schedule) -> None:
+    """Every micro-batch of every local module is forwarded once, then backwarded once, and every deferred
+    weight-gradient batch (one per ``I``) is popped by exactly one ``W`` after it was queued."""
+    layout = schedule.layout
+    for rank, actions in enumerate(schedule.ranks):
+        fwd: Counter[tuple[int, int]] = Counter()
+        bwd: Counter[tuple[int, int]] = Counter()
+        pending = 0
+        for a in actions:
+            if a.op in (Op.F, Op.FB):
+                fwd[(a.module, a.chunk)] += 1
+            if a.op in (Op.B, Op.I, Op.FB):
+                key = (a.b_module, a.b_chunk) if a.op is Op.FB else (a.module, a.chunk)
+                if fwd[key] != 1:
+                    raise ScheduleError(f"rank {rank}: backward of {key} before its forward ({a})")
+                nxt = layout.next(rank, key[0])
+                if nxt is not None and nxt[0] == rank and bwd[(nxt[1], key[1])] != 1:
+                    raise ScheduleError(f"rank {rank}: {a} runs before the local backward feeding it")
+                bwd[key] += 1
+            if a.op is Op.F:
+                prev = layout.prev(rank, a.module)
+                if prev is not None and prev[0] == rank and fwd[(prev[1], a.chunk)] != 1:
+                    raise ScheduleError(f"rank {rank}: {a} runs before the local forward feeding it")
+            pending += a.op is Op.I
+            if a.op is Op.W:
+                pending -= 1
+                if pending < 0:
+                    raise ScheduleError(f"rank {rank}: W with no deferred weight gradient queued")
+        expected = {(m, c) for m in range(layout.modules_per_rank) for c in range(schedule.chunks_per_path)}
+        for name, seen in (("forward", fwd), ("backward", bwd)):
+            if set(seen) != expected or any(v != 1 for v in seen.values()):
+                missing = sorted(expected - set(seen))
+                raise ScheduleError(f"rank {rank}: {name} not run exactly once per micro-batch; missing {missing}")
+        if pending != 0:
+            raise ScheduleError(f"rank {rank}: {pending} deferred weight-gradient batches never popped")
+
+
+def check_matching(schedule: Schedule) -> None:
+    """Sends and receives pair up between neighbours, in the same order on both sides.
+
+    Order matters on NCCL, which matches point-to-point operations between two ranks by issue order.
+    Every message consumed by a compute must be received by it, before it.
+    """
+    sends: dict[tuple[int, int], list] = defaultdict(list)
+    recvs: dict[tuple[int, int], list] = defaultdict(list)
+    layout = schedule.layout
+    for rank, actions in enumerate(schedule.ranks):
+        received = set()
+        for a in actions:
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                target = layout.next(rank, a.module) if a.op is Op.SEND_F else layout.prev(rank, a.module)
+                if target is None or target[0] != a.peer:
+                    raise ScheduleError(f"rank {rank}: {a} goes to the wrong peer (expected {target})")
+                sends[(rank, a.peer)].append(message_key(schedule, rank, a))
+            elif a.op in (Op.RECV_F, Op.RECV_B):
+                source = layout.prev(rank, a.module) if a.op is Op.RECV_F else layout.next(rank, a.module)
+                if source is None or source[0] != a.peer:
+                    raise ScheduleError(f"rank {rank}: {a} comes from the wrong peer (expected {source})")
+                key = message_key(schedule, rank, a)
+                recvs[(a.peer, rank)].append(key)
+                received.add(key)
+            else:
+                for key in needed_receives(schedule, rank, a):
+                    if key not in received:
+                        raise ScheduleError(f"rank {rank}: {a} consumes {key} that was never received before it")
+    for pair in set(sends) | set(recvs):
+        if sends[pair] != recvs[pair]:
+            raise ScheduleError(
+                f"messages {pair[0]}->{pair[1]} differ between sender and receiver:\n"
+                f"  sent     {sends[pair]}\n  received {recvs[pair]}"
+            )
+
+
+@dataclass(slots=True)
+class _Group:
+    rank: int
+    keys: list[tuple[str, int, int, int, int]]
+    done: bool = False
+
+
+def simulate_progress(schedule: Schedule, model: str = "async") -> None:
+    """Run the schedule symbolically under a communication model; raise :class:`DeadlockError` if stuck.
+
+    See the module docstring for the two models. Compute takes no time here; only ordering is checked.
+    """
+    if model not in ("async", "grouped"):
+        raise ValueError(f"unknown communication model {model!r}")
+    n = len(schedule.ranks)
+    # Split each rank's list into (group, compute) steps.
+    steps: list[list[tuple[_Group | None, Action]]] = []
+    for rank, actions in enumerate(schedule.ranks):
+        seq: list[tuple[_Group | None, Action]] = []
+        pending: list[tuple[str, int, int, int, int]] = []
+        for a in actions:
+            if a.op.is_comm:
+                pending.append(message_key(schedule, rank, a))
+            else:
+                seq.append((_Group(rank, pending) if pending else None, a))
+                pending = []
+        if pending:
+            seq.append((_Group(rank, pending), Action(Op.W, chunk=-2)))  # trailing sends: a no-op marker
+        steps.append(seq)
+
+    pos = [0] * n  # index of the next step per rank
+    issued: list[list[_Group]] = [[] for _ in range(n)]  # groups issued, in order
+    group_of: dict[tuple[tuple[str, int, int, int, int], int], _Group] = {}
+    completed_keys: set[tuple[str, int, int, int, int]] = set()
+
+    def running(g: _Group) -> bool:
+        # grouped: a group runs once every earlier group of its rank has finished
+        for other in issued[g.rank]:
+            if other is g:
+                return True
+            if not other.done:
+                return False
+        return False
+
+    def try_complete_groups() -> bool:
+        progress = False
+        if model == "async":
+            # every operation on its own: a receive completes once its send has been posted
+            for rank_groups in issued:
+                for g in rank_groups:
+                    for key in g.keys:
+                        if key[4] == g.rank and key not in completed_keys and (key, 0) in group_of:
+                            completed_keys.add(key)
+                            progress = True
+                    if not g.done and all((k, 1 - (k[3] == g.rank)) in group_of for k in g.keys):
+                        g.done = True
+            return progress
+        for rank_groups in issued:
+            for g in rank_groups:
+                if g.done:
+                    continue
+                ok = True
+                for key in g.keys:
+                    side = 0 if key[3] == g.rank else 1
+                    partner = group_of.get((key, 1 - side))
+                    if partner is None:
+                        ok = False
+                        break
+                    if not (running(g) and running(partner)):
+                        ok = False
+                        break
+                if ok:
+                    g.done = True
+                    completed_keys.update(k for k in g.keys if k[4] == g.rank)
+                    progress = True
+        return progress
+
+    while True:
+        progress = False
+        for rank in range(n):
+            while pos[rank] < len(steps[rank]):
+                group, compute = steps[rank][pos[rank]]
+                if group is not None and group not in issued[rank]:
+                    issued[rank].append(group)
+                    for key in group.keys:
+                        side = 0 if key[3] == rank else 1
+                        group_of[(key, side)] = group
+                    progress = True
+                    try_complete_groups()
+                if any(k not in completed_keys for k in needed_receives(schedule, rank, compute)):
+                    break
+                pos[rank] += 1
+                progress = True
+        progress |= try_complete_groups()
+        if all(pos[r] == len(steps[r]) for r in range(n)):
+            unfinished = [g for gs in issued for g in gs if not g.done]
+            if not unfinished:
+                return
+            if not progress:
+                raise DeadlockError(f"[{model}] step ends with unmatched communication: {unfinished[0].keys}")
+        if not progress:
+            stuck = {r: str(steps[r][pos[r]][1]) for r in range(n) if pos[r] < len(steps[r])}
+            raise DeadlockError(f"[{model}] no rank can progress; waiting at {stuck}")
+
+
+def check_schedule(schedule: Schedule, models: tuple[str, ...] = ("async",)) -> None:
+    """All static checks: completeness, matching, and progress under each communication model."""
+    check_complete(schedule)
+    check_matching(schedule)
+    for model in models:
+        simulate_progress(schedule, model)

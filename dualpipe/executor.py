@@ -1,0 +1,460 @@
+"""The one executor: runs any schedule of :mod:`dualpipe.schedule` on this rank.
+
+:class:`Pipeline` is an ``nn.Module`` holding this rank's stage modules. ``step`` validates everything it
+can before the first message, builds (or fetches, cached) the schedule's action lists and walks this
+rank's list: communication actions post sends and receives, compute actions wait only for the receives
+they consume. :class:`DualPipe`, :class:`DualPipeV`, :class:`OneFOneB` and :class:`ZeroBubble1P` differ
+only in the schedule they name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dualpipe import comm
+from dualpipe.checks import check_schedule
+from dualpipe.hooks import has_overlap_hook
+from dualpipe.p2p import P2P, Message, PendingRecv
+from dualpipe.schedule import SCHEDULES, Action, Layout, Op, Schedule, build_schedule
+from dualpipe.utils import gather, run_backward, scatter
+from dualpipe.weight_grad import GradStore
+
+__all__ = ["DualPipe", "DualPipeV", "OneFOneB", "Pipeline", "ZeroBubble1P"]
+
+Key = tuple[int, int]  # (local module, chunk)
+
+
+@dataclass(slots=True)
+class _Loss:
+    value: torch.Tensor  # what the criterion returned (reported)
+    backward: torch.Tensor  # what backward starts from (value * scale, or value itself)
+
+
+@dataclass(slots=True)
+class _StepState:
+    forward_only: bool
+    return_outputs: bool
+    loss_scale: float
+    criterion: Callable[..., torch.Tensor] | None
+    labels: dict[int, list[tuple]] = field(default_factory=dict)  # module -> per-chunk labels
+    inputs: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
+    outputs: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    output_grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
+    input_grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
+    losses: dict[Key, _Loss] = field(default_factory=dict)
+    inbox: dict[tuple[str, Key], PendingRecv] = field(default_factory=dict)
+    in_flight: list[tuple[list[dist.Work], list[torch.Tensor]]] = field(default_factory=list)
+    kept_outputs: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+
+
+class Pipeline(nn.Module):
+    """Pipeline-parallel training/inference step over this rank's stage modules.
+
+    Args:
+        modules: this rank's stage modules (two for DualPipe/DualPipeV, one for 1F1B/ZB1P; a single module
+            is accepted for the latter). All parameters must be on one device.
+        batch_dim: dimension along which inputs and labels are split into micro-batches.
+        process_group: the pipeline group (default: the whole world).
+        rank_mapping: ``rank_mapping[group_rank]`` is the pipeline rank of that group member.
+        timeout: upper bound for every wait on a peer (seconds or timedelta); ``None`` uses the process
+            group's timeout. A rank whose peer failed raises instead of waiting forever.
+        early_receives: post receives one compute earlier so transfers overlap compute. ``None`` picks
+            per backend: on for gloo, off for NCCL, whose in-order matching deadlocks with early receives
+            (:func:`dualpipe.checks.simulate_progress` shows both).
+    """
+
+    schedule_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        modules: nn.Module | Sequence[nn.Module],
+        batch_dim: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+        rank_mapping: list[int] | None = None,
+        *,
+        timeout: float | datetime.timedelta | None = None,
+        early_receives: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if not self.schedule_name:
+            raise TypeError("use DualPipe, DualPipeV, OneFOneB or ZeroBubble1P (or set schedule_name)")
+        if isinstance(modules, nn.Module) and not isinstance(modules, (nn.ModuleList, nn.Sequential)):
+            modules = [modules]
+        modules = list(modules)
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group first")
+        self.group = process_group or dist.group.WORLD
+        self.num_ranks = dist.get_world_size(self.group)
+        self.layout: Layout = self._layout(self.num_ranks)
+        if len(modules) != self.layout.modules_per_rank:
+            raise ValueError(
+                f"{type(self).__name__} takes {self.layout.modules_per_rank} module(s) per rank, got {len(modules)}"
+            )
+        self.module = nn.ModuleList(modules)
+        self.device = _common_device(modules)
+        self.batch_dim = batch_dim
+        self.overlapped_forward_backward = len(modules) == 2 and has_overlap_hook(modules[0], modules[1])
+
+        if rank_mapping is None:
+            rank_mapping = list(range(self.num_ranks))
+        if sorted(rank_mapping) != list(range(self.num_ranks)):
+            raise ValueError(f"rank_mapping must be a permutation of 0..{self.num_ranks - 1}, got {rank_mapping}")
+        to_group_rank = [0] * self.num_ranks
+        for group_rank, pp_rank in enumerate(rank_mapping):
+            to_group_rank[pp_rank] = group_rank
+        self.rank = rank_mapping[dist.get_rank(self.group)]
+
+        backend = dist.get_backend(self.group)
+        if backend == dist.Backend.NCCL and self.device.type != "cuda":
+            raise ValueError("an NCCL pipeline group needs the stage modules on a CUDA device")
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        self.p2p = P2P(self.group, to_group_rank, self.device, len(self.layout.paths), timeout)
+        self.early_receives = self.p2p.use_tags if early_receives is None else early_receives
+        self.comm_model = "async" if self.p2p.use_tags else "grouped"
+        self.grad_store = GradStore()
+        self._own_shapes: tuple[list[tuple[int, ...]] | None, list[torch.dtype] | None] | None = None
+
+    @classmethod
+    def _layout(cls, num_ranks: int) -> Layout:
+        return SCHEDULES[cls.schedule_name].layout(num_ranks)
+
+    # -- configuration --------------------------------------------------------------------------------
+    def set_p2p_tensor_shapes(self, shapes: Sequence[Sequence[int]] | None) -> None:
+        """Declare the shape of every tensor crossing a stage boundary (``None``: infer per message)."""
+        dtypes = self._own_shapes[1] if self._own_shapes else None
+        self._own_shapes = (None if shapes is None else [tuple(s) for s in shapes], dtypes)
+
+    def set_p2p_tensor_dtype(self, dtype: torch.dtype | Sequence[torch.dtype]) -> None:
+        """Declare the dtype of the boundary tensors: one for all, or one per tensor."""
+        shapes = self._own_shapes[0] if self._own_shapes else None
+        self._own_shapes = (shapes, [dtype] if isinstance(dtype, torch.dtype) else list(dtype))
+
+    def _declaration(self) -> tuple[list[tuple[int, ...]] | None, list[torch.dtype] | None]:
+        if self._own_shapes is not None and self._own_shapes[0] is not None:
+            return self._own_shapes
+        return comm.declared()
+
+    def schedule(self, num_chunks: int) -> Schedule:
+        """The action lists this pipeline runs for ``num_chunks`` micro-batches (validated, cached)."""
+        schedule = build_schedule(self.schedule_name, self.num_ranks, num_chunks, self.early_receives)
+        _check_once(schedule, self.comm_model)
+        return schedule
+
+    # -- the step -------------------------------------------------------------------------------------
+    def step(
+        self,
+        *inputs: torch.Tensor | None,
+        num_chunks: int = 0,
+        criterion: Callable[..., torch.Tensor] | None = None,
+        labels: Sequence[torch.Tensor | None] = (),
+        return_outputs: bool = False,
+        loss_reduction: str = "sum",
+    ) -> tuple[torch.Tensor | None, torch.Tensor | tuple[torch.Tensor | None, ...] | None]:
+        """Run one training step (or an inference step under ``torch.no_grad()``).
+
+        Args:
+            *inputs: whole-batch inputs, required on ranks that run a first stage (rank 0; DualPipe also
+                rank N-1), ignored elsewhere.
+            num_chunks: micro-batches per step (DualPipe: in total, half per direction).
+            criterion: ``criterion(*outputs, *labels) -> loss`` on ranks that run a last stage.
+            labels: whole-batch labels for this rank's last stage.
+            return_outputs: also return the last stage's outputs (concatenated along ``batch_dim``).
+            loss_reduction: ``"sum"`` (the reference: each micro-batch loss is backpropagated as is) or
+                ``"mean"`` (gradients of the mean over all ``num_chunks`` micro-batches).
+
+        Returns ``(loss, outputs)``: per-micro-batch losses stacked, on ranks that run a last stage with a
+        criterion; outputs when asked, on ranks that run a last stage; ``None`` elsewhere.
+        """
+        forward_only = not torch.is_grad_enabled()
+        if loss_reduction not in ("sum", "mean"):
+            raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
+        schedule = self.schedule(num_chunks)
+        first = [m for m in range(len(self.module)) if self.layout.is_first(self.rank, m)]
+        last = [m for m in range(len(self.module)) if self.layout.is_last(self.rank, m)]
+        if last and criterion is None and not forward_only:
+            raise ValueError(
+                f"pipeline rank {self.rank} computes the loss (it runs a last stage): pass criterion=..."
+            )
+        if first and not inputs:
+            raise ValueError(f"pipeline rank {self.rank} runs a first stage: pass the batch inputs to step()")
+        self.p2p.declare(*self._declaration())
+
+        st = _StepState(
+            forward_only=forward_only,
+            return_outputs=return_outputs,
+            loss_scale=1.0 / num_chunks if loss_reduction == "mean" else 1.0,
+            criterion=criterion,
+        )
+        per_path = schedule.chunks_per_path
+        for m in first:
+            for k, micro in enumerate(scatter(inputs, per_path, self.batch_dim)):
+                st.inputs[(m, k)] = list(micro)
+        for m in last:
+            st.labels[m] = scatter(tuple(labels), per_path, self.batch_dim) if labels else [()] * per_path
+
+        self.grad_store.clear()
+        try:
+            self._run(schedule.ranks[self.rank], st)
+        finally:
+            self.grad_store.clear()
+        return self._results(st, last, per_path)
+
+    def _run(self, actions: Sequence[Action], st: _StepState) -> None:
+        handlers = {
+            Op.F: self._forward,
+            Op.B: self._backward,
+            Op.I: self._backward,
+            Op.W: self._weight,
+            Op.FB: self._forward_backward,
+        }
+        batch: list[Action] = []
+        for a in actions:
+            if a.op.is_comm:
+                batch.append(a)
+                continue
+            self._post(batch, st)
+            batch = []
+            handlers[a.op](a, st)
+            self._reap_sends(st, block=False)
+        self._post(batch, st)
+        self._reap_sends(st, block=True)
+        leftover = [f"{kind}{key}" for (kind, key), p in st.inbox.items() if p.works]
+        if leftover:
+            raise RuntimeError(f"pipeline rank {self.rank}: messages received but never used: {leftover}")
+
+    def _results(self, st: _StepState, last: list[int], per_path: int):
+        loss = outputs = None
+        if last:
+            (m,) = last  # every layout has at most one last stage per rank
+            if st.criterion is not None:
+                loss = torch.stack([st.losses[(m, k)].value for k in range(per_path)])
+            if st.return_outputs:
+                outputs = gather([st.kept_outputs[(m, k)] for k in range(per_path)], self.batch_dim)
+                if len(outputs) == 1:
+                    outputs = outputs[0]
+        return loss, outputs
+
+    # -- communication --------------------------------------------------------------------------------
+    def _message(self, a: Action, is_grad: bool) -> Message:
+        return Message(self.layout.path_of(self.rank, a.module), a.chunk, is_grad)
+
+    def _post(self, batch: list[Action], st: _StepState) -> None:
+        ops: list[dist.P2POp] = []
+        recvs: list[tuple[PendingRecv, slice]] = []
+        send_slots: list[int] = []
+        sent: list[torch.Tensor] = []
+        for a in batch:
+            is_grad = a.op in (Op.SEND_B, Op.RECV_B)
+            if st.forward_only and is_grad:
+                continue
+            key = (a.module, a.chunk)
+            start = len(ops)
+            if a.op is Op.SEND_F:
+                tensors = st.outputs[key]
+                ops += self.p2p.send_ops(a.peer, self._message(a, False), tensors)
+                if not st.return_outputs:
+                    sent += [t for t in tensors if t is not None]
+            elif a.op is Op.SEND_B:
+                ops += self.p2p.send_ops(a.peer, self._message(a, True), st.input_grads.pop(key))
+            else:
+                pending = PendingRecv(self._message(a, is_grad), a.peer)
+                ops += self.p2p.recv_ops(pending)
+                st.inbox[("B" if is_grad else "F", key)] = pending
+                recvs.append((pending, slice(start, len(ops))))
+            if a.op.name.startswith("SEND"):
+                send_slots += range(start, len(ops))
+        works = self.p2p.issue(ops)
+        # gloo returns one work per operation: a receive must wait on its own works only, since a send
+        # completes only once the peer posts its receive, maybe much later. NCCL returns one work for the
+        # whole group, which is one unit anyway.
+        per_op = len(works) == len(ops)
+        for pending, ops_slice in recvs:
+            pending.works = works[ops_slice] if per_op else works
+            if self.p2p.eager_data and pending.tensors is None:
+                self.p2p.start_data(pending)
+        sends = [works[i] for i in send_slots] if per_op else works
+        if sends:
+            st.in_flight.append((sends, sent))
+
+    def _take(self, st: _StepState, kind: str, key: Key) -> list[torch.Tensor | None]:
+        pending = st.inbox.pop((kind, key))
+        tensors = self.p2p.complete(pending)
+        if kind == "F" and not st.forward_only:
+            for t in tensors:
+                if t is not None and t.is_floating_point():
+                    t.requires_grad_()
+        return tensors
+
+    def _reap_sends(self, st: _StepState, block: bool) -> None:
+        """Release sent activations once their sends completed (their storage is freed, as the reference
+        does: the autograd graph, not the output values, is what backward needs)."""
+        remaining = []
+        for works, sent in st.in_flight:
+            if block:
+                self.p2p.wait(works, "outstanding sends at the end of the step")
+            elif not all(w.is_completed() for w in works):
+                remaining.append((works, sent))
+                continue
+            for t in sent:
+                if t._base is None:  # freeing a view would free its base, which may still be needed
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        st.in_flight = remaining
+
+    # -- compute --------------------------------------------------------------------------------------
+    def _stage_inputs(self, st: _StepState, key: Key) -> list[torch.Tensor | None]:
+        if key not in st.inputs:  # not local: it was received
+            st.inputs[key] = self._take(st, "F", key)
+        return st.inputs[key]
+
+    def _forward(self, a: Action, st: _StepState) -> None:
+        key = (a.module, a.chunk)
+        inputs = self._stage_inputs(st, key)
+        with self.grad_store.activate(enabled=False):
+            outputs = self.module[a.module](*inputs)
+        self._after_forward(a.module, a.chunk, outputs, st)
+
+    def _after_forward(self, m: int, k: int, outputs: Any, st: _StepState, loss: torch.Tensor | None = None) -> None:
+        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        if self.layout.is_last(self.rank, m):
+            if st.criterion is not None:
+                if loss is None:
+                    loss = st.criterion(*outputs, *st.labels[m][k])
+                scaled = loss if st.loss_scale == 1.0 else loss * st.loss_scale
+                st.losses[(m, k)] = _Loss(loss, scaled)
+            if st.return_outputs:
+                st.kept_outputs[(m, k)] = [o.detach() for o in outputs]
+            if st.forward_only or st.criterion is not None:
+                return  # backward starts from the loss
+        st.outputs[(m, k)] = outputs
+        nxt = self.layout.next(self.rank, m)
+        if nxt is not None and nxt[0] == self.rank:  # DualPipeV's turn: hand over locally
+            st.inputs[(nxt[1], k)] = [
+                o.detach().requires_grad_(o.is_floating_point() and not st.forward_only) for o in outputs
+            ]
+        if st.forward_only and nxt is not None and nxt[0] == self.rank:
+            del st.outputs[(m, k)]
+
+    def _backward_sources(self, st: _StepState, key: Key) -> tuple[_Loss | None, tuple, tuple]:
+        """What backward of ``key`` starts from: the loss, or (outputs, output gradients)."""
+        if key in st.losses:
+            return st.losses[key], (), ()
+        outputs = st.outputs.pop(key)
+        if key in st.output_grads:
+            grads = st.output_grads.pop(key)
+        else:
+            grads = self._take(st, "B", key)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        return None, tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
+
+    def _backward(self, a: Action, st: _StepState) -> None:
+        if st.forward_only:
+            return
+        key = (a.module, a.chunk)
+        defer = a.op is Op.I
+        loss, outputs, grads = self._backward_sources(st, key)
+        with self.grad_store.activate(enabled=defer):
+            if loss is not None:
+                loss.backward.backward()
+            elif outputs:
+                run_backward(outputs, grads)
+        if defer:
+            self.grad_store.flush()
+        self._after_backward(key, loss, st)
+
+    def _after_backward(self, key: Key, loss: _Loss | None, st: _StepState) -> None:
+        if loss is not None:
+            loss.value.detach_()
+            loss.backward.detach_()
+        inputs = st.inputs.pop(key)
+        grads = [t.grad if t is not None and t.requires_grad else None for t in inputs]
+        prev = self.layout.prev(self.rank, key[0])
+        if prev is not None and prev[0] == self.rank:  # DualPipeV's turn: local hand-over
+            st.output_grads[(prev[1], key[1])] = grads
+        elif prev is not None:
+            st.input_grads[key] = grads
+
+    def _forward_backward(self, a: Action, st: _StepState) -> None:
+        if st.forward_only or not self.overlapped_forward_backward:
+            self._forward(Action(Op.F, a.module, a.chunk), st)
+            self._backward(Action(Op.B, a.b_module, a.b_chunk), st)
+            return
+        fkey, bkey = (a.module, a.chunk), (a.b_module, a.b_chunk)
+        inputs0 = self._stage_inputs(st, fkey)
+        is_last0 = self.layout.is_last(self.rank, a.module) and st.criterion is not None
+        criterion0 = st.criterion if is_last0 else None
+        labels0 = list(st.labels[a.module][a.chunk]) if is_last0 else []
+        loss1, outputs1, grads1 = self._backward_sources(st, bkey)
+        module0, module1 = self.module[a.module], self.module[a.b_module]
+        with self.grad_store.activate(enabled=False):
+            outputs0, loss0 = type(module0).overlapped_forward_backward(
+                module0,
+                inputs0,
+                criterion0,
+                labels0,
+                module1,
+                None if loss1 is None else loss1.backward,
+                list(outputs1),
+                list(grads1),
+            )
+        if is_last0 and loss0 is None:
+            raise RuntimeError("overlapped_forward_backward returned no loss for a last stage with a criterion")
+        self._after_forward(a.module, a.chunk, outputs0, st, loss=loss0)
+        self._after_backward(bkey, loss1, st)
+
+    def _weight(self, a: Action, st: _StepState) -> None:
+        if not st.forward_only:
+            self.grad_store.pop()
+
+
+@functools.lru_cache(maxsize=256)
+def _check_once(schedule: Schedule, comm_model: str) -> None:
+    # Static checks are cheap (milliseconds) but a step runs thousands of times: check each schedule once.
+    check_schedule(schedule, (comm_model,))
+
+
+def _common_device(modules: Sequence[nn.Module]) -> torch.device:
+    devices = {t.device for m in modules for t in (*m.parameters(), *m.buffers())}
+    if len(devices) > 1:
+        raise ValueError(
+            f"all stage modules of one rank must live on one device, found {sorted(map(str, devices))}; "
+            "move them with .to(device) before building the pipeline"
+        )
+    return devices.pop() if devices else torch.device("cpu")
+
+
+class DualPipe(Pipeline):
+    """Bidirectional DualPipe: ``modules = (stage r, stage N-1-r)``; inputs enter at ranks 0 and N-1.
+
+    Each stage's weights live on two ranks; sum their gradients after ``step`` with
+    :func:`dualpipe.grads.sum_mirrored_grads`.
+    """
+
+    schedule_name = "dualpipe"
+
+
+class DualPipeV(Pipeline):
+    """V-shaped DualPipe: ``modules = (stage r, stage 2N-1-r)``; inputs enter at rank 0, which also
+    computes the loss."""
+
+    schedule_name = "dualpipev"
+
+
+class OneFOneB(Pipeline):
+    """Classic 1F1B over one module (stage r) per rank; inputs at rank 0, loss at rank N-1."""
+
+    schedule_name = "1f1b"
+
+
+class ZeroBubble1P(Pipeline):
+    """ZB-H1: 1F1B order with weight gradients deferred into the cool-down bubbles."""
+
+    schedule_name = "zb1p"

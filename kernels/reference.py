@@ -1,0 +1,196 @@
+"""Plain-torch references: the oracle for every Triton kernel, and the backend off CUDA.
+
+Legend for shape suffixes: T tokens, D hidden size, E experts, K top-k, M routed rows (<= T*K),
+N / F output and intermediate feature sizes, G expert groups.
+
+Every function here has the same signature as its Triton twin in this package; tests and benchmarks
+compare the two directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "grouped_gemm",
+    "grouped_gemm_dgrad",
+    "grouped_gemm_wgrad",
+    "permute",
+    "permute_backward",
+    "router_topk",
+    "swiglu",
+    "swiglu_backward",
+    "unpermute",
+    "unpermute_backward",
+]
+
+
+def _offsets(tokens_per_expert_E: torch.Tensor) -> list[int]:
+    counts = tokens_per_expert_E.tolist()
+    offs = [0]
+    for c in counts:
+        offs.append(offs[-1] + int(c))
+    return offs
+
+
+def grouped_gemm(x_MK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e]; rows are sorted by expert, group e has tokens_per_expert[e] rows.
+
+    x: [M, K], w: [E, K, N], tokens_per_expert: [E] int (sum == M, zeros allowed) -> y: [M, N] in x.dtype
+    (accumulated in fp32).
+    """
+    offs = _offsets(tokens_per_expert_E)
+    y_MN = x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
+    for e in range(w_EKN.shape[0]):
+        lo, hi = offs[e], offs[e + 1]
+        if hi > lo:
+            y_MN[lo:hi] = (x_MK[lo:hi].float() @ w_EKN[e].float()).to(x_MK.dtype)
+    return y_MN
+
+
+def grouped_gemm_dgrad(
+    dy_MN: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor
+) -> torch.Tensor:
+    """Input gradient of :func:`grouped_gemm`: dx[rows of e] = dy[rows of e] @ w[e]^T -> [M, K]."""
+    return grouped_gemm(dy_MN, w_EKN.transpose(1, 2), tokens_per_expert_E)
+
+
+def grouped_gemm_wgrad(
+    x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_expert_E: torch.Tensor
+) -> torch.Tensor:
+    """Weight gradient of :func:`grouped_gemm`: dw[e] = x[rows of e]^T @ dy[rows of e] -> [E, K, N].
+
+    Experts with no rows get a zero gradient. Result in x.dtype, accumulated in fp32.
+    """
+    offs = _offsets(tokens_per_expert_E)
+    num_experts = tokens_per_expert_E.shape[0]
+    dw_EKN = x_MK.new_zeros(num_experts, x_MK.shape[1], dy_MN.shape[1])
+    for e in range(num_experts):
+        lo, hi = offs[e], offs[e + 1]
+        if hi > lo:
+            dw_EKN[e] = (x_MK[lo:hi].float().t() @ dy_MN[lo:hi].float()).to(x_MK.dtype)
+    return dw_EKN
+
+
+def permute(
+    x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gather token rows into expert order.
+
+    topk_idx: [T, K] int, entries in [0, num_experts) or -1 (not routed here; skipped).
+    Returns (x_sorted [M, D], row_id_M, tokens_per_expert [E] int64) where M is the number of routed
+    entries, rows are ordered by expert and, within an expert, by flat position t*K + k (stable), and
+    row_id[m] = t*K + k is the flat top-k slot that sorted row m came from (token = row_id // K).
+    """
+    flat_M = topk_idx_TK.reshape(-1)
+    k = topk_idx_TK.shape[1]
+    valid = flat_M >= 0
+    keys = torch.where(valid, flat_M, torch.full_like(flat_M, num_experts))
+    order = torch.sort(keys, stable=True).indices
+    row_id_M = order[: int(valid.sum())]
+    tokens_per_expert_E = torch.bincount(flat_M[valid].long(), minlength=num_experts)[:num_experts]
+    x_sorted_MD = x_TD.index_select(0, row_id_M // k)
+    return x_sorted_MD, row_id_M, tokens_per_expert_E.to(torch.int64)
+
+
+def unpermute(
+    y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor
+) -> torch.Tensor:
+    """Weighted scatter-add back to token order: out[t] = sum_k w[t, k] * y[row of (t, k)].
+
+    Slots that were not routed contribute nothing. Accumulates in fp32, returns y.dtype, shape [T, D].
+    """
+    num_tokens, k = topk_weights_TK.shape
+    w_M = topk_weights_TK.reshape(-1).float().index_select(0, row_id_M)
+    out_TD = torch.zeros(num_tokens, y_MD.shape[1], dtype=torch.float32, device=y_MD.device)
+    out_TD.index_add_(0, row_id_M // k, y_MD.float() * w_M[:, None])
+    return out_TD.to(y_MD.dtype)
+
+
+def permute_backward(
+    dx_sorted_MD: torch.Tensor, row_id_M: torch.Tensor, num_tokens: int, top_k: int
+) -> torch.Tensor:
+    """Gradient of :func:`permute` w.r.t. x: dx[t] = sum of the sorted rows that came from token t.
+
+    dx_sorted: [M, D], row_id: [M] from :func:`permute` -> [T, D] in dx_sorted.dtype (fp32 accumulation).
+    """
+    dx_TD = torch.zeros(num_tokens, dx_sorted_MD.shape[1], dtype=torch.float32, device=dx_sorted_MD.device)
+    dx_TD.index_add_(0, row_id_M // top_k, dx_sorted_MD.float())
+    return dx_TD.to(dx_sorted_MD.dtype)
+
+
+def unpermute_backward(
+    dout_TD: torch.Tensor, y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`unpermute` -> (dy [M, D] in y.dtype, dweights [T, K] in topk_weights.dtype).
+
+    dy[m] = w[slot m] * dout[token of m]; dweights[t, k] = <dout[t], y[row of (t, k)]>, zero where the
+    slot was not routed. Computed in fp32.
+    """
+    num_tokens, k = topk_weights_TK.shape
+    dout_MD = dout_TD.float().index_select(0, row_id_M // k)
+    w_M = topk_weights_TK.reshape(-1).float().index_select(0, row_id_M)
+    dy_MD = (dout_MD * w_M[:, None]).to(y_MD.dtype)
+    dweights_S = torch.zeros(num_tokens * k, dtype=torch.float32, device=y_MD.device)
+    dweights_S[row_id_M] = (dout_MD * y_MD.float()).sum(-1)
+    return dy_MD, dweights_S.view(num_tokens, k).to(topk_weights_TK.dtype)
+
+
+def router_topk(
+    logits_TE: torch.Tensor,
+    bias_E: torch.Tensor,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    route_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: sigmoid scores, bias for selection only, group-limited top-k.
+
+    scores = sigmoid(logits) in fp32. Selection uses scores + bias. With n_group > 1 the experts are split
+    into n_group contiguous groups, each group is scored by the sum of its top-2 biased scores, and only the
+    best topk_group groups stay eligible (this caps the nodes a token is sent to). Ties break toward the
+    lower index. Weights are the *unbiased* scores of the chosen experts, normalised to sum to 1, times
+    route_scale.
+
+    Returns (topk_weights [T, K] fp32, topk_idx [T, K] int64 in descending biased-score order,
+    scores [T, E] fp32).
+    """
+    num_tokens, num_experts = logits_TE.shape
+    if num_experts % n_group != 0:
+        raise ValueError(f"{num_experts} experts do not split into n_group={n_group} groups")
+    scores_TE = torch.sigmoid(logits_TE.float())
+    choice_TE = scores_TE + bias_E.float()
+    if n_group > 1:
+        grouped = choice_TE.view(num_tokens, n_group, num_experts // n_group)
+        group_score_TG = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep_TG = _topk_indices(group_score_TG, topk_group)
+        mask_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, keep_TG, True)
+        mask_TE = mask_TG.repeat_interleave(num_experts // n_group, dim=1)
+        choice_TE = choice_TE.masked_fill(~mask_TE, float("-inf"))
+    topk_idx_TK = _topk_indices(choice_TE, top_k)
+    weights_TK = scores_TE.gather(1, topk_idx_TK)
+    weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True) * route_scale
+    return weights_TK, topk_idx_TK, scores_TE
+
+
+def _topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    # A stable descending sort makes ties pick the lower index, which the Triton kernel reproduces.
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def swiglu(x_MF2: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up with x = [gate | up] along the last dim: [M, 2F] -> [M, F] (computed in fp32)."""
+    gate, up = x_MF2.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x_MF2.dtype)
+
+
+def swiglu_backward(dy_MF: torch.Tensor, x_MF2: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`swiglu` with respect to its input: [M, F], [M, 2F] -> [M, 2F]."""
+    gate, up = x_MF2.float().chunk(2, dim=-1)
+    dy = dy_MF.float()
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    dgate = dy * up * sig * (1 + gate * (1 - sig))
+    dup = dy * silu
+    return torch.cat([dgate, dup], dim=-1).to(x_MF2.dtype)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/python -m ruff check dualpipe moe kernels tests bench examples
+.venv/bin/python -m pytest "$@"

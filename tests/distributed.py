@@ -1,0 +1,129 @@
+"""Run a test body on N CPU ranks over gloo, with tracebacks from children and a hard deadline.
+
+    results = run_ranks(fn, world_size=4, args=(...,), timeout=60)
+
+``fn(rank, world_size, *args)`` runs in a fresh process per rank with the default process group already
+initialised (gloo, file rendezvous, so no ports are taken). Its return value comes back in
+``results[rank]``. If any rank raises, the others are killed and :class:`RankFailure` carries the child's
+formatted traceback; if the ranks do not finish within ``timeout`` seconds (a deadlock), all are killed
+and :class:`RankTimeout` says which ranks were still running.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RankFailure", "RankTimeout", "run_ranks"]
+
+
+class RankFailure(AssertionError):
+    """A rank raised; the message holds its traceback."""
+
+
+class RankTimeout(AssertionError):
+    """Ranks did not finish in time (a deadlock or a hang)."""
+
+
+def _context() -> mp.context.BaseContext:
+    # forkserver: children fork from a clean server that has imported torch once (fast start, and no
+    # inherited OpenMP or process-group state from the pytest process).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.distributed"])
+    return ctx
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_file: str,
+    args: tuple,
+    env: dict[str, str],
+    pg_timeout: float,
+    out: mp.Queue,
+) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        out.put((rank, True, result))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    pg_timeout: float | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    ``fn`` and ``args`` must be picklable (module-level functions). ``pg_timeout`` bounds every collective
+    and P2P wait inside the ranks (defaults to ``timeout``).
+    """
+    ctx = _context()
+    out: mp.Queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="dualpipe-ranks-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(fn, r, world_size, init_file, args, env or {}, pg_timeout or timeout, out),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise RankTimeout(f"ranks {missing} did not finish within {timeout:.0f}s (deadlock?)")
+                try:
+                    rank, ok, payload = out.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                    if dead:
+                        raise RankFailure(
+                            f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                            "before reporting (crash or kill)"
+                        ) from None
+                    continue
+                if not ok:
+                    raise RankFailure(f"rank {rank} raised:\n{payload}")
+                results[rank] = payload
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+    return [results[r] for r in range(world_size)]

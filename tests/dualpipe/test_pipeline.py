@@ -1,0 +1,157 @@
+"""Pipelines on CPU ranks over gloo against the single-process oracle.
+
+Losses must be bitwise equal (``torch.equal``), gradients equal within 1e-12 relative (float64, only the
+order of accumulation differs), inference outputs equal. One process group per world size runs many
+cases, because starting ranks dominates the cost on two cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dualpipe import DualPipe, DualPipeV, OneFOneB, ZeroBubble1P, sum_mirrored_grads
+from tests.distributed import run_ranks
+from tests.dualpipe.toy import ToyStage, ToyStageOverlap, criterion, make_stages, reference_step, rel_diff
+
+HIDDEN = 8
+MICRO_BATCH = 2
+SEQ = 3
+GRAD_RTOL = 1e-12
+
+
+@dataclass(frozen=True)
+class Case:
+    schedule: str
+    chunks: int
+    overlap: bool = False
+    declared: bool = False
+    reduction: str = "sum"
+    seq: int = SEQ
+
+    def __str__(self) -> str:
+        return (
+            f"{self.schedule} chunks={self.chunks} overlap={self.overlap} declared={self.declared} "
+            f"{self.reduction} seq={self.seq}"
+        )
+
+
+_CLASSES = {"dualpipe": DualPipe, "dualpipev": DualPipeV, "1f1b": OneFOneB, "zb1p": ZeroBubble1P}
+
+
+def _stage_ids(schedule: str, rank: int, world: int) -> list[int]:
+    if schedule == "dualpipev":
+        return [rank, 2 * world - 1 - rank]
+    if schedule == "dualpipe":
+        return [rank, world - 1 - rank]
+    return [rank]
+
+
+def _run_case(rank: int, world: int, case: Case) -> dict:
+    num_stages = 2 * world if case.schedule == "dualpipev" else world
+    cls = ToyStageOverlap if case.overlap else ToyStage
+    full = make_stages(num_stages, HIDDEN, seed=1234, cls=cls)
+    ids = _stage_ids(case.schedule, rank, world)
+    local = make_stages(len(ids), HIDDEN, seed=99, cls=cls)
+    for mod, i in zip(local, ids):
+        mod.load_state_dict(full[i].state_dict())
+    pipe = _CLASSES[case.schedule](local, timeout=60)
+    if case.declared:
+        pipe.set_p2p_tensor_shapes([(MICRO_BATCH, case.seq, HIDDEN)])
+        pipe.set_p2p_tensor_dtype(torch.float64)
+
+    g = torch.Generator().manual_seed(7)
+    n = case.chunks * MICRO_BATCH
+    x = torch.randn(n, case.seq, HIDDEN, generator=g, dtype=torch.float64)
+    y = torch.randn(n, case.seq, HIDDEN, generator=g, dtype=torch.float64)
+    x2 = torch.randn(n, case.seq, HIDDEN, generator=g, dtype=torch.float64)  # DualPipe's second direction
+    y2 = torch.randn(n, case.seq, HIDDEN, generator=g, dtype=torch.float64)
+    scale = 1.0 / case.chunks if case.reduction == "mean" else 1.0
+
+    if case.schedule == "dualpipe":
+        half = case.chunks // 2
+        x, y, x2, y2 = x[: n // 2], y[: n // 2], x2[: n // 2], y2[: n // 2]
+        loss_fwd, out_fwd = reference_step(full, x, y, half, scale)  # enters at rank 0, loss at rank N-1
+        loss_bwd, out_bwd = reference_step(full, x2, y2, half, scale)  # enters at rank N-1, loss at rank 0
+        inputs = (x,) if rank == 0 else (x2,) if rank == world - 1 else ()
+        labels = (y2,) if rank == 0 else (y,) if rank == world - 1 else ()
+        expect = {0: (loss_bwd, out_bwd), world - 1: (loss_fwd, out_fwd)}
+    else:
+        loss_ref, out_ref = reference_step(full, x, y, case.chunks, scale)
+        loss_rank = 0 if case.schedule == "dualpipev" else world - 1
+        inputs = (x,) if rank == 0 else ()
+        labels = (y,) if rank == loss_rank else ()
+        expect = {loss_rank: (loss_ref, out_ref)}
+
+    ToyStageOverlap.calls = 0
+    loss, outputs = pipe.step(
+        *inputs, num_chunks=case.chunks, criterion=criterion, labels=labels, loss_reduction=case.reduction
+    )
+    overlapped_calls = ToyStageOverlap.calls
+    sum_mirrored_grads(pipe)
+    if rank in expect:
+        assert torch.equal(loss, expect[rank][0]), f"{case}: loss {loss} != {expect[rank][0]}"
+    else:
+        assert loss is None
+    assert outputs is None
+    worst = 0.0
+    for mod, i in zip(local, ids):
+        for p, p_ref in zip(mod.parameters(), full[i].parameters()):
+            worst = max(worst, rel_diff(p.grad, p_ref.grad))
+    assert worst < GRAD_RTOL, f"{case}: gradient relative error {worst:.3e} on rank {rank}"
+
+    with torch.no_grad():
+        loss_inf, out_inf = pipe.step(*inputs, num_chunks=case.chunks, criterion=criterion, labels=labels,
+                                      return_outputs=True)
+    if rank in expect:
+        assert torch.equal(loss_inf, expect[rank][0]), f"{case}: inference loss differs"
+        assert torch.equal(out_inf, expect[rank][1]), f"{case}: inference outputs differ"
+    else:
+        assert loss_inf is None and out_inf is None
+    return {"case": str(case), "grad_rel": worst, "overlapped_calls": overlapped_calls}
+
+
+def _run_cases(rank: int, world: int, cases: list[Case]) -> list[dict]:
+    torch.use_deterministic_algorithms(True)
+    results = []
+    for case in cases:
+        results.append(_run_case(rank, world, case))
+        dist.barrier()
+    return results
+
+
+def _cases(world: int) -> list[Case]:
+    cases = []
+    v_chunks = sorted({2 * world, 2 * world + 1, 3 * world + 2})
+    for chunks in v_chunks:
+        cases.append(Case("dualpipev", chunks))
+        cases.append(Case("dualpipev", chunks, overlap=True))
+    cases.append(Case("dualpipev", 2 * world + 2, overlap=True, declared=True, reduction="mean"))
+    if world % 2 == 0:
+        for chunks in (2 * world, 2 * world + 4):
+            cases.append(Case("dualpipe", chunks))
+            cases.append(Case("dualpipe", chunks, overlap=True))
+        cases.append(Case("dualpipe", 2 * world + 2, overlap=True, declared=True))
+    for sched in ("1f1b", "zb1p"):
+        cases.append(Case(sched, world + 1))
+        cases.append(Case(sched, 2 * world, reduction="mean", declared=True))
+    cases.append(Case("dualpipev", 2 * world, seq=SEQ + 2))  # the sequence length changes between steps
+    return cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_schedules_match_single_process(world: int) -> None:
+    cases = _cases(world)
+    results = run_ranks(_run_cases, world, args=(cases,), timeout=240)
+    for rank_results in results:
+        assert [r["case"] for r in rank_results] == [str(c) for c in cases]
+    # The hook ran wherever a schedule pairs a forward with a backward on this rank count.
+    for case, per_rank in zip(cases, zip(*results)):
+        calls = sum(r["overlapped_calls"] for r in per_rank)
+        if case.overlap and case.schedule in ("dualpipev", "dualpipe") and case.chunks > 2 * world:
+            assert calls > 0, f"{case}: overlapped_forward_backward never called"
+        if not case.overlap:
+            assert calls == 0
