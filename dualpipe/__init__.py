@@ -4,7 +4,7 @@ from dualpipe.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
 from dualpipe.executor import DualPipe, DualPipeV, OneFOneB, Pipeline, ZeroBubble1P
 from dualpipe.grads import sum_mirrored_grads
 from dualpipe.hooks import OverlappedForwardBackward
-from dualpipe.p2p import PipelineTimeoutError
+from dualpipe.p2p import PipelineCommError
 from dualpipe.schedule import Action, Layout, Op, Schedule, build_schedule
 from dualpipe.weight_grad import WeightGradStore
 
@@ -19,7 +19,7 @@ __all__ = [
     "Op",
     "OverlappedForwardBackward",
     "Pipeline",
-    "PipelineTimeoutError",
+    "PipelineCommError",
     "Schedule",
     "WeightGradStore",
     "ZeroBubble1P",

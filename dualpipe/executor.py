@@ -181,9 +181,7 @@ class Pipeline(nn.Module):
         first = [m for m in range(len(self.module)) if self.layout.is_first(self.rank, m)]
         last = [m for m in range(len(self.module)) if self.layout.is_last(self.rank, m)]
         if last and criterion is None and not forward_only:
-            raise ValueError(
-                f"pipeline rank {self.rank} computes the loss (it runs a last stage): pass criterion=..."
-            )
+            raise ValueError(f"pipeline rank {self.rank} computes the loss (it runs a last stage): pass criterion=...")
         if first and not inputs:
             raise ValueError(f"pipeline rank {self.rank} runs a first stage: pass the batch inputs to step()")
         self.p2p.declare(*self._declaration())

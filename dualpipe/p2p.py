@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEADER_LEN", "P2P", "Message", "PendingRecv", "PipelineTimeoutError"]
+__all__ = ["HEADER_LEN", "P2P", "Message", "PendingRecv", "PipelineCommError"]
 
 # A header holds 1 + per tensor (3 + ndim) int64 entries: 256 covers e.g. 30 tensors of rank 5.
 HEADER_LEN = 256
@@ -50,8 +50,9 @@ _DTYPES: tuple[torch.dtype, ...] = (
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
-class PipelineTimeoutError(RuntimeError):
-    """A pipeline wait did not complete in time: a peer failed, or the schedules disagree."""
+class PipelineCommError(RuntimeError):
+    """A wait on a peer failed: it timed out or the peer's connection closed (the peer failed), or the
+    ranks disagree on the schedule."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +238,7 @@ class P2P:
                 else:
                     w.wait(self.timeout)
             except RuntimeError as exc:  # gloo reports timeouts and closed peers as RuntimeError
-                raise PipelineTimeoutError(
+                raise PipelineCommError(
                     f"pipeline rank waited in vain for {what}: {exc}. A peer rank probably failed "
                     "(see its error) or the ranks run different schedules or num_chunks."
                 ) from exc
@@ -247,7 +248,7 @@ class P2P:
         if pending.tensors is not None:
             return
         assert pending.header is not None
-        self.wait(pending.works, f"the {pending.message.describe()} header from pipeline rank {pending.peer}")
+        self.wait(pending.works, f"the header of the {pending.message.describe()} from pipeline rank {pending.peer}")
         specs = decode_header(pending.header.cpu())
         pending.tensors = [None if s is None else torch.empty(s[0], dtype=s[1], device=self.device) for s in specs]
         ops = [

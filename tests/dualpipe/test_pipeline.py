@@ -31,11 +31,12 @@ class Case:
     declared: bool = False
     reduction: str = "sum"
     seq: int = SEQ
+    early_receives: bool | None = None  # None: the backend's default (on for gloo)
 
     def __str__(self) -> str:
         return (
             f"{self.schedule} chunks={self.chunks} overlap={self.overlap} declared={self.declared} "
-            f"{self.reduction} seq={self.seq}"
+            f"{self.reduction} seq={self.seq} early_receives={self.early_receives}"
         )
 
 
@@ -58,7 +59,7 @@ def _run_case(rank: int, world: int, case: Case) -> dict:
     local = make_stages(len(ids), HIDDEN, seed=99, cls=cls)
     for mod, i in zip(local, ids):
         mod.load_state_dict(full[i].state_dict())
-    pipe = _CLASSES[case.schedule](local, timeout=60)
+    pipe = _CLASSES[case.schedule](local, timeout=60, early_receives=case.early_receives)
     if case.declared:
         pipe.set_p2p_tensor_shapes([(MICRO_BATCH, case.seq, HIDDEN)])
         pipe.set_p2p_tensor_dtype(torch.float64)
@@ -104,8 +105,9 @@ def _run_case(rank: int, world: int, case: Case) -> dict:
     assert worst < GRAD_RTOL, f"{case}: gradient relative error {worst:.3e} on rank {rank}"
 
     with torch.no_grad():
-        loss_inf, out_inf = pipe.step(*inputs, num_chunks=case.chunks, criterion=criterion, labels=labels,
-                                      return_outputs=True)
+        loss_inf, out_inf = pipe.step(
+            *inputs, num_chunks=case.chunks, criterion=criterion, labels=labels, return_outputs=True
+        )
     if rank in expect:
         assert torch.equal(loss_inf, expect[rank][0]), f"{case}: inference loss differs"
         assert torch.equal(out_inf, expect[rank][1]), f"{case}: inference outputs differ"
@@ -139,6 +141,11 @@ def _cases(world: int) -> list[Case]:
         cases.append(Case(sched, world + 1))
         cases.append(Case(sched, 2 * world, reduction="mean", declared=True))
     cases.append(Case("dualpipev", 2 * world, seq=SEQ + 2))  # the sequence length changes between steps
+    # The reference's receive placement (what NCCL uses), declared and inferred.
+    cases.append(Case("dualpipev", 2 * world + 1, overlap=True, early_receives=False))
+    cases.append(Case("zb1p", world + 2, declared=True, early_receives=False))
+    if world % 2 == 0:
+        cases.append(Case("dualpipe", 2 * world, overlap=True, declared=True, early_receives=False))
     return cases
 
 

@@ -1,0 +1,151 @@
+"""Schedules as data: the reference's compute order, static checks, and that the checks can fail."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from dualpipe.checks import (
+    DeadlockError,
+    ScheduleError,
+    check_complete,
+    check_matching,
+    check_schedule,
+    simulate_progress,
+)
+from dualpipe.schedule import Action, Layout, Op, Schedule, build_schedule, compute_order, post_receives_early
+
+ORDERS = json.loads((Path(__file__).parent.parent / "fixtures" / "orders.json").read_text())
+
+
+def _parse(key: str) -> tuple[str, int, int]:
+    name, ranks, chunks = key.split()
+    return name, int(ranks.split("=")[1]), int(chunks.split("=")[1])
+
+
+@pytest.mark.parametrize("key", sorted(ORDERS))
+def test_compute_order_matches_reference(key: str) -> None:
+    name, ranks, chunks = _parse(key)
+    schedule = build_schedule(name, ranks, chunks)
+    assert [compute_order(actions) for actions in schedule.ranks] == ORDERS[key]
+
+
+def _all_cases(max_ranks: int = 8):
+    for name in ("1f1b", "zb1p", "dualpipe", "dualpipev"):
+        for ranks in range(1, max_ranks + 1):
+            for chunks in range(1, 4 * ranks + 3):
+                try:
+                    yield build_schedule(name, ranks, chunks)
+                except ValueError:
+                    continue
+
+
+def test_every_schedule_passes_static_checks_under_both_models() -> None:
+    count = 0
+    for schedule in _all_cases():
+        check_schedule(schedule, ("async", "grouped"))
+        count += 1
+    assert count > 400  # all four schedules over many (ranks, chunks) were really checked
+
+
+def test_early_receives_are_safe_for_gloo_but_not_for_in_order_nccl() -> None:
+    # Early receives keep every schedule deadlock-free when operations progress independently (gloo)...
+    grouped_failures = 0
+    for schedule in _all_cases(6):
+        early = build_schedule(schedule.name, schedule.layout.num_ranks, schedule.num_chunks, True)
+        check_complete(early)
+        check_matching(early)
+        simulate_progress(early, "async")
+        try:
+            simulate_progress(early, "grouped")
+        except DeadlockError:
+            grouped_failures += 1
+    # ...but a receive queued ahead of a send to the same peer blocks NCCL's in-order stream, which is why
+    # pipelines on NCCL keep the reference's placement.
+    assert grouped_failures > 0
+
+
+def test_early_receives_move_only_receives() -> None:
+    schedule = build_schedule("dualpipev", 4, 10)
+    for actions in schedule.ranks:
+        early = post_receives_early(actions)
+        assert sorted(map(str, early)) == sorted(map(str, actions))
+        assert compute_order(early) == compute_order(actions)
+        assert [a for a in early if not a.op.name.startswith("RECV")] == [
+            a for a in actions if not a.op.name.startswith("RECV")
+        ]
+
+
+def _replace_rank(schedule: Schedule, rank: int, actions: list[Action]) -> Schedule:
+    ranks = list(schedule.ranks)
+    ranks[rank] = tuple(actions)
+    return dataclasses.replace(schedule, ranks=tuple(ranks))
+
+
+def test_checks_catch_a_missing_weight_pass() -> None:
+    s = build_schedule("zb1p", 4, 8)
+    actions = list(s.ranks[0])
+    actions.remove(next(a for a in actions if a.op is Op.W))
+    with pytest.raises(ScheduleError, match="never popped"):
+        check_complete(_replace_rank(s, 0, actions))
+
+
+def test_checks_catch_a_missing_backward() -> None:
+    s = build_schedule("1f1b", 2, 4)
+    actions = [a for a in s.ranks[1] if not (a.op is Op.B and a.chunk == 3)]
+    with pytest.raises(ScheduleError, match="backward not run exactly once"):
+        check_complete(_replace_rank(s, 1, actions))
+
+
+def test_checks_catch_reordered_sends() -> None:
+    s = build_schedule("1f1b", 2, 4)
+    actions = list(s.ranks[0])
+    sends = [i for i, a in enumerate(actions) if a.op is Op.SEND_F]
+    actions[sends[0]], actions[sends[1]] = actions[sends[1]], actions[sends[0]]
+    with pytest.raises(ScheduleError, match="differ between sender and receiver"):
+        check_matching(_replace_rank(s, 0, actions))
+
+
+def test_checks_catch_a_deadlock() -> None:
+    # Rank 0 runs its backward before sending the activation that rank 1 needs to produce that gradient:
+    # the messages still match, but the ranks wait on each other.
+    s = build_schedule("1f1b", 2, 1)
+    cycle = _replace_rank(
+        s,
+        0,
+        [Action(Op.F, 0, 0), Action(Op.RECV_B, 0, 0, peer=1), Action(Op.B, 0, 0), Action(Op.SEND_F, 0, 0, peer=1)],
+    )
+    check_complete(cycle)
+    check_matching(cycle)
+    for model in ("async", "grouped"):
+        with pytest.raises(DeadlockError, match="no rank can progress"):
+            simulate_progress(cycle, model)
+
+
+def test_layouts() -> None:
+    v = Layout.v_shape(3)
+    assert v.paths == (((0, 0), (1, 0), (2, 0), (2, 1), (1, 1), (0, 1)),)
+    assert v.next(2, 0) == (2, 1)  # the turn is local
+    d = Layout.bidirectional(4)
+    assert d.paths[1][0] == (3, 1) and d.is_last(0, 1) and d.is_first(0, 0)
+    with pytest.raises(ValueError, match="even number"):
+        Layout.bidirectional(3)
+
+
+@pytest.mark.parametrize(
+    ("name", "ranks", "chunks", "message"),
+    [
+        ("dualpipe", 3, 12, "even number of pipeline ranks"),
+        ("dualpipe", 4, 6, "num_chunks >= 2 \\* ranks = 8"),
+        ("dualpipe", 2, 5, "even num_chunks"),
+        ("dualpipev", 3, 5, "num_chunks >= 2 \\* ranks = 6"),
+        ("1f1b", 2, 0, "num_chunks must be >= 1"),
+        ("gpipe", 2, 4, "unknown schedule"),
+    ],
+)
+def test_bad_schedule_arguments(name: str, ranks: int, chunks: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_schedule(name, ranks, chunks)
