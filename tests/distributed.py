@@ -48,6 +48,7 @@ def _child(
     args: tuple,
     env: dict[str, str],
     pg_timeout: float,
+    backend: str,
     out: mp.Queue,
 ) -> None:
     os.environ.update(env)
@@ -56,8 +57,10 @@ def _child(
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -79,11 +82,12 @@ def run_ranks(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     pg_timeout: float | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results.
 
     ``fn`` and ``args`` must be picklable (module-level functions). ``pg_timeout`` bounds every collective
-    and P2P wait inside the ranks (defaults to ``timeout``).
+    and P2P wait inside the ranks (defaults to ``timeout``). ``backend="nccl"`` puts rank r on GPU r.
     """
     ctx = _context()
     out: mp.Queue = ctx.Queue()
@@ -92,7 +96,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, r, world_size, init_file, args, env or {}, pg_timeout or timeout, out),
+                args=(fn, r, world_size, init_file, args, env or {}, pg_timeout or timeout, backend, out),
                 daemon=True,
             )
             for r in range(world_size)

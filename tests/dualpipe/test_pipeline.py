@@ -13,7 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dualpipe import DualPipe, DualPipeV, OneFOneB, ZeroBubble1P, sum_mirrored_grads
+from dualpipe import (
+    DualPipe,
+    DualPipeV,
+    OneFOneB,
+    ZeroBubble1P,
+    set_p2p_tensor_dtype,
+    set_p2p_tensor_shapes,
+    sum_mirrored_grads,
+)
 from tests.distributed import run_ranks
 from tests.dualpipe.toy import ToyStage, ToyStageOverlap, criterion, make_stages, reference_step, rel_diff
 
@@ -28,7 +36,7 @@ class Case:
     schedule: str
     chunks: int
     overlap: bool = False
-    declared: bool = False
+    declared: str = ""  # "", "instance" (pipe.set_p2p_tensor_shapes) or "global" (the reference's setters)
     reduction: str = "sum"
     seq: int = SEQ
     early_receives: bool | None = None  # None: the backend's default (on for gloo)
@@ -60,9 +68,13 @@ def _run_case(rank: int, world: int, case: Case) -> dict:
     for mod, i in zip(local, ids):
         mod.load_state_dict(full[i].state_dict())
     pipe = _CLASSES[case.schedule](local, timeout=60, early_receives=case.early_receives)
-    if case.declared:
+    set_p2p_tensor_shapes(None)
+    if case.declared == "instance":
         pipe.set_p2p_tensor_shapes([(MICRO_BATCH, case.seq, HIDDEN)])
         pipe.set_p2p_tensor_dtype(torch.float64)
+    elif case.declared == "global":
+        set_p2p_tensor_shapes([(MICRO_BATCH, case.seq, HIDDEN)])
+        set_p2p_tensor_dtype(torch.float64)
 
     g = torch.Generator().manual_seed(7)
     n = case.chunks * MICRO_BATCH
@@ -131,21 +143,21 @@ def _cases(world: int) -> list[Case]:
     for chunks in v_chunks:
         cases.append(Case("dualpipev", chunks))
         cases.append(Case("dualpipev", chunks, overlap=True))
-    cases.append(Case("dualpipev", 2 * world + 2, overlap=True, declared=True, reduction="mean"))
+    cases.append(Case("dualpipev", 2 * world + 2, overlap=True, declared="global", reduction="mean"))
     if world % 2 == 0:
         for chunks in (2 * world, 2 * world + 4):
             cases.append(Case("dualpipe", chunks))
             cases.append(Case("dualpipe", chunks, overlap=True))
-        cases.append(Case("dualpipe", 2 * world + 2, overlap=True, declared=True))
+        cases.append(Case("dualpipe", 2 * world + 2, overlap=True, declared="instance"))
     for sched in ("1f1b", "zb1p"):
         cases.append(Case(sched, world + 1))
-        cases.append(Case(sched, 2 * world, reduction="mean", declared=True))
+        cases.append(Case(sched, 2 * world, reduction="mean", declared="instance"))
     cases.append(Case("dualpipev", 2 * world, seq=SEQ + 2))  # the sequence length changes between steps
     # The reference's receive placement (what NCCL uses), declared and inferred.
     cases.append(Case("dualpipev", 2 * world + 1, overlap=True, early_receives=False))
-    cases.append(Case("zb1p", world + 2, declared=True, early_receives=False))
+    cases.append(Case("zb1p", world + 2, declared="instance", early_receives=False))
     if world % 2 == 0:
-        cases.append(Case("dualpipe", 2 * world, overlap=True, declared=True, early_receives=False))
+        cases.append(Case("dualpipe", 2 * world, overlap=True, declared="instance", early_receives=False))
     return cases
 
 
@@ -162,3 +174,31 @@ def test_schedules_match_single_process(world: int) -> None:
             assert calls > 0, f"{case}: overlapped_forward_backward never called"
         if not case.overlap:
             assert calls == 0
+
+
+def _cuda_case(rank: int, world: int) -> float:
+    device = torch.device("cuda", torch.cuda.current_device())
+    full = [m.to(device) for m in make_stages(2 * world, HIDDEN, seed=3, cls=ToyStageOverlap)]
+    local = [m.to(device) for m in make_stages(2, HIDDEN, seed=4, cls=ToyStageOverlap)]
+    for mod, i in zip(local, _stage_ids("dualpipev", rank, world)):
+        mod.load_state_dict(full[i].state_dict())
+    pipe = DualPipeV(local)
+    assert not pipe.early_receives  # NCCL keeps the reference's receive placement
+    x = torch.randn(4 * MICRO_BATCH, SEQ, HIDDEN, dtype=torch.float64, device=device)
+    loss_ref, _ = reference_step(full, x, x.cos(), 2 * world)
+    loss, _ = pipe.step(
+        *((x,) if rank == 0 else ()), num_chunks=2 * world, criterion=criterion, labels=(x.cos(),) if rank == 0 else ()
+    )
+    if rank == 0:
+        assert torch.equal(loss, loss_ref)
+    return max(
+        rel_diff(p.grad, q.grad)
+        for mod, i in zip(local, _stage_ids("dualpipev", rank, world))
+        for p, q in zip(mod.parameters(), full[i].parameters())
+    )
+
+
+@pytest.mark.gpu
+def test_dualpipev_on_nccl() -> None:
+    world = torch.cuda.device_count()
+    assert max(run_ranks(_cuda_case, world, backend="nccl", timeout=300)) < GRAD_RTOL
