@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m ruff check dualpipe moe kernels tests bench examples
+.venv/bin/python -m ruff check .
 .venv/bin/python -m pytest "$@"
