@@ -69,6 +69,9 @@ class Pipeline(nn.Module):
         early_receives: post receives one compute earlier so transfers overlap compute. ``None`` picks
             per backend: on for gloo, off for NCCL, whose in-order matching deadlocks with early receives
             (:func:`dualpipe.checks.simulate_progress` shows both).
+        overlap: hand paired forward/backward chunks to the stage class's ``overlapped_forward_backward``.
+            ``None`` (default) does whenever the hook exists, as the reference; ``False`` runs them one after
+            the other (the baseline an overlap benchmark compares against).
     """
 
     schedule_name: ClassVar[str] = ""
@@ -82,6 +85,7 @@ class Pipeline(nn.Module):
         *,
         timeout: float | datetime.timedelta | None = None,
         early_receives: bool | None = None,
+        overlap: bool | None = None,
     ) -> None:
         super().__init__()
         if not self.schedule_name:
@@ -101,7 +105,12 @@ class Pipeline(nn.Module):
         self.module = nn.ModuleList(modules)
         self.device = _common_device(modules)
         self.batch_dim = batch_dim
-        self.overlapped_forward_backward = len(modules) == 2 and has_overlap_hook(modules[0], modules[1])
+        hook = len(modules) == 2 and has_overlap_hook(modules[0], modules[1])
+        if overlap and not hook:
+            raise ValueError(
+                "overlap=True needs both stage modules of one class defining overlapped_forward_backward"
+            )
+        self.overlapped_forward_backward = hook if overlap is None else overlap
 
         if rank_mapping is None:
             rank_mapping = list(range(self.num_ranks))
