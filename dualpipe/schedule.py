@@ -378,14 +378,17 @@ def _one_f_one_b(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
 def _zb1p(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
     """ZB-H1 (zero bubble, 1F1B memory): backward split into I (input grad) and W (weight grad).
 
-    Same F/I order as 1F1B; rank r keeps up to N-1-r weight-gradient batches pending in the steady phase
-    and spends them in the cool-down, where 1F1B would wait for the gradient of the next stage. That
-    keeps the activation memory of 1F1B and trades (N-1)*2W of bubble for deferred work.
+    Same F/I order as 1F1B, so the same activation memory. Rank r keeps r weight-gradient batches pending
+    and runs one W after each further I; the last r+1 W run at the end. The chain of input gradients down
+    the pipeline (I only, no W) then reaches rank 0 sooner, and each rank's cool-down wait is filled by
+    the W it deferred: bubble (N-1)(F+B-2W) instead of 1F1B's (N-1)(F+B) when F = I = W (the
+    zero-bubble paper's ZB-H1 costs; see dualpipe.simulate). Deferring on the *later* ranks is what
+    works: rank 0 finishes its last I last, so it must not be left with more than one W after it.
     """
     n = layout.num_ranks
     e = _Emitter(layout, rank)
     warmup = min(n - 1 - rank, num_chunks)
-    lag = n - 1 - rank
+    lag = rank
     pending = 0
     for _ in range(warmup):
         e.forward_chunk(0)
@@ -399,7 +402,7 @@ def _zb1p(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
     for _ in range(warmup):
         e.backward_chunk(0, defer_weights=True)
         pending += 1
-        if pending > 0:
+        if pending > lag:
             e.weight()
             pending -= 1
     for _ in range(pending):
