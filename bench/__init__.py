@@ -1,0 +1,1 @@
+"""Measurement: kernel benchmarks and the shared harness."""

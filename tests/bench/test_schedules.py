@@ -1,0 +1,36 @@
+"""The schedule comparison benchmark (simulated): its table agrees with the published formulas."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.schedules import compare, main
+
+
+@pytest.mark.parametrize("pp", [4, 8])
+def test_published_bubbles_without_communication(pp: int) -> None:
+    f, b, w = 1.0, 2.0, 1.0
+    rows = {row.schedule: row for row, _ in compare(pp, 4 * pp, f, b, w, overlap=1.0)}
+    assert rows["1f1b"].bubble == pytest.approx((pp - 1) * (f + b))
+    assert rows["zb1p"].bubble == pytest.approx((pp - 1) * (f + b - 2 * w))
+    assert rows["dualpipe"].bubble == pytest.approx((pp / 2 - 1) * ((f + b) + b - 3 * w))
+    assert rows["dualpipe"].parameter_copies == 2 and rows["dualpipev"].parameter_copies == 1
+    assert rows["dualpipe"].peak_activations == pp + 1 and rows["1f1b"].peak_activations == pp
+
+
+def test_hidden_communication_shortens_the_dualpipe_family() -> None:
+    rows = {row.schedule: row for row, _ in compare(8, 32, 1.0, 2.0, 1.0, overlap=1.0, comm=0.5)}
+    assert rows["dualpipe"].makespan < rows["zb1p"].makespan < rows["1f1b"].makespan
+    assert rows["dualpipev"].makespan < rows["zb1p"].makespan
+
+
+def test_cli_writes_json_and_timelines(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    assert main(["--pp", "4", "--picture-pp", "4", "--out", str(tmp_path)]) == 0
+    (data,) = tmp_path.glob("schedules-simulated-*.json")
+    rows = json.loads(data.read_text())["rows"]
+    assert {r["schedule"] for r in rows} == {"1f1b", "zb1p", "dualpipe", "dualpipev"}
+    assert len(list(tmp_path.glob("timeline-*-pp4.png"))) == 4
