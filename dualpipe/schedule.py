@@ -203,29 +203,23 @@ class _Emitter:
             return None  # no neighbour, or a local hand-over (DualPipeV's turn)
         return loc[0]
 
-    def recv_forward(self, m: int) -> None:
-        peer = self._remote(self.layout.prev(self.rank, m))
+    def _comm(self, op: Op, m: int, neighbour: tuple[int, int] | None, counter: list[int]) -> None:
+        peer = self._remote(neighbour)
         if peer is not None:
-            self.actions.append(Action(Op.RECV_F, m, self._recv_f[m], peer=peer))
-            self._recv_f[m] += 1
+            self.actions.append(Action(op, m, counter[m], peer=peer))
+            counter[m] += 1
+
+    def recv_forward(self, m: int) -> None:
+        self._comm(Op.RECV_F, m, self.layout.prev(self.rank, m), self._recv_f)
 
     def send_forward(self, m: int) -> None:
-        peer = self._remote(self.layout.next(self.rank, m))
-        if peer is not None:
-            self.actions.append(Action(Op.SEND_F, m, self._send_f[m], peer=peer))
-            self._send_f[m] += 1
+        self._comm(Op.SEND_F, m, self.layout.next(self.rank, m), self._send_f)
 
     def recv_backward(self, m: int) -> None:
-        peer = self._remote(self.layout.next(self.rank, m))
-        if peer is not None:
-            self.actions.append(Action(Op.RECV_B, m, self._recv_b[m], peer=peer))
-            self._recv_b[m] += 1
+        self._comm(Op.RECV_B, m, self.layout.next(self.rank, m), self._recv_b)
 
     def send_backward(self, m: int) -> None:
-        peer = self._remote(self.layout.prev(self.rank, m))
-        if peer is not None:
-            self.actions.append(Action(Op.SEND_B, m, self._send_b[m], peer=peer))
-            self._send_b[m] += 1
+        self._comm(Op.SEND_B, m, self.layout.prev(self.rank, m), self._send_b)
 
     # -- compute ------------------------------------------------------------------------------------
     def forward(self, m: int) -> None:
