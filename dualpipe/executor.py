@@ -107,9 +107,7 @@ class Pipeline(nn.Module):
         self.batch_dim = batch_dim
         hook = len(modules) == 2 and has_overlap_hook(modules[0], modules[1])
         if overlap and not hook:
-            raise ValueError(
-                "overlap=True needs both stage modules of one class defining overlapped_forward_backward"
-            )
+            raise ValueError("overlap=True needs both stage modules of one class defining overlapped_forward_backward")
         self.overlapped_forward_backward = hook if overlap is None else overlap
 
         if rank_mapping is None:
@@ -234,9 +232,18 @@ class Pipeline(nn.Module):
             self._reap_sends(st, block=False)
         self._post(batch, st)
         self._reap_sends(st, block=True)
-        leftover = [f"{kind}{key}" for (kind, key), p in st.inbox.items() if p.works]
+        # Everything a step holds per micro-batch must have been consumed: anything left is a leak (and a
+        # sign that the schedule and the executor disagree).
+        leftover = {
+            "received messages": list(st.inbox),
+            "stage inputs": list(st.inputs),
+            "stage outputs": list(st.outputs),
+            "output gradients": list(st.output_grads),
+            "input gradients": list(st.input_grads),
+        }
+        leftover = {k: v for k, v in leftover.items() if v}
         if leftover:
-            raise RuntimeError(f"pipeline rank {self.rank}: messages received but never used: {leftover}")
+            raise RuntimeError(f"pipeline rank {self.rank}: step finished with unconsumed state {leftover}")
 
     def _results(self, st: _StepState, last: list[int], per_path: int):
         loss = outputs = None
@@ -266,7 +273,8 @@ class Pipeline(nn.Module):
             key = (a.module, a.chunk)
             start = len(ops)
             if a.op is Op.SEND_F:
-                tensors = st.outputs[key]
+                # inference never revisits its outputs; training keeps them for the backward graph
+                tensors = st.outputs.pop(key) if st.forward_only else st.outputs[key]
                 ops += self.p2p.send_ops(a.peer, self._message(a, False), tensors)
                 if not st.return_outputs:
                     sent += [t for t in tensors if t is not None]
@@ -325,6 +333,8 @@ class Pipeline(nn.Module):
     def _forward(self, a: Action, st: _StepState) -> None:
         key = (a.module, a.chunk)
         inputs = self._stage_inputs(st, key)
+        if st.forward_only:
+            del st.inputs[key]  # no backward will ask for them
         with self.grad_store.activate(enabled=False):
             outputs = self.module[a.module](*inputs)
         self._after_forward(a.module, a.chunk, outputs, st)
