@@ -7,6 +7,10 @@ later, one batch per ``W`` action, in FIFO order.
 State lives in :class:`GradStore` instances: every pipeline owns one and makes it the *active* store while it
 runs a compute action, so two pipelines in one process never see each other's closures. ``WeightGradStore``
 is the reference's class-level name, kept as a thin shim that forwards to whichever store is active.
+
+Which store is active is kept twice: in a context variable (the thread running the step) and on a
+process-wide stack. The stack is for autograd's device threads: on CUDA, backward functions run on a worker
+thread that does not see the step thread's context variables, while the step thread blocks in backward.
 """
 
 from __future__ import annotations
@@ -63,23 +67,30 @@ class GradStore:
     def activate(self, enabled: bool = False) -> Iterator[GradStore]:
         """Make this the store ``WeightGradStore`` forwards to, with ``enabled`` set, for the block."""
         token = _ACTIVE.set(self)
+        _STACK.append(self)
         previous = self.enabled
         self.enabled = enabled
         try:
             yield self
         finally:
             self.enabled = previous
+            _STACK.pop()
             _ACTIVE.reset(token)
 
 
 # Outside any pipeline step the shim forwards to this store (the reference's process-wide behaviour).
 _FALLBACK = GradStore()
 _ACTIVE: contextvars.ContextVar[GradStore] = contextvars.ContextVar("dualpipe_active_grad_store")
+# Innermost active store of any thread, for threads that did not activate one (autograd's device threads).
+_STACK: list[GradStore] = []
 
 
 def active_store() -> GradStore:
     """The store of the pipeline running now, or a process-wide fallback outside any step."""
-    return _ACTIVE.get(_FALLBACK)
+    store = _ACTIVE.get(None)
+    if store is not None:
+        return store
+    return _STACK[-1] if _STACK else _FALLBACK
 
 
 class _ForwardingMeta(type):

@@ -44,3 +44,18 @@ def test_batches_pop_in_fifo_order_and_empty_pop_raises() -> None:
     s.clear()
     with pytest.raises(RuntimeError, match="no deferred weight-gradient batch"):
         s.pop()
+
+
+def test_other_threads_see_the_active_store() -> None:
+    # On CUDA, autograd runs backward functions on a device thread that does not inherit context variables.
+    import threading
+
+    store = GradStore()
+    seen: list[bool] = []
+    with store.activate(enabled=True):
+        t = threading.Thread(target=lambda: (seen.append(WeightGradStore.enabled), WeightGradStore.put(print)))
+        t.start()
+        t.join()
+        WeightGradStore.flush()
+    assert seen == [True]
+    assert store.pending == 1
