@@ -49,16 +49,12 @@ def grouped_gemm(x_MK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: t
     return y_MN
 
 
-def grouped_gemm_dgrad(
-    dy_MN: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor
-) -> torch.Tensor:
+def grouped_gemm_dgrad(dy_MN: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     """Input gradient of :func:`grouped_gemm`: dx[rows of e] = dy[rows of e] @ w[e]^T -> [M, K]."""
     return grouped_gemm(dy_MN, w_EKN.transpose(1, 2), tokens_per_expert_E)
 
 
-def grouped_gemm_wgrad(
-    x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_expert_E: torch.Tensor
-) -> torch.Tensor:
+def grouped_gemm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     """Weight gradient of :func:`grouped_gemm`: dw[e] = x[rows of e]^T @ dy[rows of e] -> [E, K, N].
 
     Experts with no rows get a zero gradient. Result in x.dtype, accumulated in fp32.
@@ -94,9 +90,7 @@ def permute(
     return x_sorted_MD, row_id_M, tokens_per_expert_E.to(torch.int64)
 
 
-def unpermute(
-    y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor
-) -> torch.Tensor:
+def unpermute(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
     """Weighted scatter-add back to token order: out[t] = sum_k w[t, k] * y[row of (t, k)].
 
     Slots that were not routed contribute nothing. Accumulates in fp32, returns y.dtype, shape [T, D].
@@ -108,9 +102,7 @@ def unpermute(
     return out_TD.to(y_MD.dtype)
 
 
-def permute_backward(
-    dx_sorted_MD: torch.Tensor, row_id_M: torch.Tensor, num_tokens: int, top_k: int
-) -> torch.Tensor:
+def permute_backward(dx_sorted_MD: torch.Tensor, row_id_M: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     """Gradient of :func:`permute` w.r.t. x: dx[t] = sum of the sorted rows that came from token t.
 
     dx_sorted: [M, D], row_id: [M] from :func:`permute` -> [T, D] in dx_sorted.dtype (fp32 accumulation).

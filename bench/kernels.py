@@ -1,0 +1,244 @@
+"""Kernel benchmark: the ops behind the backend switch against their baselines, measured in one run.
+
+Legend for shape suffixes: T tokens, D hidden size, E experts, K top-k, M = T*K routed rows, F expert
+intermediate size.
+
+    python -m bench.kernels --shapes v3 --out bench/results          # on a GPU
+    python -m bench.kernels --shapes small --warmup 1 --repeats 3     # anywhere (reference backend on CPU)
+
+Rows per shape: baselines (one dense matmul with the grouped GEMM's M, K, N; a device-to-device copy of
+the permuted tensor), then each op through :mod:`kernels.ops`, the plain reference (a per-expert loop for
+the GEMMs) and ``torch._grouped_mm`` where torch has it. Targets on an H100 (from the issue): grouped
+GEMM at least as fast as ``torch._grouped_mm`` and at least 60% of the dense rate; permute and unpermute
+at least 70% of the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.harness import Bench, Row
+from kernels import ops, reference
+
+# Reserved for communication while the grouped GEMM runs: DeepSeek-V3 gives 20 of the H800's 132 SMs
+# to all-to-all (technical report, section 3.2.2).
+DEFAULT_COMM_SMS = 20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoEShape:
+    """One MoE layer configuration as one rank sees it."""
+
+    num_experts: int
+    """Local experts (the grouped GEMM's groups)."""
+    num_tokens: int
+    top_k: int
+    hidden: int
+    inter: int
+    """Expert intermediate size: the GEMM maps hidden -> inter."""
+    router_experts: int
+    """Routed experts of the whole model (the router's E)."""
+    n_group: int
+    topk_group: int
+
+    @property
+    def rows(self) -> int:
+        return self.num_tokens * self.top_k
+
+    @property
+    def label(self) -> str:
+        return f"E{self.num_experts} T{self.num_tokens} K{self.top_k} D{self.hidden} F{self.inter}"
+
+
+# DeepSeek-V3: hidden 7168, expert intermediate 2048, 256 routed experts in 8 groups, top-8 from 4 groups.
+_V3 = {"hidden": 7168, "inter": 2048, "router_experts": 256, "n_group": 8, "topk_group": 4, "top_k": 8}
+SHAPES = {
+    "small": [
+        MoEShape(num_experts=8, num_tokens=256, top_k=4, hidden=256, inter=128,
+                 router_experts=32, n_group=4, topk_group=2),
+    ],
+    "v3": [
+        MoEShape(num_experts=8, num_tokens=4096, **_V3),
+        MoEShape(num_experts=32, num_tokens=4096, **_V3),
+        MoEShape(num_experts=32, num_tokens=16384, **_V3),
+    ],
+}  # fmt: skip
+
+
+def _routing(shape: MoEShape, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """[T, K] distinct local experts per token with uneven popularity (so group sizes differ)."""
+    popularity = torch.rand(shape.num_experts, generator=gen) * 2
+    logits = torch.randn(shape.num_tokens, shape.num_experts, generator=gen) + popularity
+    return logits.topk(min(shape.top_k, shape.num_experts), dim=-1).indices.to(device)
+
+
+def _grouped_mm_fns(x_MK, w_EKN, dy_MN, counts_E) -> dict[str, Callable[[], object]]:
+    """torch._grouped_mm versions of forward, dgrad and wgrad, each kept only if torch runs it here."""
+    if not hasattr(torch, "_grouped_mm"):
+        return {}
+    offs = torch.cumsum(counts_E, 0).to(torch.int32)  # end row of each group, as _grouped_mm wants
+    candidates = {
+        "grouped_gemm": lambda: torch._grouped_mm(x_MK, w_EKN, offs=offs),
+        "grouped_gemm_dgrad": lambda: torch._grouped_mm(dy_MN, w_EKN.transpose(1, 2), offs=offs),
+        "grouped_gemm_wgrad": lambda: torch._grouped_mm(x_MK.t(), dy_MN, offs=offs),
+    }
+    fns = {}
+    for op, fn in candidates.items():
+        try:
+            fn()
+        except (RuntimeError, NotImplementedError):  # dtype, layout or architecture not supported
+            continue
+        fns[op] = fn
+    return fns
+
+
+def bench_grouped_gemm(bench: Bench, shape: MoEShape, dtype: torch.dtype, comm_sms: int) -> None:
+    """Forward, dgrad and wgrad over the permuted rows; the dense matmul of the same size is the ceiling."""
+    dev, gen = bench.device, torch.Generator().manual_seed(0)
+    idx_TK = _routing(shape, torch.device("cpu"), gen)
+    counts_E = torch.bincount(idx_TK.flatten(), minlength=shape.num_experts).to(dev)
+    m, k, n = idx_TK.numel(), shape.hidden, shape.inter
+    x_MK = torch.randn(m, k, generator=gen).to(dev, dtype)
+    w_EKN = (torch.randn(shape.num_experts, k, n, generator=gen) / k**0.5).to(dev, dtype)
+    dy_MN = torch.randn(m, n, generator=gen).to(dev, dtype)
+    size = dtype.itemsize
+    flops = 2.0 * m * k * n
+    dense = bench.measure(
+        "dense_matmul", "torch.matmul", shape.label, lambda: x_MK @ w_EKN[0],
+        flops=flops, bytes=(m * k + k * n + m * n) * size, baseline=True,
+    )  # fmt: skip
+    grouped_mm = _grouped_mm_fns(x_MK, w_EKN, dy_MN, counts_E)
+    if len(grouped_mm) < 3:
+        bench.notes.append(f"torch._grouped_mm runs only {sorted(grouped_mm)} for {dtype} on {dev}")
+    backend = ops.backend_for(x_MK)
+    cases = {
+        "grouped_gemm": (x_MK, w_EKN, (m * k + k * n * shape.num_experts + m * n) * size),
+        "grouped_gemm_dgrad": (dy_MN, w_EKN, (m * n + k * n * shape.num_experts + m * k) * size),
+        "grouped_gemm_wgrad": (x_MK, dy_MN, (m * k + m * n + k * n * shape.num_experts) * size),
+    }
+    for op, (a, b, nbytes) in cases.items():
+        run = {
+            f"ops[{backend}]": lambda op=op, a=a, b=b: getattr(ops, op)(a, b, counts_E),
+            "reference": lambda op=op, a=a, b=b: getattr(reference, op)(a, b, counts_E),
+        }
+        if op in grouped_mm:
+            run["torch._grouped_mm"] = grouped_mm[op]
+        rows = {impl: bench.measure(op, impl, shape.label, fn, flops=flops, bytes=nbytes) for impl, fn in run.items()}
+        ours = rows[f"ops[{backend}]"]
+        bench.compare(ours, dense, "vs_dense_rate", "tflops")
+        bench.compare(ours, rows["reference"], "speedup_vs_reference")
+        if op in grouped_mm:
+            bench.compare(ours, rows["torch._grouped_mm"], "speedup_vs_grouped_mm")
+            bench.compare(rows["torch._grouped_mm"], dense, "vs_dense_rate", "tflops")
+    if backend == "triton" and comm_sms > 0:
+        fn = lambda: ops.grouped_gemm(x_MK, w_EKN, counts_E, comm_sms=comm_sms)  # noqa: E731
+        row = bench.measure("grouped_gemm", f"ops[triton] comm_sms={comm_sms}", shape.label, fn, flops=flops)
+        bench.compare(row, dense, "vs_dense_rate", "tflops")
+
+
+def bench_memory_bound(bench: Bench, shape: MoEShape, dtype: torch.dtype) -> None:
+    """Permute, unpermute, router and SwiGLU against a device-to-device copy of the permuted rows."""
+    dev, gen = bench.device, torch.Generator().manual_seed(1)
+    idx_TK = _routing(shape, dev, gen)
+    t, k = idx_TK.shape
+    m, d, f, size = idx_TK.numel(), shape.hidden, shape.inter, dtype.itemsize
+    x_TD = torch.randn(t, d, generator=gen).to(dev, dtype)
+    src, dst = torch.empty(m, d, dtype=dtype, device=dev), torch.empty(m, d, dtype=dtype, device=dev)
+    src.copy_(x_TD.repeat(k, 1))
+    copy = bench.measure("d2d_copy", "Tensor.copy_", shape.label, lambda: dst.copy_(src),
+                         bytes=2.0 * m * d * size, baseline=True)  # fmt: skip
+    x_sorted_MD, row_id_M, _ = reference.permute(x_TD, idx_TK, shape.num_experts)
+    weights_TK = torch.rand(t, k, generator=gen).to(dev)
+    logits_TE = torch.randn(t, shape.router_experts, generator=gen).to(dev, dtype)
+    bias_E = torch.zeros(shape.router_experts, device=dev)
+    route = (shape.top_k, shape.n_group, shape.topk_group)
+    x_MF2 = torch.randn(m, 2 * f, generator=gen).to(dev, dtype)
+    cases: dict[str, tuple[tuple, float]] = {
+        # Fewest bytes: each token row read once and each of its K copies written once (a gather that
+        # reads the token row K times moves 2*M*D instead), plus the int64 expert ids and row ids.
+        "permute": ((x_TD, idx_TK, shape.num_experts), (t + m) * d * size + 16.0 * m),
+        "unpermute": ((x_sorted_MD, row_id_M, weights_TK), (m + t) * d * size + 12.0 * m),
+        "router_topk": ((logits_TE, bias_E, *route), t * shape.router_experts * (size + 4) + 12.0 * t * k),
+        "swiglu": ((x_MF2,), 3.0 * m * f * size),
+    }
+    backend = ops.backend_for(x_TD)
+    for op, (args, nbytes) in cases.items():
+        ours = bench.measure(
+            op, f"ops[{backend}]", shape.label, lambda op=op, a=args: getattr(ops, op)(*a), bytes=nbytes
+        )
+        ref = bench.measure(
+            op, "reference", shape.label, lambda op=op, a=args: getattr(reference, op)(*a), bytes=nbytes
+        )
+        bench.compare(ours, copy, "vs_copy_bw", "gbps")
+        bench.compare(ours, ref, "speedup_vs_reference")
+
+
+def check_targets(rows: list[Row]) -> list[dict]:
+    """The issue's H100 targets, evaluated on the ops rows of this run (all three grouped GEMMs)."""
+    wanted = {"vs_dense_rate": 0.6, "speedup_vs_grouped_mm": 1.0, "vs_copy_bw": 0.7}
+    checks = []
+    for r in rows:
+        if not r.impl.startswith("ops[") or " " in r.impl:  # skip baselines and the comm_sms variant
+            continue
+        if not (r.op.startswith("grouped_gemm") or r.op in ("permute", "unpermute")):
+            continue
+        for ratio, target in wanted.items():
+            if ratio in r.ratios:
+                value = r.ratios[ratio]
+                checks.append({"check": f"{r.op} {r.shape} {ratio}", "value": value, "target": target,
+                               "met": value >= target})  # fmt: skip
+    return checks
+
+
+def _triton_version() -> str | None:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="small")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="default: bf16 on CUDA, fp32 elsewhere (CPU bf16 matmuls are not representative)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--comm-sms", type=int, default=DEFAULT_COMM_SMS,
+                   help="extra grouped-GEMM row with this many SMs left to communication (Triton only)")  # fmt: skip
+    p.add_argument("--out", default="bench/results")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    default = "bf16" if device.type == "cuda" else "fp32"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype or default]
+    bench = Bench("kernels", device, warmup=args.warmup, repeats=args.repeats)
+    for shape in SHAPES[args.shapes]:
+        bench_grouped_gemm(bench, shape, dtype, args.comm_sms)
+        bench_memory_bound(bench, shape, dtype)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    targets = check_targets(bench.rows) if device.type == "cuda" else []
+    if device.type != "cuda":
+        bench.notes.append("no GPU: ops ran the torch reference; the H100 targets were not evaluated")
+    print(bench.table())
+    for c in targets:
+        print(f"target {'met ' if c['met'] else 'MISS'}  {c['check']}: {c['value']:.2f} (>= {c['target']})")
+    context = {"shapes": args.shapes, "dtype": str(dtype), "triton": _triton_version(), "targets": targets}
+    path = bench.save(args.out, extra=context)
+    print(f"saved {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
