@@ -1,0 +1,184 @@
+"""Model configuration: one dataclass, validated on construction, with named presets.
+
+DeepSeek-V3 proportions for the GPU presets: 256 routed experts + 1 shared, top-8 routing over 8 groups
+with at most 4 groups per token (which caps a token at 4 nodes when experts are laid out node-major),
+the first 3 layers dense, the routed weights scaled by 2.5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+__all__ = ["PRESETS", "MoEConfig", "preset"]
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """Shape and routing hyper-parameters of the MoE transformer."""
+
+    vocab_size: int = 128
+    """Token vocabulary size (embedding rows and head columns)."""
+    hidden_size: int = 32
+    """Model width D."""
+    num_layers: int = 2
+    """Transformer blocks (the first ``num_dense_layers`` use a dense MLP)."""
+    num_heads: int = 4
+    """Query heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide ``num_heads``."""
+    head_dim: int | None = None
+    """Per-head width; None means ``hidden_size // num_heads`` (resolved by :attr:`attn_head_dim`)."""
+    rope_theta: float = 10000.0
+    """Rotary-position base."""
+    dense_intermediate_size: int = 64
+    """Intermediate width of the dense MLP of the first layers."""
+    num_dense_layers: int = 0
+    """The first k layers use a dense MLP instead of experts (DeepSeek-V3 uses 3)."""
+    num_experts: int = 8
+    """Routed experts E."""
+    num_shared_experts: int = 1
+    """Shared experts, fused into one MLP of ``num_shared_experts * moe_intermediate_size`` width."""
+    moe_intermediate_size: int = 16
+    """Intermediate width F of one expert."""
+    top_k: int = 2
+    """Routed experts per token."""
+    n_group: int = 1
+    """Expert groups for group-limited routing (1 disables it)."""
+    topk_group: int = 1
+    """Groups a token may pick experts from (caps the nodes a token is sent to)."""
+    route_scale: float = 1.0
+    """Multiplier on the normalised routing weights (DeepSeek-V3: 2.5)."""
+    bias_update_rate: float = 1e-3
+    """Auxiliary-loss-free balancing: step of the per-expert bias nudge (gamma in the V3 report)."""
+    seq_aux_loss_coef: float = 0.0
+    """Weight of the sequence-wise balance loss (0 disables it; V3 uses 1e-4)."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Std of the normal initialisation of every matrix."""
+
+    def __post_init__(self) -> None:
+        positive = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "dense_intermediate_size": self.dense_intermediate_size,
+            "num_experts": self.num_experts,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "top_k": self.top_k,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"MoEConfig.{name} must be positive, got {value}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} does not split into {self.num_heads} heads")
+        if self.attn_head_dim % 2:
+            raise ValueError(f"head_dim={self.attn_head_dim} must be even for rotary embeddings")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ValueError(f"num_dense_layers={self.num_dense_layers} not in [0, {self.num_layers}]")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} is larger than num_experts={self.num_experts}")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"num_experts={self.num_experts} does not split into n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} is larger than n_group={self.n_group}")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(
+                f"top_k={self.top_k} exceeds the experts of the {self.topk_group} eligible groups "
+                f"({self.topk_group * (self.num_experts // self.n_group)})"
+            )
+        if self.num_shared_experts < 0 or self.seq_aux_loss_coef < 0 or self.bias_update_rate < 0:
+            raise ValueError("num_shared_experts, seq_aux_loss_coef and bias_update_rate must be >= 0")
+
+    @property
+    def attn_head_dim(self) -> int:
+        """The per-head width in use (``head_dim``, or ``hidden_size // num_heads`` when unset)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` uses routed experts."""
+        return layer >= self.num_dense_layers
+
+    def replace(self, **changes: object) -> MoEConfig:
+        """A validated copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: Mapping[str, MoEConfig] = MappingProxyType(
+    {
+        # Tests and the CPU demo: small enough for several gloo ranks on two cores.
+        "tiny": MoEConfig(),
+        # One GPU: V3 proportions at ~1/16 width.
+        "small": MoEConfig(
+            vocab_size=32000,
+            hidden_size=1024,
+            num_layers=8,
+            num_heads=16,
+            num_kv_heads=4,
+            dense_intermediate_size=2816,
+            num_dense_layers=1,
+            num_experts=64,
+            num_shared_experts=1,
+            moe_intermediate_size=256,
+            top_k=8,
+            n_group=8,
+            topk_group=4,
+            route_scale=2.5,
+            seq_aux_loss_coef=1e-4,
+        ),
+        # A node of 8 GPUs (EP=8): V3 expert layout at reduced depth and width.
+        "medium": MoEConfig(
+            vocab_size=129280,
+            hidden_size=2048,
+            num_layers=16,
+            num_heads=16,
+            num_kv_heads=16,
+            head_dim=128,
+            dense_intermediate_size=10944,
+            num_dense_layers=1,
+            num_experts=256,
+            num_shared_experts=1,
+            moe_intermediate_size=1408,
+            top_k=8,
+            n_group=8,
+            topk_group=4,
+            route_scale=2.5,
+            seq_aux_loss_coef=1e-4,
+        ),
+        # DeepSeek-V3 sizes (GQA in place of MLA): 61 layers, 3 dense, 256 experts, top-8 over 4 of 8 groups.
+        "v3": MoEConfig(
+            vocab_size=129280,
+            hidden_size=7168,
+            num_layers=61,
+            num_heads=128,
+            num_kv_heads=128,
+            head_dim=128,
+            dense_intermediate_size=18432,
+            num_dense_layers=3,
+            num_experts=256,
+            num_shared_experts=1,
+            moe_intermediate_size=2048,
+            top_k=8,
+            n_group=8,
+            topk_group=4,
+            route_scale=2.5,
+            seq_aux_loss_coef=1e-4,
+        ),
+    }
+)
+
+
+def preset(name: str, **changes: object) -> MoEConfig:
+    """A copy of preset ``name`` with ``changes`` applied (``KeyError`` lists the known presets)."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    return PRESETS[name].replace(**changes)

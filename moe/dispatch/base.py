@@ -1,0 +1,109 @@
+"""The token-dispatcher interface shared by every backend.
+
+Legend for shape suffixes: T local tokens, R rows received by this rank, K top-k slots, D hidden,
+W expert-parallel ranks.
+
+Semantics (DeepEP's): ``dispatch`` sends every token once to each rank that holds at least one of its
+experts, with all K routing weights and the K expert ids rewritten to that rank's local ids (-1 for slots
+served elsewhere). The expert side weights and sums its own slots into one row per received token, and
+``combine`` sums those partial rows back into the token's rank. Sending a token once per rank rather than
+once per expert is what the V3 report's node-limited routing relies on to cut traffic.
+
+Every operation returns a :class:`Pending`: the communication is started, and ``wait()`` is called
+where the result is consumed. A backend with nothing to send returns an already-finished one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+__all__ = ["Dispatched", "Pending", "Route", "TokenDispatcher"]
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """A result that may still be in flight. ``wait()`` finishes it once and returns it (idempotent)."""
+
+    __slots__ = ("_finish", "_value")
+
+    def __init__(self, finish: Callable[[], T]) -> None:
+        self._finish: Callable[[], T] | None = finish
+        self._value: T | None = None
+
+    @classmethod
+    def done(cls, value: T) -> Pending[T]:
+        pending: Pending[T] = cls(lambda: value)
+        pending.wait()
+        return pending
+
+    def wait(self) -> T:
+        if self._finish is not None:
+            self._value = self._finish()
+            self._finish = None
+        return self._value  # type: ignore[return-value]
+
+
+@dataclass(slots=True)
+class Dispatched:
+    """Rows one rank received for its experts."""
+
+    x_RD: torch.Tensor
+    """Token rows, grouped by source rank (ascending), token order within a source."""
+    local_idx_RK: torch.Tensor
+    """int64 local expert ids per slot; -1 where the slot's expert is on another rank."""
+    weights_RK: torch.Tensor
+    """fp32 routing weights of all K slots of the token."""
+
+
+class Route:
+    """Per-micro-batch, per-layer bookkeeping a backend keeps between dispatch, combine and their backward."""
+
+
+class TokenDispatcher(ABC):
+    """Moves token rows to the ranks that hold their experts and back."""
+
+    def __init__(self, num_experts: int, ep_size: int, ep_rank: int) -> None:
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {ep_size}")
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.ep_rank = ep_rank
+        self.num_local_experts = num_experts // ep_size
+
+    @property
+    def local_experts(self) -> range:
+        """Global ids of the experts this rank holds (contiguous block)."""
+        return range(self.ep_rank * self.num_local_experts, (self.ep_rank + 1) * self.num_local_experts)
+
+    @property
+    def communicates(self) -> bool:
+        """Whether dispatch/combine move data between ranks (False: nothing to overlap)."""
+        return self.ep_size > 1
+
+    @abstractmethod
+    def plan(self, topk_idx_TK: torch.Tensor) -> Route:
+        """Work out where every token goes; may start the (small) count exchange asynchronously."""
+
+    @abstractmethod
+    def dispatch(self, route: Route, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending[Dispatched]:
+        """Start sending token rows and routing weights to the expert ranks."""
+
+    @abstractmethod
+    def combine(self, route: Route, y_RD: torch.Tensor) -> Pending[torch.Tensor]:
+        """Start sending expert outputs back; the result is ``[T, D]``, summed over ranks."""
+
+    @abstractmethod
+    def dispatch_backward(
+        self, route: Route, grad_x_RD: torch.Tensor, grad_weights_RK: torch.Tensor
+    ) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
+        """Gradient of dispatch (combine direction): returns ``([T, D], [T, K])``."""
+
+    @abstractmethod
+    def combine_backward(self, route: Route, grad_y_TD: torch.Tensor) -> Pending[torch.Tensor]:
+        """Gradient of combine (dispatch direction): returns ``[R, D]``."""

@@ -1,0 +1,41 @@
+"""``local``: every expert on this rank, so dispatch and combine move nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe.dispatch.base import Dispatched, Pending, Route, TokenDispatcher
+
+__all__ = ["LocalDispatcher"]
+
+
+@dataclass(slots=True)
+class _LocalRoute(Route):
+    topk_idx_TK: torch.Tensor
+
+
+class LocalDispatcher(TokenDispatcher):
+    """No expert parallelism: received rows are the local tokens, local expert ids are the global ones."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__(num_experts, ep_size=1, ep_rank=0)
+
+    def plan(self, topk_idx_TK: torch.Tensor) -> Route:
+        return _LocalRoute(topk_idx_TK)
+
+    def dispatch(self, route: Route, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending[Dispatched]:
+        assert isinstance(route, _LocalRoute)
+        return Pending.done(Dispatched(x_TD, route.topk_idx_TK, topk_weights_TK))
+
+    def combine(self, route: Route, y_RD: torch.Tensor) -> Pending[torch.Tensor]:
+        return Pending.done(y_RD)
+
+    def dispatch_backward(
+        self, route: Route, grad_x_RD: torch.Tensor, grad_weights_RK: torch.Tensor
+    ) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
+        return Pending.done((grad_x_RD, grad_weights_RK))
+
+    def combine_backward(self, route: Route, grad_y_TD: torch.Tensor) -> Pending[torch.Tensor]:
+        return Pending.done(grad_y_TD)

@@ -1,0 +1,91 @@
+"""Sub-stage event recording for overlap profiling.
+
+A recorder is optional: a stage with ``recorder=None`` records nothing. Each event is one edge of a span:
+a compute sub-stage ("attn", "mlp", "attn.dx", ...) has ``begin``/``end``; a communication
+("dispatch", "combine", ...) has ``start`` (issued) and ``wait`` (its result consumed). ``direction`` is
+"fwd" or "bwd", so within one overlapped pair it also names the micro-batch (module0's forward or
+module1's backward).
+
+Timestamps: ``time.perf_counter`` on CPU; on CUDA a ``torch.cuda.Event`` recorded on the current stream,
+resolved to milliseconds by :meth:`EventRecorder.timeline` (which synchronises).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Event", "EventRecorder", "record_edge", "record_span"]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One edge of a recorded span."""
+
+    name: str
+    """Sub-stage: attn, mlp, attn.dx, attn.dw, mlp.dx, mlp.dw, dispatch, combine, embed, head, ..."""
+    direction: str
+    """``fwd`` or ``bwd``."""
+    layer: int
+    """Global layer index (-1 for embedding and head)."""
+    edge: str
+    """``begin``/``end`` (compute) or ``start``/``wait`` (communication)."""
+    stamp: Any
+    """float seconds (CPU) or a recorded ``torch.cuda.Event``."""
+
+
+class EventRecorder:
+    """Appends :class:`Event` s in program order; one recorder per profiled run (never shared state)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.events: list[Event] = []
+
+    def record(self, name: str, direction: str, layer: int, edge: str) -> None:
+        if self.device.type == "cuda":
+            stamp: Any = torch.cuda.Event(enable_timing=True)
+            stamp.record()
+        else:
+            stamp = time.perf_counter()
+        self.events.append(Event(name, direction, layer, edge, stamp))
+
+    def clear(self) -> None:
+        self.events.clear()
+
+    def order(self) -> list[tuple[str, str, int, str]]:
+        """The events without timestamps: ``(name, direction, layer, edge)`` in program order."""
+        return [(e.name, e.direction, e.layer, e.edge) for e in self.events]
+
+    def timeline(self) -> list[tuple[str, str, int, str, float]]:
+        """``(name, direction, layer, edge, milliseconds since the first event)``."""
+        if not self.events:
+            return []
+        first = self.events[0].stamp
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            ms = [first.elapsed_time(e.stamp) for e in self.events]
+        else:
+            ms = [(e.stamp - first) * 1e3 for e in self.events]
+        return [(e.name, e.direction, e.layer, e.edge, t) for e, t in zip(self.events, ms)]
+
+
+@contextlib.contextmanager
+def record_span(recorder: EventRecorder | None, name: str, direction: str, layer: int) -> Iterator[None]:
+    """Record ``begin``/``end`` around a compute sub-stage (no-op without a recorder)."""
+    if recorder is None:
+        yield
+        return
+    recorder.record(name, direction, layer, "begin")
+    yield
+    recorder.record(name, direction, layer, "end")
+
+
+def record_edge(recorder: EventRecorder | None, name: str, direction: str, layer: int, edge: str) -> None:
+    """Record one communication edge (``start`` or ``wait``); no-op without a recorder."""
+    if recorder is not None:
+        recorder.record(name, direction, layer, edge)

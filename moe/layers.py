@@ -1,0 +1,177 @@
+"""Dense building blocks: linear with a deferrable weight gradient, RMSNorm, rotary attention, SwiGLU MLP.
+
+Legend for shape suffixes: B batch, S sequence, D hidden, H query heads, G key/value heads, C head dim,
+F intermediate width, T tokens (B*S).
+
+Every matrix multiply goes through :class:`Linear`, whose backward computes the input gradient at once and
+hands the weight gradient to a :class:`WgradSink` (or to ``WeightGradStore`` when a zero-bubble schedule
+asked for deferral). That is what lets a sub-stage's backward run as "dX now, dW later".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dualpipe.weight_grad import WeightGradStore
+from kernels import functional
+
+__all__ = ["Attention", "DenseMLP", "Linear", "RMSNorm", "WgradSink", "accumulate_grad", "defer_wgrad"]
+
+
+class WgradSink:
+    """Collects the weight-gradient closures of one sub-stage backward so they can run after its dX.
+
+    ``collect`` False (the default) runs closures at once; True queues them until :meth:`run`. Either way,
+    when the pipeline has enabled ``WeightGradStore`` the closure goes there instead (the pipeline runs it
+    in a later ``W`` slot). One sink belongs to one micro-batch's sub-stage: nothing is shared.
+    """
+
+    __slots__ = ("_pending", "collect")
+
+    def __init__(self) -> None:
+        self.collect = False
+        self._pending: list[Callable[[], None]] = []
+
+    def put(self, fn: Callable[[], None]) -> None:
+        fn = _without_grad(fn)
+        if WeightGradStore.enabled:
+            WeightGradStore.put(fn)
+        elif self.collect:
+            self._pending.append(fn)
+        else:
+            fn()
+
+    def run(self) -> None:
+        """Run the queued closures (FIFO) and empty the queue."""
+        pending, self._pending = self._pending, []
+        for fn in pending:
+            fn()
+
+
+def _without_grad(fn: Callable[[], None]) -> Callable[[], None]:
+    # A deferred closure runs later, maybe with grad mode on: its saved activations may be leaves that
+    # require grad, and the product must not grow a graph.
+    def run() -> None:
+        with torch.no_grad():
+            fn()
+
+    return run
+
+
+def defer_wgrad(sink: WgradSink | None, fn: Callable[[], None]) -> None:
+    """Route a weight-gradient closure: the pipeline's store, the sink, or run now."""
+    if sink is not None:
+        sink.put(fn)
+    elif WeightGradStore.enabled:
+        WeightGradStore.put(_without_grad(fn))
+    else:
+        _without_grad(fn)()
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` the way autograd's AccumulateGrad would (first write takes the tensor)."""
+    if param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad += grad
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, sink: WgradSink | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.sink = sink
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            # The weight never gets an autograd gradient: the closure accumulates into .grad directly, so a
+            # deferred closure and an immediate one leave the same result.
+            def wgrad() -> None:
+                accumulate_grad(weight, dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+
+            defer_wgrad(ctx.sink, wgrad)
+        return dx, None, None
+
+
+class Linear(nn.Module):
+    """``y = x @ W^T`` (no bias) whose weight gradient can be deferred; W is ``[out, in]``."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor, sink: WgradSink | None = None) -> torch.Tensor:
+        return _LinearFn.apply(x, self.weight, sink)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def _rotate(x_BSHC: torch.Tensor, cos_SC: torch.Tensor, sin_SC: torch.Tensor) -> torch.Tensor:
+    # Rotate pairs (first half, second half) of each head by the position angle.
+    x1, x2 = x_BSHC.float().chunk(2, dim=-1)
+    cos, sin = cos_SC[None, :, None, :], sin_SC[None, :, None, :]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x_BSHC.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary positions (SDPA does the softmax)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_theta: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.wq = Linear(hidden, num_heads * head_dim)
+        self.wk = Linear(hidden, num_kv_heads * head_dim)
+        self.wv = Linear(hidden, num_kv_heads * head_dim)
+        self.wo = Linear(num_heads * head_dim, hidden)
+        inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x_BSD: torch.Tensor, sink: WgradSink | None = None) -> torch.Tensor:
+        b, s, _ = x_BSD.shape
+        q_BSHC = self.wq(x_BSD, sink).view(b, s, self.num_heads, self.head_dim)
+        k_BSGC = self.wk(x_BSD, sink).view(b, s, self.num_kv_heads, self.head_dim)
+        v_BSGC = self.wv(x_BSD, sink).view(b, s, self.num_kv_heads, self.head_dim)
+        angles_SC = torch.arange(s, device=x_BSD.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        cos_SC, sin_SC = angles_SC.cos(), angles_SC.sin()
+        q_BSHC, k_BSGC = _rotate(q_BSHC, cos_SC, sin_SC), _rotate(k_BSGC, cos_SC, sin_SC)
+        o_BHSC = F.scaled_dot_product_attention(
+            q_BSHC.transpose(1, 2),
+            k_BSGC.transpose(1, 2),
+            v_BSGC.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return self.wo(o_BHSC.transpose(1, 2).reshape(b, s, -1), sink)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matrix."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up = Linear(hidden, 2 * intermediate)
+        self.down = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor, sink: WgradSink | None = None) -> torch.Tensor:
+        return self.down(functional.swiglu(self.gate_up(x, sink)), sink)

@@ -1,0 +1,109 @@
+"""DeepSeek-V3 router: sigmoid scores, group-limited top-k, auxiliary-loss-free bias, sequence-wise aux loss.
+
+Legend for shape suffixes: B batch, S sequence, T tokens (B*S), D hidden, E experts, K top-k.
+
+Selection runs in the ``router_topk`` kernel (not differentiable); the weights of the chosen experts are
+recomputed here in torch from the same logits so that the gate gets its gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kernels import ops
+from moe.config import MoEConfig
+from moe.layers import Linear, WgradSink
+
+__all__ = ["Router", "Routing"]
+
+
+@dataclass(slots=True)
+class Routing:
+    """What the router decided for one micro-batch of one layer."""
+
+    topk_idx_TK: torch.Tensor
+    """Chosen global expert ids, int64, in descending biased-score order."""
+    topk_weights_TK: torch.Tensor
+    """Normalised, scaled routing weights (fp32, differentiable w.r.t. the gate and its input)."""
+    aux_loss: torch.Tensor | None
+    """Sequence-wise balance loss (already multiplied by its coefficient), or None when disabled."""
+
+
+class Router(nn.Module):
+    """Gate projection plus the balancing state of one MoE layer.
+
+    ``expert_bias`` only steers selection (it never enters the weights); :meth:`update_bias` nudges it from
+    the load counted in ``expert_load`` since the last update.
+    """
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.n_group, self.topk_group, self.route_scale = cfg.n_group, cfg.topk_group, cfg.route_scale
+        self.aux_coef = cfg.seq_aux_loss_coef
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts)
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        # Keep the balancing state in fp32 when the model is cast to bf16: bias steps of 1e-3 would
+        # vanish below bf16's spacing (2**-8 near 0.5), and token counts would round.
+        super()._apply(fn, recurse)
+        self.expert_bias = self.expert_bias.float()
+        self.expert_load = self.expert_load.float()
+        return self
+
+    def forward(
+        self,
+        z_BSD: torch.Tensor,
+        sink: WgradSink | None = None,
+        topk_idx_TK: torch.Tensor | None = None,
+    ) -> Routing:
+        """Route ``z``; pass ``topk_idx_TK`` to replay an earlier decision (activation recomputation).
+
+        A fresh decision in training mode adds its per-expert counts to ``expert_load``.
+        """
+        b, s, d = z_BSD.shape
+        logits_TE = self.gate(z_BSD.reshape(b * s, d), sink)
+        if topk_idx_TK is None:
+            _, topk_idx_TK, _ = ops.router_topk(
+                logits_TE.detach(), self.expert_bias, self.top_k, self.n_group, self.topk_group, self.route_scale
+            )
+            topk_idx_TK = topk_idx_TK.long()
+            if self.training:
+                with torch.no_grad():
+                    counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
+                    self.expert_load += counts_E.float()
+        scores_TE = torch.sigmoid(logits_TE.float())
+        chosen_TK = scores_TE.gather(1, topk_idx_TK)
+        weights_TK = chosen_TK / chosen_TK.sum(-1, keepdim=True) * self.route_scale
+        aux = self._seq_aux_loss(scores_TE.view(b, s, -1), topk_idx_TK.view(b, s, -1)) if self.aux_coef else None
+        return Routing(topk_idx_TK, weights_TK, aux)
+
+    def _seq_aux_loss(self, scores_BSE: torch.Tensor, topk_idx_BSK: torch.Tensor) -> torch.Tensor:
+        # L = coef * sum_i f_i * P_i per sequence, averaged over the sequences of the micro-batch, with
+        # f_i = E / (K * S) * #tokens choosing i and P_i = mean over tokens of the normalised score of i.
+        b, s, e = scores_BSE.shape
+        counts_BE = torch.zeros(b, e, device=scores_BSE.device, dtype=torch.float32)
+        counts_BE.scatter_add_(
+            1, topk_idx_BSK.reshape(b, -1), torch.ones_like(topk_idx_BSK.reshape(b, -1), dtype=torch.float32)
+        )
+        f_BE = counts_BE * (e / (self.top_k * s))
+        p_BE = (scores_BSE / scores_BSE.sum(-1, keepdim=True)).mean(1)
+        return self.aux_coef * (f_BE * p_BE).sum(-1).mean()
+
+    @torch.no_grad()
+    def update_bias(self, rate: float, group: dist.ProcessGroup | None = None) -> None:
+        """Auxiliary-loss-free balancing step: ``bias += rate * sign(mean_load - load)``; resets the count.
+
+        ``group`` sums the counts over the data-parallel ranks first so every replica takes the same step.
+        """
+        load_E = self.expert_load.clone()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(load_E, group=group)
+        self.expert_bias += rate * torch.sign(load_E.mean() - load_E)
+        self.expert_load.zero_()

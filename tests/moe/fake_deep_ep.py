@@ -1,0 +1,278 @@
+"""An emulation of DeepEP's V1 ``deep_ep.Buffer`` (intranode, high-throughput path) on torch.distributed.
+
+DeepEP's kernels need 2-8 NVLink-connected GPUs, so tests inject this module as ``deep_ep``. It keeps the
+public surface the ``deepep`` dispatcher relies on, with DeepEP's documented semantics:
+
+* ``get_dispatch_layout`` -> ``(num_tokens_per_rank [W] int32, None, num_tokens_per_expert [E] int32,
+  is_token_in_rank [T, W] bool, event)`` (``None``: no RDMA ranks intranode);
+* ``dispatch`` sends each token once per destination rank; received rows are grouped by source rank
+  (ascending) in source token order; ``recv_topk_idx`` holds local expert ids with -1 for experts on other
+  ranks (their weights zeroed); ``num_recv_tokens_per_expert_list`` is a Python list aligned to
+  ``expert_alignment``; with a ``handle`` (cached mode) ``topk_idx``/``topk_weights`` must be None and only
+  ``recv_x`` comes back;
+* ``combine`` sends rows back along the handle and sums them per source token (and ``topk_weights`` too);
+* ``async_finish=True`` returns an ``EventOverlap`` whose ``current_stream_wait()`` must be called before
+  the results are read: here the outputs are filled by gloo's worker thread and finished in that wait.
+  ``allocate_on_comm_stream`` requires a ``previous_event``, as in DeepEP.
+
+The receive counts are exchanged synchronously inside ``dispatch``, like DeepEP's CPU-side wait for its
+``notify_dispatch`` counters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap"]
+
+
+class Config:
+    """Performance-tuning knobs (only the buffer-size hints matter here)."""
+
+    def __init__(
+        self,
+        num_sms: int,
+        num_max_nvl_chunked_send_tokens: int,
+        num_max_nvl_chunked_recv_tokens: int,
+        num_max_rdma_chunked_send_tokens: int = 6,
+        num_max_rdma_chunked_recv_tokens: int = 128,
+    ) -> None:
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        # channels (num_sms / 2) x ranks x recv-chunk tokens x hidden bytes, as DeepEP sizes it (roughly).
+        return (self.num_sms // 2) * num_ranks * self.num_max_nvl_chunked_recv_tokens * hidden_bytes
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return 0 if num_ranks <= 8 else self.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+
+
+class EventHandle:
+    """Stands for a CUDA event on the comm stream: the pending gloo works plus what finishes the outputs."""
+
+    def __init__(self, works: list[dist.Work] | None = None, finish: Callable[[], None] | None = None) -> None:
+        self._works = works or []
+        self._finish = finish
+
+    def current_stream_wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+class EventOverlap:
+    """DeepEP's event wrapper: ``current_stream_wait()`` and use as a context manager."""
+
+    def __init__(self, event: EventHandle | None = None, extra_tensors: tuple | None = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        assert self.event is not None
+        self.event.current_stream_wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+
+class Buffer:
+    num_sms: int = 20
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 12,
+        allow_nvlink_for_low_latency_mode: bool = True,
+    ) -> None:
+        assert not low_latency_mode, "the emulation covers the high-throughput kernels only"
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        assert self.group_size in (2, 4, 8), "DeepEP intranode kernels run on 2, 4 or 8 ranks"
+        assert num_nvl_bytes > 0, "intranode dispatch needs an NVLink buffer"
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.calls: list[str] = []  # for tests: which entry points ran, in order
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        table = {2: (24, 256), 4: (6, 256), 8: (6, 256)}
+        assert num_ranks in table, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, *table[num_ranks], 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        table = {2: (10, 256), 4: (9, 256), 8: (4, 256)}
+        assert num_ranks in table, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, *table[num_ranks], 6, 128)
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_launch(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+        if allocate_on_comm_stream:
+            assert previous_event is not None and async_finish
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+
+    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> dist.Work:
+        return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.group, async_op=True)
+
+    def _finish(self, works: list[dist.Work], finish: Callable[[], None] | None, async_finish: bool) -> EventOverlap:
+        handle = EventHandle(works, finish)
+        if async_finish:
+            return EventOverlap(handle)
+        handle.current_stream_wait()
+        return EventOverlap(None)
+
+    # ---- layout --------------------------------------------------------------------------------------
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        assert topk_idx.dtype == torch.int64 and topk_idx.dim() == 2
+        assert num_experts % self.group_size == 0
+        self._check_launch(previous_event, async_finish, allocate_on_comm_stream)
+        self.calls.append("get_dispatch_layout")
+        num_tokens = topk_idx.shape[0]
+        per_rank_experts = num_experts // self.group_size
+        valid = topk_idx >= 0
+        num_tokens_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+        is_token_in_rank = torch.zeros(num_tokens, self.group_size, dtype=torch.bool)
+        rows, cols = valid.nonzero(as_tuple=True)
+        is_token_in_rank[rows, topk_idx[rows, cols] // per_rank_experts] = True
+        num_tokens_per_rank = is_token_in_rank.sum(0).to(torch.int32)
+        event = EventOverlap(EventHandle()) if async_finish else EventOverlap(None)
+        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
+
+    # ---- dispatch ------------------------------------------------------------------------------------
+    def dispatch(
+        self,
+        x,
+        handle=None,
+        num_tokens_per_rank=None,
+        num_tokens_per_rdma_rank=None,
+        is_token_in_rank=None,
+        num_tokens_per_expert=None,
+        topk_idx=None,
+        topk_weights=None,
+        expert_alignment: int = 1,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        assert not isinstance(x, tuple), "the emulation has no FP8 path"
+        assert x.dim() == 2
+        self._check_launch(previous_event, async_finish, allocate_on_comm_stream)
+        w = self.group_size
+        if handle is not None:
+            assert topk_idx is None and topk_weights is None
+            self.calls.append("dispatch(cached)")
+            send_counts, recv_counts, _, recv_src_idx, is_token_in_rank, send_token_idx = handle
+            recv_x = x.new_empty(recv_src_idx.shape[0], x.shape[1])
+            works = [self._a2a(recv_x, x.index_select(0, send_token_idx), recv_counts, send_counts)]
+            return recv_x, None, None, None, None, self._finish(works, None, async_finish)
+
+        assert num_tokens_per_rank is not None and is_token_in_rank is not None
+        assert num_tokens_per_expert is not None and topk_idx is not None and topk_idx.dtype == torch.int64
+        assert num_tokens_per_rdma_rank is None, "intranode only"
+        self.calls.append("dispatch")
+        num_experts = num_tokens_per_expert.shape[0]
+        e_local = num_experts // w
+        # notify_dispatch: every rank learns how many rows, and rows per local expert, it will receive.
+        send_meta = torch.cat(
+            [num_tokens_per_rank.view(w, 1).long(), num_tokens_per_expert.view(w, e_local).long()], dim=1
+        )
+        recv_meta = torch.empty_like(send_meta)
+        dist.all_to_all_single(recv_meta, send_meta, group=self.group)
+        send_counts = num_tokens_per_rank.tolist()
+        recv_counts = recv_meta[:, 0].tolist()
+        per_expert = recv_meta[:, 1:].sum(0).tolist()
+        num_recv_tokens_per_expert_list = [int(math.ceil(n / expert_alignment) * expert_alignment) for n in per_expert]
+        pairs = is_token_in_rank.t().nonzero()
+        dest, send_token_idx = pairs[:, 0], pairs[:, 1]
+        local_idx = topk_idx.index_select(0, send_token_idx) - (dest * e_local)[:, None]
+        on_dest = (local_idx >= 0) & (local_idx < e_local)
+        local_idx = torch.where(on_dest, local_idx, torch.full_like(local_idx, -1))
+        num_recv = sum(recv_counts)
+        k = topk_idx.shape[1]
+        recv_x = x.new_empty(num_recv, x.shape[1])
+        recv_topk_idx = torch.empty(num_recv, k, dtype=torch.int64)
+        src_token = send_token_idx.clone()
+        recv_src_idx = torch.empty(num_recv, dtype=torch.int64)
+        works = [
+            self._a2a(recv_x, x.index_select(0, send_token_idx), recv_counts, send_counts),
+            self._a2a(recv_topk_idx, local_idx, recv_counts, send_counts),
+            self._a2a(recv_src_idx, src_token, recv_counts, send_counts),
+        ]
+        recv_topk_weights = None
+        if topk_weights is not None:
+            assert topk_weights.dtype == torch.float32
+            send_w = torch.where(on_dest, topk_weights.index_select(0, send_token_idx), 0.0)
+            recv_topk_weights = torch.empty(num_recv, k, dtype=torch.float32)
+            works.append(self._a2a(recv_topk_weights, send_w, recv_counts, send_counts))
+        handle = (send_counts, recv_counts, None, recv_src_idx, is_token_in_rank, send_token_idx)
+        event = self._finish(works, None, async_finish)
+        return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event
+
+    # ---- combine -------------------------------------------------------------------------------------
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle,
+        topk_weights: torch.Tensor | None = None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        self._check_launch(previous_event, async_finish, allocate_on_comm_stream)
+        self.calls.append("combine")
+        send_counts, recv_counts, _, recv_src_idx, is_token_in_rank, send_token_idx = handle
+        assert x.shape[0] == recv_src_idx.shape[0]
+        num_tokens = is_token_in_rank.shape[0]
+        back_x = x.new_empty(send_token_idx.shape[0], x.shape[1])
+        works = [self._a2a(back_x, x, send_counts, recv_counts)]
+        combined_x = x.new_empty(num_tokens, x.shape[1])
+        combined_w = back_w = None
+        if topk_weights is not None:
+            back_w = topk_weights.new_empty(send_token_idx.shape[0], topk_weights.shape[1])
+            works.append(self._a2a(back_w, topk_weights, send_counts, recv_counts))
+            combined_w = topk_weights.new_empty(num_tokens, topk_weights.shape[1])
+
+        def reduce() -> None:
+            acc = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32)
+            combined_x.copy_(acc.index_add_(0, send_token_idx, back_x.float()))
+            if combined_w is not None:
+                accw = torch.zeros(num_tokens, back_w.shape[1], dtype=torch.float32)
+                combined_w.copy_(accw.index_add_(0, send_token_idx, back_w.float()))
+
+        return combined_x, combined_w, self._finish(works, reduce, async_finish)

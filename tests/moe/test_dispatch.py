@@ -1,0 +1,114 @@
+"""Dispatcher round trips on 4 gloo ranks against an oracle built from every rank's tokens.
+
+Cases include uneven token counts, a rank with no tokens, experts and ranks that receive nothing, for the
+``alltoall`` dispatcher and the ``deepep`` one (over the in-test DeepEP emulation).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from moe.dispatch import AllToAllDispatcher, LocalDispatcher, make_dispatcher
+from tests.distributed import run_ranks
+
+NUM_EXPERTS, TOP_K, HIDDEN = 8, 3, 5
+TOKENS = (5, 0, 7, 3)  # rank 1 has no tokens at all
+
+
+def _routing(case: str, rank: int, num_tokens: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + 7)
+    # skewed: every token goes to experts 0, 2, 3 (rank 0) or 4 (rank 2): expert 1 and ranks 1, 3 get nothing.
+    choices = torch.arange(NUM_EXPERTS) if case == "random" else torch.tensor([0, 2, 3, 4])
+    rows = [choices[torch.randperm(len(choices), generator=gen)[:TOP_K]] for _ in range(num_tokens)]
+    return torch.stack(rows) if rows else torch.zeros(0, TOP_K, dtype=torch.long)
+
+
+def _expected_recv(rank: int, world: int, everyone: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows this rank must receive: by source rank, then token; local ids (-1 elsewhere), local weights."""
+    e_local = NUM_EXPERTS // world
+    xs, ids, ws = [], [], []
+    for x_TD, idx_TK, w_TK in everyone:
+        for t in range(x_TD.shape[0]):
+            owner = idx_TK[t] // e_local
+            if (owner == rank).any():
+                local = torch.where(owner == rank, idx_TK[t] - rank * e_local, -1)
+                xs.append(x_TD[t])
+                ids.append(local)
+                ws.append(w_TK[t])
+    if not xs:
+        return torch.zeros(0, HIDDEN), torch.zeros(0, TOP_K, dtype=torch.long), torch.zeros(0, TOP_K)
+    return torch.stack(xs), torch.stack(ids), torch.stack(ws)
+
+
+def _check_dispatcher(dispatcher, rank: int, world: int, case: str) -> None:
+    num_tokens = TOKENS[rank]
+    gen = torch.Generator().manual_seed(rank)
+    x_TD = torch.randn(num_tokens, HIDDEN, generator=gen)
+    w_TK = torch.rand(num_tokens, TOP_K, generator=gen) + 0.1
+    idx_TK = _routing(case, rank, num_tokens)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (x_TD, idx_TK, w_TK))
+    exp_x, exp_idx, exp_w = _expected_recv(rank, world, everyone)
+
+    route = dispatcher.plan(idx_TK)
+    got = dispatcher.dispatch(route, x_TD, w_TK).wait()
+    assert torch.equal(got.x_RD, exp_x), (case, rank)
+    assert torch.equal(got.local_idx_RK, exp_idx), (case, rank)
+    mask = exp_idx >= 0  # weights of slots served elsewhere are not used (DeepEP zeroes them)
+    assert torch.equal(got.weights_RK[mask], exp_w[mask]), (case, rank)
+
+    # Expert side: y = x * sum over local slots of w * (global id + 1); combine sums the ranks' parts.
+    e_local = NUM_EXPERTS // world
+    gid_RK = got.local_idx_RK + rank * e_local + 1
+    scale_R = (got.weights_RK * gid_RK * (got.local_idx_RK >= 0)).sum(1, keepdim=True)
+    y_TD = dispatcher.combine(route, got.x_RD * scale_R).wait()
+    torch.testing.assert_close(y_TD, x_TD * (w_TK * (idx_TK + 1)).sum(1, keepdim=True), rtol=1e-6, atol=1e-6)
+
+    # Backward of dispatch (combine direction): rows scaled by (rank + 1) sum to x * sum of owner ranks + 1.
+    owner_TK = idx_TK // e_local
+    grad_x_TD, grad_w_TK = dispatcher.dispatch_backward(
+        route, got.x_RD * (rank + 1), got.weights_RK * (got.local_idx_RK >= 0) * (rank + 1)
+    ).wait()
+    rank_sum_T = torch.zeros(num_tokens)
+    for r in range(world):
+        rank_sum_T += (owner_TK == r).any(1).float() * (r + 1)
+    torch.testing.assert_close(grad_x_TD, x_TD * rank_sum_T[:, None], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_w_TK, w_TK * (owner_TK + 1).float(), rtol=1e-6, atol=1e-6)
+
+    # Backward of combine (dispatch direction): the same rows as a dispatch of the gradient.
+    grad_R = dispatcher.combine_backward(route, 2 * x_TD).wait()
+    assert torch.equal(grad_R, 2 * exp_x), (case, rank)
+
+
+def _round_trips(rank: int, world: int) -> list[str]:
+    from tests.moe import fake_deep_ep
+
+    sys.modules["deep_ep"] = fake_deep_ep
+    calls = []
+    for case in ("random", "skewed"):
+        _check_dispatcher(AllToAllDispatcher(NUM_EXPERTS), rank, world, case)
+        deepep = make_dispatcher("deepep", NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=torch.float32)
+        _check_dispatcher(deepep, rank, world, case)
+        calls.append(",".join(deepep.buffer.calls))
+    return calls
+
+
+def test_dispatchers_round_trip_uneven_and_empty_loads():
+    calls = run_ranks(_round_trips, world_size=4, timeout=120)
+    # The DeepEP path used the layout call, a fresh dispatch, two combines and one cached dispatch.
+    assert calls[0][0] == "get_dispatch_layout,dispatch,combine,combine,dispatch(cached)"
+
+
+def test_local_dispatcher_is_identity():
+    d = LocalDispatcher(4)
+    x = torch.randn(6, 3)
+    idx = torch.randint(0, 4, (6, 2))
+    w = torch.rand(6, 2)
+    route = d.plan(idx)
+    got = d.dispatch(route, x, w).wait()
+    assert got.x_RD is x and got.local_idx_RK is idx and got.weights_RK is w
+    assert d.combine(route, x).wait() is x
+    assert not d.communicates and list(d.local_experts) == [0, 1, 2, 3]

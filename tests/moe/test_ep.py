@@ -1,0 +1,214 @@
+"""Expert parallelism on 2 gloo ranks: equal to the single-process model; overlapped path equal to regular.
+
+Oracles are exact: the same weights (deterministic init by parameter name) and the same tokens, run as one
+ordinary autograd graph in one process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from dualpipe.utils import run_backward
+from moe import EventRecorder, MoEStage, lm_loss
+from moe.dispatch import make_dispatcher
+from moe.parallel import ParallelConfig, init_layout, reduce_gradients
+from tests.distributed import run_ranks
+from tests.moe.helpers import SEED, assert_rel_close, batch, single_process_grads, tiny_config
+
+EP = 2
+
+
+def _skewed_bias(cfg) -> dict[int, torch.Tensor]:
+    # Push every token to the first expert group (experts 0-3, all on ep rank 0): rank 1's experts get no
+    # rows at all, rank 1 sends everything away and receives nothing.
+    bias = torch.zeros(cfg.num_experts)
+    bias[: cfg.num_experts // 2] = 10.0
+    return {layer: bias for layer in range(cfg.num_dense_layers, cfg.num_layers)}
+
+
+def _ep_step(rank: int, world: int, kind: str, recompute: bool, skewed: bool):
+    if kind == "deepep":
+        from tests.moe import fake_deep_ep
+
+        sys.modules["deep_ep"] = fake_deep_ep
+    cfg = tiny_config()
+    layout = init_layout(ParallelConfig(pp=1, ep=world, dispatcher=kind))
+    dispatcher = make_dispatcher(
+        kind, cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size, dtype=torch.float32
+    )
+    stage = MoEStage(cfg, range(cfg.num_layers), first=True, last=True, dispatcher=dispatcher, recompute=recompute)
+    stage.reset_parameters(SEED)
+    if skewed:
+        for layer, b in _skewed_bias(cfg).items():
+            stage.blocks[str(layer)].router.expert_bias.copy_(b)
+    ids, labels = batch(cfg, 4, 16)
+    mine = slice(2 * rank, 2 * rank + 2)
+    loss = lm_loss(stage(ids[mine]), labels[mine])
+    loss.backward()
+    reduce_gradients([stage], layout)
+    mean_loss = loss.detach().clone()
+    torch.distributed.all_reduce(mean_loss)
+    loads = {n: b.clone() for n, b in stage.named_buffers() if n.endswith("expert_load")}
+    for b in loads.values():
+        torch.distributed.all_reduce(b)
+    grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    # Tensors cross the result queue as numpy arrays: torch's queue pickler shares them by file
+    # descriptor, which breaks once the rank process has exited.
+    return (mean_loss / world).item(), _np(grads), _np(loads), list(dispatcher.local_experts)
+
+
+def _np(tensors: dict[str, torch.Tensor]) -> dict:
+    return {n: t.numpy() for n, t in tensors.items()}
+
+
+@pytest.mark.parametrize(
+    ("kind", "recompute", "skewed"),
+    [("alltoall", False, False), ("alltoall", True, True), ("deepep", False, True)],
+)
+def test_ep2_matches_single_process(kind: str, recompute: bool, skewed: bool):
+    cfg = tiny_config()
+    ids, labels = batch(cfg, 4, 16)
+    bias = _skewed_bias(cfg) if skewed else None
+    (ref_loss,), ref_grads, ref_loads = single_process_grads(cfg, [(ids, labels)], bias)
+    results = run_ranks(_ep_step, world_size=EP, args=(kind, recompute, skewed), timeout=120)
+    for loss, grads, loads, experts in results:
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+        assert grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            g = torch.from_numpy(g)
+            want = ref_grads[name]
+            if ".experts." in name:
+                want = want[experts[0] : experts[-1] + 1]
+            if skewed and ".experts." in name and experts[0] >= cfg.num_experts // 2:
+                assert not g.any(), f"{name}: experts that received no tokens must have zero gradient"
+                continue
+            assert_rel_close(g, want, 1e-5, name)
+        for name, load in loads.items():
+            assert torch.equal(torch.from_numpy(load), ref_loads[name]), name
+    if skewed:
+        # The skew really starved ep rank 1: all routed load sits on experts 0-3.
+        assert all(not load[cfg.num_experts // 2 :].any() for load in ref_loads.values())
+
+
+def _stages(cfg, dispatcher, recompute: bool) -> tuple[MoEStage, MoEStage]:
+    s0 = MoEStage(cfg, range(0, 2), first=True, last=False, dispatcher=dispatcher, recompute=recompute)
+    s1 = MoEStage(cfg, range(2, 4), first=False, last=True, dispatcher=dispatcher, recompute=recompute)
+    s0.reset_parameters(SEED)
+    s1.reset_parameters(SEED)
+    return s0, s1
+
+
+def _leaf(h: torch.Tensor) -> torch.Tensor:
+    return h.detach().requires_grad_()
+
+
+def _overlap_vs_regular(rank: int, world: int, recompute: bool, kind: str = "alltoall"):
+    """Two stages per rank (layers 0-1 with a dense one, and 2-3), three micro-batches A, B, C.
+
+    Overlapped: F(B) on stage 1 paired with B(A) from A's loss; F(C) on stage 0 paired with B(A) from
+    stage 0's outputs and output grads; the rest regular. Regular: A, B, C one after the other.
+    """
+    cfg = tiny_config()
+    if kind == "deepep":
+        from tests.moe import fake_deep_ep
+
+        sys.modules["deep_ep"] = fake_deep_ep
+    dispatcher = make_dispatcher(
+        kind, cfg.num_experts, torch.distributed.group.WORLD, hidden_size=cfg.hidden_size, dtype=torch.float32
+    )
+    mbs = [batch(cfg, 2, 16, seed=10 * rank + i) for i in range(3)]
+
+    r0, r1 = _stages(cfg, dispatcher, recompute)
+    ref_losses = []
+    for ids, labels in mbs:
+        h = r0(ids)
+        h_in = _leaf(h)
+        loss = lm_loss(r1(h_in), labels)
+        loss.backward()
+        run_backward([h], [h_in.grad])
+        ref_losses.append(loss.item())
+
+    o0, o1 = _stages(cfg, dispatcher, recompute)
+    (ids_a, lab_a), (ids_b, lab_b), (ids_c, lab_c) = mbs
+    rec1, rec0 = EventRecorder(), EventRecorder()
+    o1.recorder, o0.recorder = rec1, rec0
+    h_a = o0(ids_a)
+    h_a_in = _leaf(h_a)
+    loss_a = lm_loss(o1(h_a_in), lab_a)
+    h_b = o0(ids_b)
+    h_b_in = _leaf(h_b)
+    rec1.clear()
+    rec0.clear()
+    _, loss_b = MoEStage.overlapped_forward_backward(o1, [h_b_in], lm_loss, [lab_b], o1, loss_a, None, None)
+    assert h_a_in.grad is not None and loss_a.grad_fn is None  # loss1 was detached in place
+    order1 = rec1.order()
+    h_a.data = torch.Tensor()  # the pipeline may free sent outputs: backward must not read them
+    outs_c, none = MoEStage.overlapped_forward_backward(o0, [ids_c], None, [], o0, None, [h_a], [h_a_in.grad])
+    assert none is None
+    order0 = rec0.order()
+    o0.recorder = o1.recorder = None
+    loss_b.backward()
+    run_backward([h_b], [h_b_in.grad])
+    h_c = outs_c[0]
+    h_c_in = _leaf(h_c)
+    loss_c = lm_loss(o1(h_c_in), lab_c)
+    loss_c.backward()
+    run_backward([h_c], [h_c_in.grad])
+
+    losses = [loss_a.item(), loss_b.item(), loss_c.item()]
+    ref = {n: p.grad for m in (r0, r1) for n, p in m.named_parameters()}
+    got = {n: p.grad for m in (o0, o1) for n, p in m.named_parameters()}
+    errors = {n: (got[n] - ref[n]).abs().max().item() / ref[n].abs().max().item() for n in ref}
+    return ref_losses, losses, errors, order1, order0
+
+
+@pytest.mark.parametrize(("recompute", "kind"), [(False, "alltoall"), (True, "alltoall"), (False, "deepep")])
+def test_overlapped_matches_regular(recompute: bool, kind: str):
+    for ref_losses, losses, errors, _, _ in run_ranks(_overlap_vs_regular, world_size=EP, args=(recompute, kind)):
+        assert losses == ref_losses
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= 1e-6, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+def _spans(order):
+    """{(name, direction, layer): (open index, close index)} for every recorded span."""
+    opened, spans = {}, {}
+    for i, (name, direction, layer, edge) in enumerate(order):
+        key = (name, direction, layer)
+        if edge in ("begin", "start"):
+            opened[key] = i
+        else:
+            spans[key] = (opened.pop(key), i)
+    assert not opened, f"unclosed spans {opened}"
+    return spans
+
+
+def _assert_comm_hidden(order, comm_keys):
+    spans = _spans(order)
+    compute = {k: v for k, v in spans.items() if k[0] not in ("dispatch", "combine")}
+    assert set(comm_keys) <= set(spans), f"missing communication spans: {set(comm_keys) - set(spans)}"
+    for key in comm_keys:
+        start, wait = spans[key]
+        other = "bwd" if key[1] == "fwd" else "fwd"
+        inside = [c for c, (b, e) in compute.items() if c[1] == other and start < b and e < wait]
+        assert inside, f"{key} is not in flight during any compute of the other micro-batch"
+
+
+def test_overlapped_event_order():
+    order1, order0 = run_ranks(_overlap_vs_regular, world_size=EP, args=(False,))[0][3:]
+    # Stage 1 (layers 2, 3, both MoE): F layer 2 pairs with B layer 3, F layer 3 with B layer 2.
+    comm1 = [(n, d, layer) for n in ("dispatch", "combine") for d in ("fwd", "bwd") for layer in (2, 3)]
+    _assert_comm_hidden(order1, comm1)
+    for f_layer, b_layer in ((2, 3), (3, 2)):
+        begins = [
+            (n, d) for n, d, layer, e in order1 if e == "begin" and (d, layer) in (("fwd", f_layer), ("bwd", b_layer))
+        ]
+        expected = [("attn", "fwd"), ("mlp.dx", "bwd"), ("mlp.dw", "bwd"), ("mlp", "fwd"), ("attn.dx", "bwd")]
+        assert [b for b in begins if b in expected] == expected
+    # Stage 0 (layer 0 dense, layer 1 MoE): each pair has one communicating side, still hidden.
+    comm0 = [(n, d, 1) for n in ("dispatch", "combine") for d in ("fwd", "bwd")]
+    _assert_comm_hidden(order0, comm0)
+    assert not any(n in ("dispatch", "combine") and layer == 0 for n, _, layer, _ in order0)
