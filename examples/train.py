@@ -1,0 +1,358 @@
+"""Train the MoE transformer with a DualPipe-family pipeline and expert parallelism.
+
+    torchrun --standalone --nproc-per-node 4 examples/train.py --pp 2 --ep 2 --schedule dualpipev --steps 40
+
+World size must equal pp x ep. CPU ranks use gloo, CUDA ranks NCCL. Byte-level language modelling on text
+already on the machine (``--data`` for your own). Rank 0 prints progress; ``--metrics-file`` gets one JSON
+line per step; ``--ckpt-dir`` with ``--ckpt-every`` writes atomic distributed checkpoints and ``--resume``
+continues from the newest one (also at another pp/ep layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dualpipe import DualPipe, DualPipeV, OneFOneB, Pipeline, ZeroBubble1P
+from moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from moe.config import PRESETS, preset
+from moe.data import ByteCorpus
+from moe.model import lm_loss
+from moe.parallel import ParallelConfig, balance_routers, build_stages, init_layout, reduce_gradients
+
+PIPELINES: dict[str, type[Pipeline]] = {
+    "dualpipe": DualPipe,
+    "dualpipev": DualPipeV,
+    "1f1b": OneFOneB,
+    "zb1p": ZeroBubble1P,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size (vocab forced to 256)")
+    p.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel (= data-parallel) ranks")
+    p.add_argument("--schedule", default="dualpipev", choices=sorted(PIPELINES))
+    p.add_argument("--num-chunks", type=int, default=0, help="micro-batches per step (default: 2*pp, min 2)")
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="overlap paired forward/backward chunks (DualPipe family)",
+    )
+    p.add_argument("--dispatcher", default="alltoall", choices=("local", "alltoall", "deepep"))
+    p.add_argument("--comm-sms", type=int, default=20, help="SMs reserved for communication (GPU)")
+    p.add_argument("--recompute", action="store_true", help="recompute attention and MLP in backward")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay to 10%%")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--data", default=None, help="a directory of text files or a uint16 .bin token file")
+    p.add_argument("--val-every", type=int, default=20, help="held-out loss every N steps (0: never)")
+    p.add_argument("--val-batches", type=int, default=2)
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
+    p.add_argument("--metrics-file", default=None, help="append one JSON line per step (rank 0)")
+    p.add_argument("--trace-dir", default=None, help="write a torch profiler trace of step 2 per rank")
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank waits for a peer")
+    p.add_argument(
+        "--kill-rank-at-step",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="failure drill: SIGKILL global rank 1 at STEP on the first attempt (torchrun restart 0)",
+    )
+    return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace, world: int) -> None:
+    """Every constraint up front, with what to change."""
+    if args.pp * args.ep != world:
+        raise SystemExit(
+            f"error: --pp {args.pp} x --ep {args.ep} = {args.pp * args.ep}, but the world size is "
+            f"{world}; launch pp x ep processes (torchrun --nproc-per-node ...)"
+        )
+    if args.schedule == "dualpipe" and args.pp % 2:
+        raise SystemExit(f"error: --schedule dualpipe needs an even --pp (got {args.pp}); use dualpipev")
+    need = {"dualpipe": 2 * args.pp, "dualpipev": 2 * args.pp}.get(args.schedule, 1)
+    if args.num_chunks and args.num_chunks < need:
+        raise SystemExit(f"error: --num-chunks must be >= {need} for {args.schedule} at pp={args.pp}")
+    if args.schedule == "dualpipe" and args.num_chunks % 2:
+        raise SystemExit("error: --schedule dualpipe needs an even --num-chunks")
+    if args.ckpt_every and not args.ckpt_dir:
+        raise SystemExit("error: --ckpt-every needs --ckpt-dir")
+    if args.resume and not args.ckpt_dir:
+        raise SystemExit("error: --resume needs --ckpt-dir")
+    for name in ("steps", "seq_len", "micro_batch_size"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be positive")
+    if args.overlap and args.schedule in ("1f1b", "zb1p"):
+        args.overlap = False  # nothing is paired in these schedules
+
+
+@dataclass(slots=True)
+class Run:
+    """Everything one rank needs inside the loop."""
+
+    args: argparse.Namespace
+    layout: object
+    pipe: Pipeline
+    optimizer: torch.optim.Optimizer
+    corpus: ByteCorpus
+    device: torch.device
+    num_chunks: int
+    first_modules: list[int]
+    last_modules: list[int]
+    owns_process_group: bool
+
+    @property
+    def global_batch(self) -> int:
+        return self.num_chunks * self.args.micro_batch_size * self.args.ep
+
+
+def setup(args: argparse.Namespace) -> Run:
+    cuda = torch.cuda.is_available() and "LOCAL_RANK" in os.environ
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    owns_pg = not dist.is_initialized()
+    if owns_pg:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    world = dist.get_world_size()
+    check_args(args, world)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.manual_seed(args.seed)
+    overrides = {"vocab_size": ByteCorpus.vocab_size}
+    if args.layers:
+        overrides["num_layers"] = args.layers
+    cfg = preset(args.preset, **overrides)
+    stages_needed = 2 * args.pp if args.schedule == "dualpipev" else args.pp
+    if cfg.num_layers < stages_needed:
+        raise SystemExit(
+            f"error: {args.schedule} at pp={args.pp} has {stages_needed} stages but the model has "
+            f"{cfg.num_layers} layers; pass --layers {stages_needed} or more"
+        )
+    if cfg.num_experts % args.ep:
+        raise SystemExit(f"error: {cfg.num_experts} experts do not divide over --ep {args.ep}")
+    pc = ParallelConfig(
+        pp=args.pp,
+        ep=args.ep,
+        schedule=args.schedule,
+        dispatcher=args.dispatcher,
+        comm_sms=args.comm_sms,
+        recompute=args.recompute,
+    )
+    layout = init_layout(pc, device.type)
+    dtype = getattr(torch, args.dtype)
+    stages = build_stages(cfg, layout, seed=args.seed, dtype=dtype, device=device)
+    pipe = PIPELINES[args.schedule](
+        list(stages),
+        process_group=layout.pp_group,
+        timeout=args.timeout,
+        overlap=args.overlap and args.schedule.startswith("dualpipe"),
+    )
+    params = list({id(p): p for p in pipe.parameters()}.values())
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    corpus = ByteCorpus(args.data)
+    chunks = args.num_chunks or max(2 * args.pp, 2)
+    for stage in stages:
+        # The step averages the LM loss over micro-batches (loss_reduction="mean"); the balance loss, added
+        # inside each stage per micro-batch, must be averaged the same way.
+        stage.aux_loss_scale = 1.0 / chunks
+    first = [m for m in range(len(pipe.module)) if pipe.layout.is_first(pipe.rank, m)]
+    last = [m for m in range(len(pipe.module)) if pipe.layout.is_last(pipe.rank, m)]
+    return Run(args, layout, pipe, optimizer, corpus, device, chunks, first, last, owns_pg)
+
+
+def lr_at(args: argparse.Namespace, step: int) -> float:
+    if step <= args.warmup:
+        return args.lr * step / max(args.warmup, 1)
+    progress = (step - args.warmup) / max(args.steps - args.warmup, 1)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def step_inputs(run: Run, step: int, split: str) -> tuple[tuple, tuple]:
+    """(inputs, labels) this pipeline rank feeds to ``pipe.step``.
+
+    The global batch of the step depends on (seed, step) only; each ep rank takes its slice. DualPipe feeds
+    half of the micro-batches at each end: rank 0's inputs are labelled at rank N-1 and vice versa.
+    """
+    args = run.args
+    ids, labels = run.corpus.batch(
+        step, run.global_batch, args.seq_len, seed=args.seed, dp_rank=run.layout.ep_rank, dp_size=args.ep, split=split
+    )
+    ids, labels = ids.to(run.device), labels.to(run.device)
+    pipe = run.pipe
+    if args.schedule == "dualpipe":
+        half = ids.shape[0] // 2
+        halves = {0: (ids[:half], labels[:half]), 1: (ids[half:], labels[half:])}
+        inputs = (halves[run.pipe.layout.path_of(pipe.rank, run.first_modules[0])][0],) if run.first_modules else ()
+        tgt = (halves[run.pipe.layout.path_of(pipe.rank, run.last_modules[0])][1],) if run.last_modules else ()
+        return inputs, tgt
+    return ((ids,) if run.first_modules else ()), ((labels,) if run.last_modules else ())
+
+
+def global_mean_loss(run: Run, loss: torch.Tensor | None) -> float:
+    """Mean micro-batch loss over every rank that computed one (all ranks call this)."""
+    total = torch.zeros(2, dtype=torch.float64, device=run.device)
+    if loss is not None:
+        total[0], total[1] = loss.double().sum(), loss.numel()
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def expert_imbalance(run: Run) -> float:
+    """max / mean tokens per expert over this rank's MoE layers (1.0 is perfect balance), before reset."""
+    worst = 1.0
+    for stage in run.pipe.module:
+        for block in stage.blocks.values():
+            router = getattr(block, "router", None)
+            if router is None or not getattr(block, "is_moe", False):
+                continue
+            load = router.expert_load.double()
+            if load.sum() > 0:
+                worst = max(worst, (load.max() / load.mean()).item())
+    return worst
+
+
+def validate(run: Run, step: int) -> float:
+    losses = []
+    run.pipe.eval()  # routers count expert load only in training mode
+    with torch.no_grad():
+        for i in range(run.args.val_batches):
+            inputs, labels = step_inputs(run, step * 1000 + i, "val")
+            loss, _ = run.pipe.step(*inputs, num_chunks=run.num_chunks, criterion=lm_loss, labels=labels)
+            losses.append(global_mean_loss(run, loss))
+    run.pipe.train()
+    return sum(losses) / len(losses)
+
+
+def train_step(run: Run, step: int) -> tuple[float, float]:
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(run.args, step)
+    run.optimizer.zero_grad(set_to_none=True)
+    inputs, labels = step_inputs(run, step, "train")
+    loss, _ = run.pipe.step(*inputs, num_chunks=run.num_chunks, criterion=lm_loss, labels=labels, loss_reduction="mean")
+    reduce_gradients(list(run.pipe.module), run.layout)
+    imbalance = expert_imbalance(run)
+    run.optimizer.step()
+    balance_routers(list(run.pipe.module), run.layout)
+    return global_mean_loss(run, loss), imbalance
+
+
+def save(run: Run, step: int) -> None:
+    meta = {"data_step": step, "args": vars(run.args), "pp": run.args.pp, "ep": run.args.ep}
+    rank_state = {"torch_rng": torch.get_rng_state()}
+    save_checkpoint(run.args.ckpt_dir, step, list(run.pipe.module), run.optimizer, meta, rank_state)
+
+
+def resume(run: Run) -> int:
+    path = latest_checkpoint(run.args.ckpt_dir)
+    if path is None:
+        return 0
+    meta, rank_state = load_checkpoint(path, list(run.pipe.module), run.optimizer)
+    if rank_state is not None:
+        torch.set_rng_state(rank_state["torch_rng"])
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} (step {meta['step']}, written at pp={meta['pp']} ep={meta['ep']})", flush=True)
+    return int(meta["step"])
+
+
+def maybe_kill(args: argparse.Namespace, step: int) -> None:
+    """The failure drill: a real SIGKILL of one rank, once, so torchrun's restart path gets exercised."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if args.kill_rank_at_step == step and first_attempt and dist.get_rank() == 1:
+        print(f"failure drill: killing rank 1 at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def timed_step(run: Run, step: int, profile: bool) -> tuple[float, float, float]:
+    """(loss, expert imbalance, seconds) of one training step, under the torch profiler when asked."""
+    t0 = time.monotonic()
+    if not profile:
+        loss, imbalance = train_step(run, step)
+        return loss, imbalance, time.monotonic() - t0
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile() as prof:
+        loss, imbalance = train_step(run, step)
+    dt = time.monotonic() - t0
+    Path(run.args.trace_dir).mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(Path(run.args.trace_dir) / f"trace_rank{dist.get_rank()}.json"))
+    return loss, imbalance, dt
+
+
+def progress_line(args: argparse.Namespace, record: dict, eta: float) -> str:
+    val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
+    return (
+        f"step {record['step']:5d}/{args.steps}  loss {record['loss']:.4f}{val}  "
+        f"{record['tokens_per_s']:8.0f} tok/s  imbalance {record['expert_imbalance']:4.2f}  eta {eta:6.1f}s"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run = setup(args)
+    rank = dist.get_rank()
+    start_step = resume(run) if args.resume else 0
+    tokens_per_step = run.global_batch * args.seq_len
+    metrics = open(args.metrics_file, "a") if args.metrics_file and rank == 0 else None  # noqa: SIM115
+    if rank == 0:
+        print(
+            f"MoE {args.preset}: pp={args.pp} ep={args.ep} {args.schedule} overlap={args.overlap} "
+            f"chunks={run.num_chunks} tokens/step={tokens_per_step} data: {run.corpus.description}",
+            flush=True,
+        )
+    t_start = time.monotonic()
+    for done, step in enumerate(range(start_step + 1, args.steps + 1), start=1):
+        maybe_kill(args, step)
+        profile = bool(args.trace_dir) and step == start_step + 2
+        loss, imbalance, dt = timed_step(run, step, profile)
+        record = {
+            "step": step,
+            "loss": loss,
+            "tokens_per_s": tokens_per_step / dt,
+            "step_time_s": dt,
+            "lr": lr_at(args, step),
+            "expert_imbalance": imbalance,
+        }
+        if args.val_every and step % args.val_every == 0:
+            record["val_loss"] = validate(run, step)
+        if args.ckpt_every and step % args.ckpt_every == 0:
+            save(run, step)
+        if rank != 0:
+            continue
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        if step % args.log_every == 0 or done == 1 or step == args.steps or "val_loss" in record:
+            eta = (time.monotonic() - t_start) / done * (args.steps - step)
+            print(progress_line(args, record, eta), flush=True)
+    if metrics is not None:
+        metrics.close()
+    dist.barrier()
+    if run.owns_process_group:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
