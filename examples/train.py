@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dispatcher", default="alltoall", choices=("local", "alltoall", "deepep"))
     p.add_argument("--comm-sms", type=int, default=20, help="SMs reserved for communication (GPU)")
     p.add_argument("--recompute", action="store_true", help="recompute attention and MLP in backward")
+    p.add_argument("--bias-update-rate", type=float, default=None,
+                   help="aux-loss-free balancing step per training step (default: the preset's)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=4)
@@ -144,6 +146,8 @@ def setup(args: argparse.Namespace) -> Run:
     overrides = {"vocab_size": ByteCorpus.vocab_size}
     if args.layers:
         overrides["num_layers"] = args.layers
+    if args.bias_update_rate is not None:
+        overrides["bias_update_rate"] = args.bias_update_rate
     cfg = preset(args.preset, **overrides)
     stages_needed = 2 * args.pp if args.schedule == "dualpipev" else args.pp
     if cfg.num_layers < stages_needed:
