@@ -9,8 +9,24 @@ import pytest
 
 from tests.distributed import run_ranks
 
-COMMON = ["--preset", "tiny", "--layers", "4", "--seq-len", "32", "--micro-batch-size", "2", "--val-every", "0",
-          "--log-every", "100", "--lr", "3e-3", "--warmup", "2"]
+COMMON = [
+    "--preset",
+    "tiny",
+    "--layers",
+    "4",
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--val-every",
+    "0",
+    "--log-every",
+    "100",
+    "--lr",
+    "3e-3",
+    "--warmup",
+    "2",
+]
 
 
 def _train(rank: int, world: int, argv: list[str]) -> list[dict]:
@@ -47,7 +63,10 @@ def test_schedules_do_not_change_the_math(tmp_path: Path) -> None:
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path) -> None:
     args = ["--pp", "2", "--ep", "1", "--steps", "4", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
-    full = losses(train(2, tmp_path, "full", *args))
+    full = losses(train(2, tmp_path, "full", *args, "--trace-dir", str(tmp_path / "trace")))
+    for rank in (0, 1):  # --trace-dir: a torch profiler trace of the second step per rank
+        trace = json.loads((tmp_path / "trace" / f"trace_rank{rank}.json").read_text())
+        assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
     first = losses(train(2, tmp_path, "first", *args[:-2], "--ckpt-every", "2", "--steps", "2"))
     assert first == {1: full[1], 2: full[2]}
     # a fresh directory holds only the 2-step run's checkpoint
@@ -61,8 +80,9 @@ def test_a_checkpoint_loads_at_another_layout(tmp_path: Path) -> None:
     full = losses(train(4, tmp_path, "full", "--pp", "2", "--ep", "2", "--steps", "4", "--num-chunks", "4"))
     train(4, tmp_path, "first", "--pp", "2", "--ep", "2", "--steps", "2", "--num-chunks", "4", *ckpt)
     # Written at pp=2 x ep=2 (4 ranks), continued at pp=1 x ep=2 (2 ranks): same global batch, same math.
-    resumed = losses(train(2, tmp_path, "moved", "--pp", "1", "--ep", "2", "--steps", "4", "--num-chunks", "4",
-                           *ckpt, "--resume"))
+    resumed = losses(
+        train(2, tmp_path, "moved", "--pp", "1", "--ep", "2", "--steps", "4", "--num-chunks", "4", *ckpt, "--resume")
+    )
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert resumed[step] == pytest.approx(full[step], rel=2e-5)
