@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from dualpipe.schedule import SCHEDULES as PIPELINE_SCHEDULES
+from dualpipe.schedule import Layout
 from moe.block import Block
 from moe.config import MoEConfig
 from moe.dispatch import DISPATCHERS, make_dispatcher
@@ -35,7 +37,7 @@ __all__ = [
     "split_layers",
 ]
 
-SCHEDULES = ("dualpipe", "dualpipev", "1f1b", "zb1p")
+SCHEDULES = tuple(PIPELINE_SCHEDULES)  # the pipeline's schedule names; their layouts place the stages
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,12 +73,17 @@ class ParallelConfig:
             raise ValueError(f"comm_sms must be >= 0, got {self.comm_sms}")
 
     @property
+    def stage_layout(self) -> Layout:
+        """Where the schedule puts each stage: ``stage_layout.locate(pp_rank, module)[1]`` is its index."""
+        return PIPELINE_SCHEDULES[self.schedule].layout(self.pp)
+
+    @property
     def num_stages(self) -> int:
-        return 2 * self.pp if self.schedule == "dualpipev" else self.pp
+        return len(self.stage_layout.paths[0])
 
     @property
     def modules_per_rank(self) -> int:
-        return 2 if self.schedule in ("dualpipe", "dualpipev") else 1
+        return self.stage_layout.modules_per_rank
 
 
 @dataclass(kw_only=True, slots=True)
@@ -189,7 +196,8 @@ def build_stages(
         kind, cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size, dtype=dtype, comm_sms=pc.comm_sms
     )
     ranges = split_layers(cfg.num_layers, pc.num_stages)
-    ids = (layout.pp_rank, pc.num_stages - 1 - layout.pp_rank)[: pc.modules_per_rank]
+    stage_layout = pc.stage_layout
+    ids = [stage_layout.locate(layout.pp_rank, m)[1] for m in range(stage_layout.modules_per_rank)]
     stages = []
     for sid in ids:
         stage = MoEStage(
