@@ -23,8 +23,13 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # as examples/launch/cluster_env.sh sets for restarts
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }  # as examples/launch/cluster_env.sh sets for restarts
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
     return env
 
@@ -47,40 +52,102 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
     train_args = [*COMMON, "--pp", "2", "--ep", "2", "--steps", "3", "--num-chunks", "4"]
     procs = []
     for node in (0, 1):
-        env = {**_env(), "NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "GPUS_PER_NODE": "2"}
+        env = {
+            **_env(),
+            "NNODES": "2",
+            "NODE_RANK": str(node),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GPUS_PER_NODE": "2",
+        }
         metrics = ["--metrics-file", str(tmp_path / "two.jsonl")] if node == 0 else []
-        procs.append(subprocess.Popen(["bash", str(ROOT / "examples/launch/torchrun_static.sh"), *train_args,
-                                       *metrics], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                ["bash", str(ROOT / "examples/launch/torchrun_static.sh"), *train_args, *metrics],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     two_nodes = _metrics(tmp_path / "two.jsonl")
     one_node = subprocess.run(
-        _torchrun("--standalone", "--nproc-per-node", "4", str(ROOT / "examples/train.py"), *train_args,
-                  "--metrics-file", str(tmp_path / "one.jsonl")),
-        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300,
+        _torchrun(
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            str(ROOT / "examples/train.py"),
+            *train_args,
+            "--metrics-file",
+            str(tmp_path / "one.jsonl"),
+        ),
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert one_node.returncode == 0, one_node.stdout[-3000:] + one_node.stderr[-3000:]
     assert two_nodes == _metrics(tmp_path / "one.jsonl")  # same ranks, same math: bitwise equal
 
 
 def test_a_killed_rank_restarts_from_the_last_checkpoint(tmp_path: Path) -> None:
-    base = [*COMMON, "--pp", "2", "--ep", "1", "--steps", "6", "--ckpt-dir", str(tmp_path / "ckpt"),
-            "--ckpt-every", "2", "--resume"]
+    base = [
+        *COMMON,
+        "--pp",
+        "2",
+        "--ep",
+        "1",
+        "--steps",
+        "6",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--ckpt-every",
+        "2",
+        "--resume",
+    ]
     run = subprocess.run(
-        _torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(ROOT / "examples/train.py"),
-                  *base, "--kill-rank-at-step", "4", "--metrics-file", str(tmp_path / "killed.jsonl")),
-        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=400,
+        _torchrun(
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            str(ROOT / "examples/train.py"),
+            *base,
+            "--kill-rank-at-step",
+            "4",
+            "--metrics-file",
+            str(tmp_path / "killed.jsonl"),
+        ),
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
     assert "failure drill: killing rank 1 at step 4" in log
     assert "(step 2, written at pp=2 ep=1)" in log  # the restart resumed from the step-2 checkpoint
     clean = subprocess.run(
-        _torchrun("--standalone", "--nproc-per-node", "2", str(ROOT / "examples/train.py"), *base[:-5],
-                  "--metrics-file", str(tmp_path / "clean.jsonl")),
-        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300,
+        _torchrun(
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "examples/train.py"),
+            *base[:-5],
+            "--metrics-file",
+            str(tmp_path / "clean.jsonl"),
+        ),
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
     recovered, uninterrupted = _metrics(tmp_path / "killed.jsonl"), _metrics(tmp_path / "clean.jsonl")
@@ -97,9 +164,14 @@ def test_launch_scripts_parse(script: str) -> None:
 def test_the_readme_main_command(tmp_path: Path) -> None:
     """`bash scripts/run.sh` (shortened): DualPipeV with overlap at pp=2 x ep=2 on 4 CPU ranks learns."""
     metrics = tmp_path / "main.jsonl"
-    run = subprocess.run(["bash", str(ROOT / "scripts/run.sh"), "--steps", "25", "--val-every", "0",
-                          "--metrics-file", str(metrics)], env=_env(), cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts/run.sh"), "--steps", "25", "--val-every", "0", "--metrics-file", str(metrics)],
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "pp=2 ep=2 dualpipev overlap=True" in run.stdout
     loss = _metrics(metrics)
