@@ -3,8 +3,8 @@
     results = run_ranks(fn, world_size=4, args=(...,), timeout=60)
 
 ``fn(rank, world_size, *args)`` runs in a fresh process per rank with the default process group already
-initialised (gloo, file rendezvous, so no ports are taken). Its return value comes back in
-``results[rank]``. If any rank raises, the others are killed and :class:`RankFailure` carries the child's
+initialised (gloo, file rendezvous, so no ports are taken). Its return value (tensors included, copied)
+comes back in ``results[rank]``. If any rank raises, the others are killed and :class:`RankFailure` carries the child's
 formatted traceback; if the ranks do not finish within ``timeout`` seconds (a deadlock), all are killed
 and :class:`RankTimeout` says which ranks were still running.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -52,10 +53,10 @@ def _child(
     out: mp.Queue,
 ) -> None:
     os.environ.update(env)
-    try:
-        import torch
-        import torch.distributed as dist
+    import torch
+    import torch.distributed as dist
 
+    try:
         torch.set_num_threads(1)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -66,13 +67,43 @@ def _child(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        out.put((rank, True, result))
+        result = fn(rank, world_size, *args)
+        # Plain pickle copies tensors by value; the queue's own pickler would share their storage through
+        # file descriptors that die with this process.
+        out.put((rank, True, pickle.dumps(result)))
     except BaseException:
+        # Reported before the process group closes, so the root cause reaches the parent before the
+        # "connection closed" errors it causes on the peers.
         out.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# Errors that usually only echo another rank's failure (its connections closed under us).
+_ECHOES = ("Connection closed by peer", "Connection reset by peer", "PipelineCommError")
+
+
+def _failure_report(failures: dict[int, str]) -> str:
+    ranked = sorted(failures.items(), key=lambda kv: (any(e in kv[1] for e in _ECHOES), kv[0]))
+    first, rest = ranked[0], ranked[1:]
+    report = f"rank {first[0]} raised:\n{first[1]}"
+    for rank, tb in rest:
+        report += f"\n(rank {rank} also failed: {tb.strip().splitlines()[-1]})"
+    return report
+
+
+def _collect_failures(out: mp.Queue, failures: dict[int, str], grace: float) -> dict[int, str]:
+    """Gather the other ranks' reports for ``grace`` seconds after the first failure."""
+    end = time.monotonic() + grace
+    while (left := end - time.monotonic()) > 0:
+        try:
+            rank, ok, payload = out.get(timeout=left)
+        except queue.Empty:
+            break
+        if not ok:
+            failures[rank] = payload
+    return failures
 
 
 def run_ranks(
@@ -122,8 +153,8 @@ def run_ranks(
                         ) from None
                     continue
                 if not ok:
-                    raise RankFailure(f"rank {rank} raised:\n{payload}")
-                results[rank] = payload
+                    raise RankFailure(_failure_report(_collect_failures(out, {rank: payload}, grace=2.0)))
+                results[rank] = pickle.loads(payload)
         finally:
             for p in procs:
                 if p.is_alive():
