@@ -43,8 +43,18 @@ def _metrics(path: Path) -> dict[int, float]:
     return out
 
 
-def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *args]
+def _run(argv: list[str], timeout: float = 300) -> str:
+    """Run a command from the repository root; fail with the tail of its output unless it exits 0."""
+    done = subprocess.run(argv, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    return log
+
+
+def _train(nproc: int, *args: str, restarts: int = 0, timeout: float = 300) -> str:
+    """examples/train.py under a single-node torchrun."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return _run([*torchrun, "--max-restarts", str(restarts), str(ROOT / "examples/train.py"), *args], timeout)
 
 
 def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
@@ -74,23 +84,7 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     two_nodes = _metrics(tmp_path / "two.jsonl")
-    one_node = subprocess.run(
-        _torchrun(
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            str(ROOT / "examples/train.py"),
-            *train_args,
-            "--metrics-file",
-            str(tmp_path / "one.jsonl"),
-        ),
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert one_node.returncode == 0, one_node.stdout[-3000:] + one_node.stderr[-3000:]
+    _train(4, *train_args, "--metrics-file", str(tmp_path / "one.jsonl"))
     assert two_nodes == _metrics(tmp_path / "one.jsonl")  # same ranks, same math: bitwise equal
 
 
@@ -109,47 +103,11 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint(tmp_path: Path) -> None
         "2",
         "--resume",
     ]
-    run = subprocess.run(
-        _torchrun(
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "1",
-            str(ROOT / "examples/train.py"),
-            *base,
-            "--kill-rank-at-step",
-            "4",
-            "--metrics-file",
-            str(tmp_path / "killed.jsonl"),
-        ),
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, log[-4000:]
+    metrics = ["--metrics-file", str(tmp_path / "killed.jsonl")]
+    log = _train(2, *base, "--kill-rank-at-step", "4", *metrics, restarts=1, timeout=400)
     assert "failure drill: killing rank 1 at step 4" in log
     assert "(step 2, written at pp=2 ep=1)" in log  # the restart resumed from the step-2 checkpoint
-    clean = subprocess.run(
-        _torchrun(
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(ROOT / "examples/train.py"),
-            *base[:-5],
-            "--metrics-file",
-            str(tmp_path / "clean.jsonl"),
-        ),
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+    _train(2, *base[:-5], "--metrics-file", str(tmp_path / "clean.jsonl"))
     recovered, uninterrupted = _metrics(tmp_path / "killed.jsonl"), _metrics(tmp_path / "clean.jsonl")
     assert sorted(recovered) == list(range(1, 7))
     assert recovered[6] == uninterrupted[6]
@@ -164,16 +122,11 @@ def test_launch_scripts_parse(script: str) -> None:
 def test_the_readme_main_command(tmp_path: Path) -> None:
     """`bash scripts/run.sh` (shortened): DualPipeV with overlap at pp=2 x ep=2 on 4 CPU ranks learns."""
     metrics = tmp_path / "main.jsonl"
-    run = subprocess.run(
+    log = _run(
         ["bash", str(ROOT / "scripts/run.sh"), "--steps", "25", "--val-every", "0", "--metrics-file", str(metrics)],
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "pp=2 ep=2 dualpipev overlap=True" in run.stdout
+    assert "pp=2 ep=2 dualpipev overlap=True" in log
     loss = _metrics(metrics)
     assert sorted(loss) == list(range(1, 26))
     assert loss[25] < loss[1] - 1.0  # byte-level LM from ~ln(256)=5.5: clearly learning
