@@ -136,7 +136,11 @@ class Pipeline(nn.Module):
 
     # -- configuration --------------------------------------------------------------------------------
     def set_p2p_tensor_shapes(self, shapes: Sequence[Sequence[int]] | None) -> None:
-        """Declare the shape of every tensor crossing a stage boundary (``None``: infer per message)."""
+        """Declare the shape of every tensor crossing this pipeline's stage boundaries.
+
+        ``None`` drops this pipeline's own declaration: the process-wide one (the reference's
+        ``dualpipe.set_p2p_tensor_shapes``) applies if set, else shapes are inferred per message.
+        """
         dtypes = self._own_shapes[1] if self._own_shapes else None
         self._own_shapes = (None if shapes is None else [tuple(s) for s in shapes], dtypes)
 
