@@ -228,7 +228,13 @@ class P2P:
         """Issue ``ops`` as one group (one NCCL group on CUDA)."""
         if not ops:
             return []
-        return list(dist.batch_isend_irecv(ops))
+        try:
+            return list(dist.batch_isend_irecv(ops))
+        except RuntimeError as exc:  # gloo fails the post itself once a peer's connection has closed
+            raise PipelineCommError(
+                f"pipeline rank could not post its sends and receives: {exc}. A peer rank probably failed "
+                "(see its error)."
+            ) from exc
 
     def wait(self, works: Sequence[dist.Work], what: str) -> None:
         for w in works:
