@@ -107,19 +107,89 @@ class Block(nn.Module):
         shared_BSD = self.shared(z_BSD, sink) if self.shared is not None else None
         return y_RD, shared_BSD
 
-    def forward(self, h_BSD: torch.Tensor, aux_scale: float = 1.0) -> torch.Tensor:
-        """One autograd graph through the whole block (single process only: dispatch is the identity)."""
+    def forward(
+        self, h_BSD: torch.Tensor, aux_scale: float = 1.0, recorder: EventRecorder | None = None
+    ) -> torch.Tensor:
+        """One autograd graph through the whole block.
+
+        Without expert parallelism dispatch is the identity. With a communicating dispatcher each
+        all-to-all is a blocking autograd node (:class:`_BlockingDispatch`, :class:`_BlockingCombine`) whose
+        backward is the opposite all-to-all: the plain graph a model with blocking all-to-all has, which
+        graph-walking schedules (torch.distributed.pipelining's split backward) can take apart. ``recorder``
+        records the all-to-alls (they hide nothing: each is waited right after it starts).
+        """
         a_BSD, z_BSD, routing = self.attn_compute(h_BSD, None, aux_scale=aux_scale)
         if routing is None:
             y_BSD, _ = self.mlp_compute(None, z_BSD, None)
             return a_BSD + y_BSD
         assert self._dispatcher is not None
+        z_TD = z_BSD.reshape(-1, z_BSD.shape[-1])
         if self._dispatcher.communicates:
-            raise RuntimeError("Block.forward builds one graph and cannot cross ranks; use a MoEStage")
-        recv = Dispatched(z_BSD.reshape(-1, z_BSD.shape[-1]), routing.topk_idx_TK, routing.topk_weights_TK)
+            comm = _BlockingComm(self._dispatcher, self._dispatcher.plan(routing.topk_idx_TK), recorder, self.layer)
+            x_RD, weights_RK = _BlockingDispatch.apply(comm, z_TD, routing.topk_weights_TK)
+            recv = Dispatched(x_RD, comm.local_idx_RK, weights_RK)
+        else:
+            comm = None
+            recv = Dispatched(z_TD, routing.topk_idx_TK, routing.topk_weights_TK)
         y_RD, shared_BSD = self.mlp_compute(recv, z_BSD, None)
-        out_BSD = a_BSD + y_RD.view_as(a_BSD)
+        y_TD = y_RD if comm is None else _BlockingCombine.apply(comm, y_RD)
+        out_BSD = a_BSD + y_TD.view_as(a_BSD)
         return out_BSD + shared_BSD if shared_BSD is not None else out_BSD
+
+
+class _BlockingComm:
+    """What one block's blocking all-to-alls share for one micro-batch: dispatcher, route, recorder."""
+
+    def __init__(self, dispatcher: TokenDispatcher, route: Route, recorder: EventRecorder | None, layer: int) -> None:
+        self.dispatcher, self.route, self.recorder, self.layer = dispatcher, route, recorder, layer
+        self.local_idx_RK: torch.Tensor | None = None
+
+    def run(self, name: str, direction: str, start):
+        """Start one all-to-all and wait for it right away (recording both edges)."""
+        record_edge(self.recorder, name, direction, self.layer, "start")
+        out = start().wait()
+        record_edge(self.recorder, name, direction, self.layer, "wait")
+        return out
+
+
+class _BlockingDispatch(torch.autograd.Function):
+    """``(x_TD, weights_TK) -> (x_RD, weights_RK)``; backward: the dispatch gradient (combine direction)."""
+
+    @staticmethod
+    def forward(ctx, comm: _BlockingComm, x_TD: torch.Tensor, weights_TK: torch.Tensor):
+        got = comm.run("dispatch", "fwd", lambda: comm.dispatcher.dispatch(comm.route, x_TD, weights_TK))
+        comm.local_idx_RK = got.local_idx_RK
+        ctx.comm = comm
+        # Shapes for zero gradients of an unused output (a rank whose experts received no rows).
+        ctx.metas = tuple((t.shape, t.dtype, t.device) for t in (got.x_RD, got.weights_RK))
+        return got.x_RD, got.weights_RK
+
+    @staticmethod
+    def backward(ctx, grad_x_RD: torch.Tensor | None, grad_w_RK: torch.Tensor | None):
+        comm: _BlockingComm = ctx.comm
+        (x_shape, x_dtype, device), (w_shape, w_dtype, _) = ctx.metas
+        if grad_x_RD is None:
+            grad_x_RD = torch.zeros(x_shape, dtype=x_dtype, device=device)
+        if grad_w_RK is None:
+            grad_w_RK = torch.zeros(w_shape, dtype=w_dtype, device=device)
+        grad_x_TD, grad_w_TK = comm.run(
+            "dispatch", "bwd", lambda: comm.dispatcher.dispatch_backward(comm.route, grad_x_RD, grad_w_RK)
+        )
+        return None, grad_x_TD, grad_w_TK
+
+
+class _BlockingCombine(torch.autograd.Function):
+    """``y_RD -> y_TD`` (partial rows summed into their tokens); backward: the combine gradient."""
+
+    @staticmethod
+    def forward(ctx, comm: _BlockingComm, y_RD: torch.Tensor):
+        ctx.comm = comm
+        return comm.run("combine", "fwd", lambda: comm.dispatcher.combine(comm.route, y_RD))
+
+    @staticmethod
+    def backward(ctx, grad_y_TD: torch.Tensor):
+        comm: _BlockingComm = ctx.comm
+        return None, comm.run("combine", "bwd", lambda: comm.dispatcher.combine_backward(comm.route, grad_y_TD))
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:

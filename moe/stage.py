@@ -160,8 +160,12 @@ class MoEStage(nn.Module):
     logits ``[B, S, V]`` on the last stage (loss: :func:`moe.model.lm_loss`). Parameters are named by
     global layer index, so any partition of the model carries the same names.
 
-    ``piecewise=False`` builds one ordinary autograd graph instead (single process only), the oracle the
-    piecewise path is tested against. ``recorder`` (an :class:`EventRecorder`) records sub-stage events.
+    ``piecewise=False`` builds one ordinary autograd graph instead: in one process the oracle the piecewise
+    path is tested against; with expert parallelism each all-to-all is a blocking autograd node, as in a
+    model without overlap (the graph ``torch.distributed.pipelining`` schedules take apart). Such stages
+    run in a pipeline with ``overlap=False`` only: ``overlapped_forward_backward`` needs the piecewise path.
+    ``recorder`` (an :class:`EventRecorder`) records sub-stage events (only the all-to-alls when not
+    piecewise).
     ``stage_index`` is the stage's position in the pipeline (set by :func:`moe.parallel.build_stages`).
     ``aux_loss_scale`` weights the sequence-wise balance loss's gradient per micro-batch: keep 1.0 when the
     pipeline sums micro-batch losses (DualPipe's default), set ``1 / num_chunks`` with
@@ -188,8 +192,6 @@ class MoEStage(nn.Module):
         self.cfg = cfg
         self.first, self.last = first, last
         dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(cfg.num_experts)
-        if not piecewise and dispatcher.communicates:
-            raise ValueError("piecewise=False builds one local graph; expert parallelism needs the piecewise path")
         self.dispatcher = dispatcher
         self.recompute = recompute
         self.piecewise = piecewise
@@ -243,7 +245,7 @@ class MoEStage(nn.Module):
     def _graph_forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x
         for block in self.blocks.values():
-            h = block(h, self.aux_loss_scale)
+            h = block(h, self.aux_loss_scale, self.recorder)
         if self.head is not None:
             assert self.norm is not None
             h = self.head(self.norm(h))
@@ -272,6 +274,10 @@ class MoEStage(nn.Module):
         Every all-to-all is started before the other micro-batch's compute and waited where its result is
         consumed. Returns ``(outputs0, loss0)`` as the reference hook does.
         """
+        if not (module0.piecewise and module1.piecewise):
+            raise ValueError(
+                "overlapped_forward_backward needs piecewise=True stages; run piecewise=False ones with overlap=False"
+            )
         if loss1 is not None:
             run1 = _find_run([loss1])
             run1.capture = True

@@ -54,7 +54,7 @@ def test_bad_parallel_config():
         ParallelConfig(dispatcher="nccl")
     with pytest.raises(ValueError, match="even number of pipeline ranks"):
         ParallelConfig(pp=3, schedule="dualpipe")
-    with pytest.raises(ValueError, match="expert parallelism needs the piecewise path"):
-        layout_free = make_dispatcher("local", 8)
-        layout_free.ep_size = 2  # a dispatcher that communicates
-        MoEStage(tiny_config(), range(2), first=True, last=True, dispatcher=layout_free, piecewise=False)
+    # Plain-graph stages (piecewise=False) run expert parallelism with blocking all-to-alls, but cannot pair.
+    plain = MoEStage(tiny_config(), range(2), first=True, last=True, piecewise=False)
+    with pytest.raises(ValueError, match="needs piecewise=True stages"):
+        MoEStage.overlapped_forward_backward(plain, [], None, [], plain, None, [], [])
