@@ -55,8 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dispatcher", default="alltoall", choices=("local", "alltoall", "deepep"))
     p.add_argument("--comm-sms", type=int, default=20, help="SMs reserved for communication (GPU)")
     p.add_argument("--recompute", action="store_true", help="recompute attention and MLP in backward")
-    p.add_argument("--bias-update-rate", type=float, default=None,
-                   help="aux-loss-free balancing step per training step (default: the preset's)")
+    p.add_argument(
+        "--bias-update-rate",
+        type=float,
+        default=None,
+        help="aux-loss-free balancing step per training step (default: the preset's)",
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=4)

@@ -1,0 +1,219 @@
+"""Summaries of one overlap benchmark run: per-mode rows, the targets, the table, the timeline picture.
+
+Input: the ``rank<R>.json`` files the ranks wrote (:mod:`bench.overlap_run`). Per step, all ranks' spans
+give one value of each metric; a mode's row holds the median over its timed steps and the spread
+(min..max) of the step time. Warm-up steps are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from bench.overlap_run import MODES
+from bench.overlap_stats import (
+    RankSteps,
+    comm_totals,
+    measured_bubble,
+    measured_costs,
+    parse_events,
+    predicted_bubble,
+    step_window,
+)
+
+__all__ = ["ModeRow", "Target", "collect", "loss_check", "rows_json", "summarise", "table", "targets"]
+
+BASELINE = "torch-dualpipev"
+
+
+@dataclass(kw_only=True, slots=True)
+class ModeRow:
+    """Medians over the timed steps of one mode (times in milliseconds)."""
+
+    mode: str
+    schedule: str
+    overlap: bool
+    steps: int
+    step_ms: float
+    step_ms_min: float
+    step_ms_max: float
+    tokens_per_s: float
+    vs_torch: float | None
+    """Step time over torch ScheduleDualPipeV's in the same run (< 1: faster)."""
+    bubble: float
+    bubble_predicted: float
+    """The simulator's bubble fraction from this mode's measured mean action costs."""
+    a2a_ms: float
+    """All-to-all in flight per rank per step (mean over ranks)."""
+    a2a_exposed_ms: float
+    """Of which the rank was blocked waiting."""
+    hidden: float
+    cpu_use: float
+    """CPU time of all ranks over (cores x step time): near 1, the machine, not the schedule, sets the pace."""
+    hidden_in_pairs: float | None
+    """Hidden fraction of the all-to-alls inside overlapped F&B pairs only (None: no pairs)."""
+    costs_ms: dict[str, float]
+    loss: float | None
+
+
+def _cpu_seconds(rank_files: list[dict]) -> dict[tuple[str, int], float]:
+    """(mode, step) -> CPU seconds all ranks used in the step."""
+    out: dict[tuple[str, int], float] = {}
+    for record in rank_files:
+        for s in record["steps"]:
+            out[(s["mode"], s["step"])] = out.get((s["mode"], s["step"]), 0.0) + s.get("cpu_s", math.nan)
+    return out
+
+
+def collect(rank_files: list[dict]) -> dict[str, list[tuple[int, dict[int, RankSteps]]]]:
+    """mode -> [(step, {rank: spans})] over the timed (non-warm-up) steps, in run order."""
+    out: dict[str, dict[int, dict[int, RankSteps]]] = {}
+    for record in rank_files:
+        for s in record["steps"]:
+            if s["warmup"]:
+                continue
+            out.setdefault(s["mode"], {}).setdefault(s["step"], {})[record["rank"]] = parse_events(s["events"])
+    return {mode: sorted(steps.items()) for mode, steps in out.items()}
+
+
+def _mode_losses(rank_files: list[dict], mode: str) -> dict[int, list[float]]:
+    """step -> every micro-batch loss any rank reported for ``mode``."""
+    losses: dict[int, list[float]] = {}
+    for record in rank_files:
+        for s in record["steps"]:
+            if s["mode"] == mode:
+                losses.setdefault(s["step"], []).extend(s["losses"])
+    return losses
+
+
+def loss_check(rank_files: list[dict]) -> dict:
+    """Mean micro-batch loss of every mode at every step (warm-up included: same weights, same data, so all
+    modes must agree), the largest difference to torch's, and torch's squared gradient norm against
+    DualPipeV's (same stage split, so the gradients must agree too)."""
+    modes = list(dict.fromkeys(s["mode"] for r in rank_files for s in r["steps"]))
+    means = {
+        m: {step: statistics.fmean(v) for step, v in sorted(_mode_losses(rank_files, m).items()) if v} for m in modes
+    }
+    out: dict = {"mean_loss": {m: list(v.values()) for m, v in means.items()}}
+    if BASELINE in means:
+        ref = means[BASELINE]
+        out["max_abs_diff_to_torch"] = {
+            m: max((abs(v[s] - ref[s]) for s in v if s in ref), default=math.nan) for m, v in means.items()
+        }
+    grads = {}
+    for s in rank_files[0]["steps"] if rank_files else []:
+        if not s["warmup"]:
+            grads.setdefault(s["mode"], []).append(s["grad_sq"])
+    out["grad_sq"] = grads
+    if BASELINE in grads and "dualpipev-overlap" in grads:
+        pairs = zip(grads[BASELINE], grads["dualpipev-overlap"])
+        out["grad_sq_rel_diff_torch_vs_dualpipev"] = max(abs(a - b) / max(abs(b), 1e-30) for a, b in pairs)
+    return out
+
+
+def _median(values: Sequence[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.median(kept) if kept else math.nan
+
+
+def _row(
+    mode: str, steps: list[tuple[int, dict[int, RankSteps]]], opts: dict, mean_loss: float | None, cpu: dict, cores: int
+) -> ModeRow:
+    schedule, overlap = MODES[mode]
+    num_ranks = opts["pp"]
+    per_step = []
+    all_ranks: list[RankSteps] = []
+    for step, ranks in steps:
+        t0, t1 = step_window(list(ranks.values()))
+        in_flight, exposed, hidden = comm_totals(list(ranks.values()))
+        costs = measured_costs(list(ranks.values()))
+        predicted = predicted_bubble(schedule, num_ranks, opts["chunks"], costs)
+        paired = comm_totals(list(ranks.values()), within="FB")[2]
+        use = cpu.get((mode, step), math.nan) / (cores * (t1 - t0))
+        per_step.append(
+            (t1 - t0, measured_bubble(list(ranks.values())), predicted, in_flight, exposed, hidden, paired, use)
+        )
+        all_ranks += ranks.values()
+    med = [_median(col) for col in zip(*per_step)]
+    step_s = med[0]
+    world = len(steps[0][1])
+    costs = measured_costs(all_ranks)
+    return ModeRow(
+        mode=mode,
+        schedule=schedule,
+        overlap=overlap,
+        steps=len(steps),
+        step_ms=step_s * 1e3,
+        step_ms_min=min(p[0] for p in per_step) * 1e3,
+        step_ms_max=max(p[0] for p in per_step) * 1e3,
+        tokens_per_s=opts["chunks"] * opts["micro_batch"] * opts["ep"] * opts["seq_len"] / step_s,
+        vs_torch=None,
+        bubble=med[1],
+        bubble_predicted=med[2],
+        a2a_ms=med[3] / world * 1e3,
+        a2a_exposed_ms=med[4] / world * 1e3,
+        hidden=med[5],
+        hidden_in_pairs=None if math.isnan(med[6]) else med[6],
+        cpu_use=med[7],
+        costs_ms={k: getattr(costs, k) * 1e3 for k in ("F", "B", "W", "FB")},
+        loss=mean_loss,
+    )
+
+
+def summarise(rank_files: list[dict]) -> list[ModeRow]:
+    """One row per mode, in the order the modes ran, with the ratio to torch's schedule filled in."""
+    opts = rank_files[0]["options"]
+    losses = loss_check(rank_files)["mean_loss"]
+    cpu, cores = _cpu_seconds(rank_files), rank_files[0].get("cores", 1)
+    rows = [_row(m, steps, opts, (losses.get(m) or [None])[-1], cpu, cores) for m, steps in collect(rank_files).items()]
+    base = next((r for r in rows if r.mode == BASELINE), None)
+    for r in rows:
+        r.vs_torch = r.step_ms / base.step_ms if base is not None else None
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    what: str
+    value: float
+    goal: str
+    met: bool
+
+
+def targets(rows: list[ModeRow]) -> list[Target]:
+    """The issue's targets for DualPipeV with overlap, evaluated (printed, never asserted)."""
+    by = {r.mode: r for r in rows}
+    out = []
+    ours = by.get("dualpipev-overlap")
+    if ours is None:
+        return out
+    out.append(Target("all-to-all hidden (dualpipev-overlap)", ours.hidden, ">= 0.80", ours.hidden >= 0.80))
+    if ours.vs_torch is not None:
+        out.append(Target("step time vs torch ScheduleDualPipeV", ours.vs_torch, "<= 0.80x", ours.vs_torch <= 0.80))
+    rel = abs(ours.bubble - ours.bubble_predicted) / ours.bubble_predicted if ours.bubble_predicted > 0 else math.nan
+    out.append(Target("|bubble measured - simulated| / simulated", rel, "<= 0.15", rel <= 0.15))
+    return out
+
+
+def table(rows: list[ModeRow]) -> str:
+    """Markdown table of the rows."""
+    lines = [
+        "| mode | step ms (min..max) | tokens/s | vs torch | bubble | bubble (sim) | a2a ms/rank | exposed ms "
+        "| hidden | hidden in F&B pairs | CPU use |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        vs = f"{r.vs_torch:.2f}x" if r.vs_torch is not None else "-"
+        pairs = f"{r.hidden_in_pairs:.2f}" if r.hidden_in_pairs is not None else "-"
+        lines.append(
+            f"| {r.mode} | {r.step_ms:.0f} ({r.step_ms_min:.0f}..{r.step_ms_max:.0f}) | {r.tokens_per_s:.0f} | {vs} "
+            f"| {r.bubble:.3f} | {r.bubble_predicted:.3f} | {r.a2a_ms:.0f} | {r.a2a_exposed_ms:.0f} | {r.hidden:.2f} "
+            f"| {pairs} | {r.cpu_use:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def rows_json(rows: list[ModeRow]) -> list[dict]:
+    return [asdict(r) for r in rows]

@@ -1,0 +1,238 @@
+"""Pure functions of the overlap benchmark: spans from recorded events, hidden all-to-all, bubbles, trace.
+
+An event is ``[name, direction, layer, edge, seconds]`` (see :mod:`bench.overlap_run`): compute sub-stages
+``begin``/``end``, all-to-alls ``start``/``wait``, pipeline actions (direction ``"action"``, layer = nesting
+depth) ``begin``/``end``, and the step's ``begin``/``end``.
+
+All-to-all accounting. A communication is *in flight* from its ``start`` to its ``wait`` (recorded right
+after the wait returned). The rank is *blocked* in the wait from the previous event it recorded (the end of
+the compute before the wait) to the ``wait``; that is the exposed part. ``hidden = 1 - exposed / in
+flight``: a blocking all-to-all (waited right after it started) hides nothing; one whose wait returns at
+once after the other micro-batch's compute hides all of it. When compute outlasts the transfer the
+in-flight time is the compute's, and all of it counts as hidden, which it is.
+
+Bubble: a rank is busy inside its top-level pipeline actions (F, B, I, W, F&B), waits for the all-to-all
+included, and idle elsewhere in the step window (waiting for pipeline messages). ``bubble fraction = idle
+time of all ranks / (ranks x step time)``, the simulator's definition.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from dualpipe.schedule import build_schedule
+from dualpipe.simulate import Costs, simulate
+
+__all__ = [
+    "ActionSpan",
+    "CommSpan",
+    "ComputeSpan",
+    "RankSteps",
+    "chrome_trace",
+    "comm_totals",
+    "measured_bubble",
+    "measured_costs",
+    "op_of",
+    "parse_events",
+    "predicted_bubble",
+]
+
+Event = Sequence  # [name, direction, layer, edge, seconds]
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeSpan:
+    name: str
+    direction: str
+    layer: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, slots=True)
+class CommSpan:
+    name: str
+    direction: str
+    layer: int
+    start: float
+    """Issued."""
+    wait: float
+    """Its result consumed (the wait returned)."""
+    blocked_from: float
+    """When the rank started blocking on it: the previous recorded event, not before ``start``."""
+
+    @property
+    def in_flight(self) -> float:
+        return self.wait - self.start
+
+    @property
+    def exposed(self) -> float:
+        return self.wait - self.blocked_from
+
+
+@dataclass(frozen=True, slots=True)
+class ActionSpan:
+    label: str
+    depth: int
+    start: float
+    end: float
+
+    @property
+    def op(self) -> str:
+        return op_of(self.label)
+
+
+@dataclass(slots=True)
+class RankSteps:
+    """One rank's spans in one step."""
+
+    begin: float
+    end: float
+    compute: list[ComputeSpan]
+    comm: list[CommSpan]
+    actions: list[ActionSpan]
+
+
+_OP = re.compile(r"^\((F)|^(F|B|I|W)")
+
+
+def op_of(label: str) -> str:
+    """``"F0.3"`` -> F, ``"(F0.4&B1.1)"`` -> FB, ``"I1.0"`` -> I, ``"W"`` -> W, ``"B2.5"`` -> B."""
+    m = _OP.match(label)
+    if m is None:
+        raise ValueError(f"not a compute action label: {label!r}")
+    return "FB" if m.group(1) else m.group(2)
+
+
+def parse_events(events: Iterable[Event]) -> RankSteps:
+    """Pair the edges of one rank's step into spans (events in program order)."""
+    begin = end = math.nan
+    compute: list[ComputeSpan] = []
+    comm: list[CommSpan] = []
+    actions: list[ActionSpan] = []
+    open_compute: dict[tuple, float] = {}
+    open_comm: dict[tuple, float] = {}
+    open_actions: dict[tuple, float] = {}
+    previous = math.nan
+    for name, direction, layer, edge, t in events:
+        key = (name, direction, layer)
+        if name == "step":
+            begin, end = (t, end) if edge == "begin" else (begin, t)
+        elif direction == "action":
+            if edge == "begin":
+                open_actions[key] = t
+            else:
+                actions.append(ActionSpan(name, layer, open_actions.pop(key), t))
+        elif edge == "begin":
+            open_compute[key] = t
+        elif edge == "end":
+            compute.append(ComputeSpan(name, direction, layer, open_compute.pop(key), t))
+        elif edge == "start":
+            open_comm[key] = t
+        elif edge == "wait":
+            start = open_comm.pop(key)
+            comm.append(CommSpan(name, direction, layer, start, t, max(start, previous)))
+        previous = t
+    return RankSteps(begin, end, compute, comm, actions)
+
+
+def comm_totals(ranks: Sequence[RankSteps], within: str | None = None) -> tuple[float, float, float]:
+    """``(in flight, exposed, hidden fraction)`` summed over the ranks of one step (seconds).
+
+    ``within="FB"`` counts only the all-to-alls inside overlapped pairs (top-level F&B actions): what the
+    overlap itself hides, without the schedule's unpaired warm-up and cool-down chunks.
+    """
+    comms = [c for r in ranks for c in (r.comm if within is None else _inside(r, within))]
+    in_flight = sum(c.in_flight for c in comms)
+    exposed = sum(c.exposed for c in comms)
+    hidden = 1.0 - exposed / in_flight if in_flight > 0 else math.nan
+    return in_flight, exposed, hidden
+
+
+def _inside(r: RankSteps, op: str) -> list[CommSpan]:
+    spans = [(a.start, a.end) for a in r.actions if a.depth == 0 and a.op == op]
+    return [c for c in r.comm if any(t0 <= c.start and c.wait <= t1 for t0, t1 in spans)]
+
+
+def step_window(ranks: Sequence[RankSteps]) -> tuple[float, float]:
+    """The step as the slowest rank sees it: first begin (after the barrier) to last end."""
+    return min(r.begin for r in ranks), max(r.end for r in ranks)
+
+
+def measured_bubble(ranks: Sequence[RankSteps]) -> float:
+    """Idle time outside top-level compute actions over ``ranks x step time``."""
+    t0, t1 = step_window(ranks)
+    span = t1 - t0
+    if span <= 0:
+        return math.nan
+    busy = sum(min(a.end, t1) - max(a.start, t0) for r in ranks for a in r.actions if a.depth == 0)
+    return (len(ranks) * span - busy) / (len(ranks) * span)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def measured_costs(ranks: Sequence[RankSteps]) -> Costs:
+    """Mean cost of each action kind over all ranks (every nesting level), in seconds.
+
+    ``B`` is the full backward: measured where the schedule runs full backwards, else input-gradient plus
+    weight-gradient parts. ``FB`` is the pair as run (``F + B`` when nothing runs paired).
+    """
+    by_op: dict[str, list[float]] = {}
+    for r in ranks:
+        for a in r.actions:
+            by_op.setdefault(a.op, []).append(a.end - a.start)
+    f = _mean(by_op.get("F", [])) or 0.0
+    w = _mean(by_op.get("W", [])) or 0.0
+    b = _mean(by_op.get("B", []))
+    if b is None:
+        b = (_mean(by_op.get("I", [])) or 0.0) + w
+    fb = _mean(by_op.get("FB", []))
+    return Costs(F=f, B=b, W=min(w, b), FB=f + b if fb is None else fb)
+
+
+def predicted_bubble(schedule: str, num_ranks: int, chunks: int, costs: Costs) -> float:
+    """The simulator's bubble fraction for ``schedule`` under ``costs``."""
+    return simulate(build_schedule(schedule, num_ranks, chunks), costs).bubble_fraction
+
+
+# ------------------------------------------------------------------------------------------------ trace
+
+TRACKS = {"compute": 0, "comm fwd": 1, "comm bwd": 2}
+
+
+def chrome_trace(steps: Sequence[tuple[str, int, dict[int, RankSteps]]], names: dict[int, str]) -> dict:
+    """One Chrome/Perfetto trace: a process per rank, a thread per stream (compute, comm fwd, comm bwd).
+
+    ``steps``: ``(mode, step, {rank: spans})``; ``names``: rank -> process label. Times in microseconds
+    from the earliest event. Compute spans nest (step > action > sub-stage); each comm thread holds one
+    direction, whose all-to-alls never overlap.
+    """
+    origin = min((r.begin for _, _, ranks in steps for r in ranks.values()), default=0.0)
+    out: list[dict] = []
+    for rank, name in sorted(names.items()):
+        out.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": name}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
+        for track, tid in TRACKS.items():
+            out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": track}})
+
+    def x(name: str, rank: int, tid: int, t0: float, t1: float, **args) -> dict:
+        # 0.1 us resolution: far below what the host clock resolves here, and it keeps the file small
+        ts, dur = round((t0 - origin) * 1e6, 1), round((t1 - t0) * 1e6, 1)
+        return {"ph": "X", "name": name, "pid": rank, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    for mode, step, ranks in steps:
+        for rank, r in ranks.items():
+            out.append(x(f"{mode} step {step}", rank, 0, r.begin, r.end, mode=mode))
+            out += [x(a.label, rank, 0, a.start, a.end, op=a.op, mode=mode) for a in r.actions]
+            out += [x(f"{c.name}.{c.direction} L{c.layer}", rank, 0, c.start, c.end) for c in r.compute]
+            for c in r.comm:
+                exposed_ms = round(c.exposed * 1e3, 4)
+                tid = TRACKS["comm bwd" if c.direction == "bwd" else "comm fwd"]
+                out.append(x(f"{c.name} L{c.layer}", rank, tid, c.start, c.wait, exposed_ms=exposed_ms, mode=mode))
+    return {"traceEvents": out, "displayTimeUnit": "ms"}

@@ -1,0 +1,126 @@
+"""The peer: torch.distributed.pipelining's ``ScheduleDualPipeV`` on our model, as users get it.
+
+Same stage split as our DualPipeV (rank r holds stages r and 2N-1-r of 2N), same weights
+(:meth:`MoEStage.reset_parameters` with the same seed), same micro-batches. The stages are built with
+``piecewise=False``: one plain autograd graph per stage whose all-to-alls are blocking autograd nodes
+(:class:`moe.block.Block` with a communicating dispatcher). No ``OVERLAP_F_B`` callback is registered,
+so its paired actions run the forward, then the backward, and every all-to-all is exposed.
+``scale_grads=True`` averages gradients over micro-batches, as our ``loss_reduction="mean"`` does.
+
+Weight gradients: our layers compute them inside their own autograd functions (``moe.layers.Linear``,
+the grouped experts) and hand them to ``WeightGradStore`` when it is enabled, so torch's default split
+backward, which asks autograd for gradient edges to the parameters, finds none. The stages therefore get
+the ``dw_builder`` that ``PipelineStage`` documents for this case: every backward runs with a fresh
+:class:`dualpipe.weight_grad.GradStore` enabled, the builder closes that store's batch and its runner (the
+``W`` action, or at once for a full backward) runs exactly those closures. This is configuration torch
+asks of any model with custom weight gradients; it overlaps nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+
+from dualpipe.weight_grad import GradStore, active_store
+from moe.config import MoEConfig
+from moe.dispatch import make_dispatcher
+from moe.events import EventRecorder
+from moe.model import lm_loss
+from moe.parallel import ParallelLayout, split_layers
+from moe.stage import MoEStage
+
+__all__ = ["build_torch_dualpipev", "plain_stages"]
+
+
+def plain_stages(cfg: MoEConfig, layout: ParallelLayout, seed: int, device: torch.device) -> list[MoEStage]:
+    """This pipeline rank's two DualPipeV stages (r and 2N-1-r), plain-graph, with the seed's weights."""
+    pp = layout.config.pp
+    num_stages = 2 * pp
+    dispatcher = make_dispatcher("alltoall", cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size)
+    ranges = split_layers(cfg.num_layers, num_stages)
+    stages = []
+    for sid in (layout.pp_rank, num_stages - 1 - layout.pp_rank):
+        stage = MoEStage(
+            cfg,
+            ranges[sid],
+            first=sid == 0,
+            last=sid == num_stages - 1,
+            dispatcher=dispatcher,
+            piecewise=False,
+            stage_index=sid,
+        )
+        stage.reset_parameters(seed)
+        stages.append(stage.to(device))
+    return stages
+
+
+def _dw_builder() -> Callable[[], None]:
+    """Called by torch right after a backward: close the active store's batch; the runner runs it."""
+    store = active_store()
+    store.flush()
+    return store.pop
+
+
+def _own_store_per_backward(stage: PipelineStage) -> None:
+    backward = stage.backward_one_chunk
+
+    def with_store(*args, **kwargs):
+        with GradStore().activate(enabled=True):
+            return backward(*args, **kwargs)
+
+    stage.backward_one_chunk = with_store
+
+
+def _instrument(stage: PipelineStage, actions) -> None:
+    """Record torch's compute actions with the labels our schedules print (F, B full, I input-only, W)."""
+    sid = stage.stage_index
+
+    def backward_label(mb: int, *args, full_backward: bool = True, **kwargs) -> str:
+        return f"{'B' if full_backward else 'I'}{sid}.{mb}"
+
+    stage.forward_one_chunk = actions.wrap(stage.forward_one_chunk, lambda mb, *a, **k: f"F{sid}.{mb}")
+    stage.backward_one_chunk = actions.wrap(stage.backward_one_chunk, backward_label)
+    stage.backward_weight_one_chunk = actions.wrap(stage.backward_weight_one_chunk, lambda mb, *a, **k: "W")
+
+
+def build_torch_dualpipev(
+    cfg: MoEConfig,
+    layout: ParallelLayout,
+    chunks: int,
+    seed: int,
+    recorder: EventRecorder,
+    actions,
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], list[float]], list[torch.nn.Parameter]]:
+    """``(step(ids, labels) -> this rank's micro-batch losses, parameters)`` for torch's ScheduleDualPipeV.
+
+    ``actions`` records compute actions (``bench.overlap_run._ActionRecorder``); the stages' all-to-alls
+    go to ``recorder``.
+    """
+    device = recorder.device
+    modules = plain_stages(cfg, layout, seed, device)
+    num_stages = 2 * layout.config.pp
+    stages = []
+    for m in modules:
+        m.recorder = recorder
+        assert m.stage_index is not None
+        # Shapes are inferred on the first step (torch's dynamic mode; that step leaves non-finite gradients
+        # in the middle stages, observed with torch 2.13: it is a warm-up step here).
+        stage = PipelineStage(m, m.stage_index, num_stages, device, group=layout.pp_group, dw_builder=_dw_builder)
+        _own_store_per_backward(stage)
+        _instrument(stage, actions)
+        stages.append(stage)
+    schedule = ScheduleDualPipeV(stages, n_microbatches=chunks, loss_fn=lm_loss, scale_grads=True)
+    feeds = layout.pp_rank == 0  # stage 0 (inputs) and stage 2N-1 (loss) both live on pipeline rank 0
+
+    def step(ids: torch.Tensor, labels: torch.Tensor) -> list[float]:
+        if not feeds:
+            schedule.step()
+            return []
+        losses: list[torch.Tensor] = []
+        schedule.step(ids, target=labels, losses=losses)
+        return [float(x) for x in losses]
+
+    params = [p for m in modules for p in m.parameters()]
+    return step, params

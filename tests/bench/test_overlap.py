@@ -1,0 +1,197 @@
+"""The overlap benchmark: its pure accounting (spans, hidden all-to-all, bubble, trace), a tiny loopback run
+in the default suite, and a short emulated-cluster run behind the ``cluster`` marker.
+
+The runs check that the outputs exist and are well formed, and that every mode computes the same losses
+(same weights, same data): never the performance targets, which are printed, not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench import overlap
+from bench.overlap_report import ModeRow, table, targets
+from bench.overlap_stats import (
+    ActionSpan,
+    RankSteps,
+    chrome_trace,
+    comm_totals,
+    measured_bubble,
+    measured_costs,
+    op_of,
+    parse_events,
+    predicted_bubble,
+)
+from dualpipe.schedule import build_schedule
+from dualpipe.simulate import Costs, simulate
+
+TINY = ["--hidden", "32", "--moe-intermediate", "32", "--seq-len", "16", "--micro-batch", "2"]
+
+
+def _ev(name, direction, layer, edge, t):
+    return [name, direction, layer, edge, t]
+
+
+def test_op_of_reads_schedule_labels():
+    assert [op_of(x) for x in ("F0.3", "(F0.4&B1.1)", "I1.0", "W", "B2.5")] == ["F", "FB", "I", "W", "B"]
+    with pytest.raises(ValueError):
+        op_of("SEND_F0.1>1")
+
+
+def test_blocking_all_to_all_hides_nothing_and_overlapped_hides_all():
+    blocking = parse_events(
+        [
+            _ev("step", "m", 0, "begin", 0.0),
+            _ev("attn", "fwd", 0, "begin", 0.0),
+            _ev("attn", "fwd", 0, "end", 1.0),
+            _ev("dispatch", "fwd", 0, "start", 1.0),
+            _ev("dispatch", "fwd", 0, "wait", 3.0),
+            _ev("step", "m", 0, "end", 3.0),
+        ]
+    )
+    assert comm_totals([blocking]) == (2.0, 2.0, 0.0)
+    # Started before 2 s of the other micro-batch's compute, which outlasts it: the wait returns at once.
+    overlapped = parse_events(
+        [
+            _ev("step", "m", 0, "begin", 0.0),
+            _ev("dispatch", "fwd", 0, "start", 0.0),
+            _ev("mlp.dx", "bwd", 1, "begin", 0.0),
+            _ev("mlp.dx", "bwd", 1, "end", 2.0),
+            _ev("dispatch", "fwd", 0, "wait", 2.0),
+            _ev("step", "m", 0, "end", 2.0),
+        ]
+    )
+    assert comm_totals([overlapped]) == (2.0, 0.0, 1.0)
+    # Half hidden: 1 s of compute, then 1 s blocked.
+    half = parse_events(
+        [
+            _ev("dispatch", "fwd", 0, "start", 0.0),
+            _ev("attn", "fwd", 1, "begin", 0.0),
+            _ev("attn", "fwd", 1, "end", 1.0),
+            _ev("dispatch", "fwd", 0, "wait", 2.0),
+        ]
+    )
+    (span,) = half.comm
+    assert (span.in_flight, span.exposed, span.blocked_from) == (2.0, 1.0, 1.0)
+    assert comm_totals([blocking, half]) == (4.0, 3.0, 0.25)
+    # Only all-to-alls inside a top-level F&B action count as paired.
+    half.actions.append(ActionSpan("(F0.1&B1.0)", 0, 0.0, 2.0))
+    assert comm_totals([blocking, half], within="FB") == (2.0, 1.0, 0.5)
+    assert math.isnan(comm_totals([RankSteps(0, 1, [], [], [])])[2])
+
+
+def test_actions_nest_and_the_bubble_counts_top_level_only():
+    r0 = parse_events(
+        [
+            _ev("step", "m", 0, "begin", 0.0),
+            _ev("(F0.1&B1.0)", "action", 0, "begin", 0.0),
+            _ev("F0.1", "action", 1, "begin", 0.0),
+            _ev("F0.1", "action", 1, "end", 1.0),
+            _ev("B1.0", "action", 1, "begin", 1.0),
+            _ev("B1.0", "action", 1, "end", 3.0),
+            _ev("(F0.1&B1.0)", "action", 0, "end", 3.0),
+            _ev("step", "m", 0, "end", 4.0),
+        ]
+    )
+    assert [(a.op, a.depth) for a in r0.actions] == [("F", 1), ("B", 1), ("FB", 0)]
+    r1 = RankSteps(0.5, 4.0, [], [], [ActionSpan("F0.0", 0, 1.0, 2.0)])
+    # window 0..4 on 2 ranks = 8; busy 3 + 1
+    assert measured_bubble([r0, r1]) == pytest.approx(0.5)
+    costs = measured_costs([r0, r1])
+    assert (costs.F, costs.B, costs.W, costs.FB) == (1.0, 2.0, 0.0, 3.0)
+
+
+def test_costs_without_full_backward_add_input_and_weight_parts():
+    r = RankSteps(0, 9, [], [], [ActionSpan("I1.0", 0, 0, 2), ActionSpan("W", 0, 2, 3), ActionSpan("F0.0", 0, 3, 4)])
+    costs = measured_costs([r])
+    assert (costs.F, costs.B, costs.W, costs.FB) == (1.0, 3.0, 1.0, 4.0)
+
+
+def test_predicted_bubble_is_the_simulators():
+    costs = Costs(F=1.0, B=2.0, W=1.0, FB=2.5)
+    want = simulate(build_schedule("dualpipev", 2, 8), costs).bubble_fraction
+    assert predicted_bubble("dualpipev", 2, 8, costs) == want > 0
+
+
+def test_chrome_trace_has_a_track_per_rank_and_stream():
+    r = parse_events(
+        [
+            _ev("step", "m", 0, "begin", 10.0),
+            _ev("F0.0", "action", 0, "begin", 10.0),
+            _ev("attn", "fwd", 0, "begin", 10.0),
+            _ev("attn", "fwd", 0, "end", 10.001),
+            _ev("dispatch", "fwd", 0, "start", 10.001),
+            _ev("dispatch", "fwd", 0, "wait", 10.002),
+            _ev("combine", "bwd", 1, "start", 10.002),
+            _ev("combine", "bwd", 1, "wait", 10.003),
+            _ev("F0.0", "action", 0, "end", 10.003),
+            _ev("step", "m", 0, "end", 10.004),
+        ]
+    )
+    trace = chrome_trace([("m", 3, {0: r, 1: r})], {0: "rank 0", 1: "rank 1"})
+    json.dumps(trace)  # serialisable
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    threads = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {(p, t) for p in (0, 1) for t in ("compute", "comm fwd", "comm bwd")}
+    by_name = {(e["pid"], e["name"]): e for e in spans}
+    assert by_name[(0, "m step 3")]["ts"] == 0.0 and by_name[(0, "m step 3")]["dur"] == pytest.approx(4000.0)
+    assert by_name[(1, "dispatch L0")]["tid"] == 1 and by_name[(1, "combine L1")]["tid"] == 2
+    assert by_name[(0, "attn.fwd L0")]["dur"] == pytest.approx(1000.0)
+
+
+def _row(mode: str, **kw) -> ModeRow:
+    base = dict(
+        schedule="dualpipev", overlap=True, steps=3, step_ms=80.0, step_ms_min=78.0, step_ms_max=90.0,
+        tokens_per_s=1e4, vs_torch=0.8, bubble=0.10, bubble_predicted=0.09, a2a_ms=50.0, a2a_exposed_ms=5.0,
+        hidden=0.9, hidden_in_pairs=0.95, cpu_use=0.5, costs_ms={}, loss=5.0,
+    )  # fmt: skip
+    base.update(kw)
+    return ModeRow(mode=mode, **base)
+
+
+def test_targets_are_evaluated_not_asserted():
+    met = targets([_row("dualpipev-overlap"), _row("torch-dualpipev", vs_torch=1.0, hidden=0.0)])
+    assert [t.met for t in met] == [True, True, True]
+    missed = targets([_row("dualpipev-overlap", hidden=0.5, vs_torch=0.95, bubble=0.2)])
+    assert [t.met for t in missed] == [False, False, False]
+    assert "| dualpipev-overlap | 80 (78..90) |" in table([_row("dualpipev-overlap")])
+
+
+def _check_outputs(out_dir, modes: list[str]) -> dict:
+    (json_path,) = out_dir.glob("overlap-*-????-??-??.json")
+    stem = json_path.name.removesuffix(".json")
+    record = json.loads(json_path.read_text())
+    assert [r["mode"] for r in record["rows"]] == modes
+    for r in record["rows"]:
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and 0 <= r["bubble"] < 1
+    trace = json.loads((out_dir / f"{stem}.trace.json").read_text())
+    pids = {e["pid"] for e in trace["traceEvents"]}
+    assert pids == {0, 1, 2, 3}
+    assert (out_dir / f"{stem}.png").read_bytes()[:4] == b"\x89PNG"
+    # Same weights, same data: every mode computes torch's losses.
+    for mode, diff in record["loss_check"]["max_abs_diff_to_torch"].items():
+        assert diff <= 1e-5, mode
+    return record
+
+
+def test_smoke_run_on_loopback(tmp_path, capsys):
+    modes = ["dualpipev-overlap", "dualpipev", "dualpipe-overlap", "1f1b", "torch-dualpipev"]
+    rc = overlap.main([*TINY, "--steps", "1", "--modes", *modes, "--out", str(tmp_path), "--timeout", "120"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "targets (DualPipeV with overlap)" in printed and "loopback" in printed
+    record = _check_outputs(tmp_path, modes)
+    assert record["device"].endswith("-loopback") and record["cluster"] is None
+    assert record["loss_check"]["grad_sq_rel_diff_torch_vs_dualpipev"] <= 1e-6
+
+
+@pytest.mark.cluster
+def test_short_run_on_the_emulated_cluster(tmp_path):
+    modes = ["dualpipev-overlap", "dualpipev", "torch-dualpipev"]
+    argv = [*TINY, "--cluster", "--nodes", "2", "--steps", "1", "--modes", *modes, "--out", str(tmp_path)]
+    assert overlap.main([*argv, "--timeout", "240"]) == 0
+    record = _check_outputs(tmp_path, modes)
+    assert record["cluster"]["nodes"] == 2 and "emulated-2node" in record["device"]
