@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dualpipe import DualPipe, DualPipeV, OneFOneB, Pipeline
+from dualpipe import PIPELINES, Pipeline
 from moe.config import MoEConfig
 from moe.data import ByteCorpus
 from moe.events import EventRecorder
@@ -53,7 +53,6 @@ MODES: dict[str, tuple[str, bool]] = {
     "1f1b": ("1f1b", False),
     "torch-dualpipev": ("dualpipev", False),
 }
-PIPELINES: dict[str, type[Pipeline]] = {"dualpipev": DualPipeV, "dualpipe": DualPipe, "1f1b": OneFOneB}
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,7 +1,7 @@
 """Pipeline schedules as data, one executor, and a drop-in API for deepseek-ai/DualPipe."""
 
 from dualpipe.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
-from dualpipe.executor import DualPipe, DualPipeV, OneFOneB, Pipeline, ZeroBubble1P
+from dualpipe.executor import PIPELINES, DualPipe, DualPipeV, OneFOneB, Pipeline, ZeroBubble1P
 from dualpipe.grads import sum_mirrored_grads
 from dualpipe.hooks import OverlappedForwardBackward
 from dualpipe.p2p import PipelineCommError
@@ -11,6 +11,7 @@ from dualpipe.weight_grad import WeightGradStore
 __version__ = "0.1.0"
 
 __all__ = [
+    "PIPELINES",
     "Action",
     "DualPipe",
     "DualPipeV",

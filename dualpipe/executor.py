@@ -27,7 +27,7 @@ from dualpipe.schedule import SCHEDULES, Action, Layout, Op, Schedule, build_sch
 from dualpipe.utils import gather, run_backward, scatter
 from dualpipe.weight_grad import GradStore
 
-__all__ = ["DualPipe", "DualPipeV", "OneFOneB", "Pipeline", "ZeroBubble1P"]
+__all__ = ["PIPELINES", "DualPipe", "DualPipeV", "OneFOneB", "Pipeline", "ZeroBubble1P"]
 
 Key = tuple[int, int]  # (local module, chunk)
 
@@ -479,3 +479,7 @@ class ZeroBubble1P(Pipeline):
     """ZB-H1: 1F1B order with weight gradients deferred into the cool-down bubbles."""
 
     schedule_name = "zb1p"
+
+
+# The pipeline class of every schedule name of dualpipe.schedule.SCHEDULES.
+PIPELINES: dict[str, type[Pipeline]] = {cls.schedule_name: cls for cls in (DualPipe, DualPipeV, OneFOneB, ZeroBubble1P)}

@@ -23,19 +23,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dualpipe import DualPipe, DualPipeV, OneFOneB, Pipeline, ZeroBubble1P
+from dualpipe import PIPELINES, Pipeline
 from moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moe.config import PRESETS, preset
 from moe.data import ByteCorpus
 from moe.model import lm_loss
 from moe.parallel import ParallelConfig, balance_routers, build_stages, init_layout, reduce_gradients
-
-PIPELINES: dict[str, type[Pipeline]] = {
-    "dualpipe": DualPipe,
-    "dualpipev": DualPipeV,
-    "1f1b": OneFOneB,
-    "zb1p": ZeroBubble1P,
-}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,10 +14,8 @@ import torch
 import torch.distributed as dist
 
 from dualpipe import (
-    DualPipe,
+    PIPELINES,
     DualPipeV,
-    OneFOneB,
-    ZeroBubble1P,
     set_p2p_tensor_dtype,
     set_p2p_tensor_shapes,
     sum_mirrored_grads,
@@ -48,9 +46,6 @@ class Case:
         )
 
 
-_CLASSES = {"dualpipe": DualPipe, "dualpipev": DualPipeV, "1f1b": OneFOneB, "zb1p": ZeroBubble1P}
-
-
 def _stage_ids(schedule: str, rank: int, world: int) -> list[int]:
     if schedule == "dualpipev":
         return [rank, 2 * world - 1 - rank]
@@ -67,7 +62,7 @@ def _run_case(rank: int, world: int, case: Case) -> dict:
     local = make_stages(len(ids), HIDDEN, seed=99, cls=cls)
     for mod, i in zip(local, ids):
         mod.load_state_dict(full[i].state_dict())
-    pipe = _CLASSES[case.schedule](local, timeout=60, early_receives=case.early_receives)
+    pipe = PIPELINES[case.schedule](local, timeout=60, early_receives=case.early_receives)
     set_p2p_tensor_shapes(None)
     if case.declared == "instance":
         pipe.set_p2p_tensor_shapes([(MICRO_BATCH, case.seq, HIDDEN)])
