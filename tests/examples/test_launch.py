@@ -130,3 +130,10 @@ def test_the_readme_main_command(tmp_path: Path) -> None:
     loss = _metrics(metrics)
     assert sorted(loss) == list(range(1, 26))
     assert loss[25] < loss[1] - 1.0  # byte-level LM from ~ln(256)=5.5: clearly learning
+
+
+def test_the_minimal_dualpipev_example_learns() -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    log = _run([*torchrun, str(ROOT / "examples/toy_dualpipev.py"), "--steps", "30"])
+    losses = [float(line.split("loss")[1].split()[0]) for line in log.splitlines() if line.startswith("step")]
+    assert len(losses) == 4 and losses[-1] < 0.5 * losses[0]  # steps 1, 10, 20, 30
