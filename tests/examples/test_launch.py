@@ -114,9 +114,18 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint(tmp_path: Path) -> None
     assert recovered == uninterrupted
 
 
-@pytest.mark.parametrize("script", ["torchrun_static.sh", "torchrun_c10d.sh", "slurm.sbatch", "cluster_env.sh"])
-def test_launch_scripts_parse(script: str) -> None:
-    assert subprocess.run(["bash", "-n", str(ROOT / "examples/launch" / script)]).returncode == 0
+@pytest.mark.parametrize(
+    "script",
+    [
+        "examples/launch/torchrun_static.sh",
+        "examples/launch/torchrun_c10d.sh",
+        "examples/launch/slurm.sbatch",
+        "examples/launch/cluster_env.sh",
+        "bench/gpu_session.sh",
+    ],
+)
+def test_shell_scripts_parse(script: str) -> None:
+    assert subprocess.run(["bash", "-n", str(ROOT / script)]).returncode == 0
 
 
 def test_the_readme_main_command(tmp_path: Path) -> None:
