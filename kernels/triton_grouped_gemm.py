@@ -54,6 +54,14 @@ _CUDA_FP32_CONFIG = BlockConfig(block_m=64, block_n=64, block_k=32, group_m=8, n
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        # fp32 in, fp32 out: the reference is exact fp32, so no tf32 shortcut.
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _accumulate_tile(
     a_ptr, b_ptr, rows, cols, row_mask, col_mask, K,
     stride_am, stride_bk, stride_bn,
@@ -74,11 +82,7 @@ def _accumulate_tile(
             mask=k_mask[:, None] & col_mask[None, :],
             other=0.0,
         )
-        if IEEE:
-            # fp32 in, fp32 out: the reference is exact fp32, so no tf32 shortcut.
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _dot(a, b, acc, IEEE)
     return acc
 
 
@@ -178,10 +182,7 @@ def _grouped_wgrad_kernel(
                 mask=row_mask[:, None] & col_mask[None, :],
                 other=0.0,
             )
-            if IEEE:
-                acc = tl.dot(xt, dy, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xt, dy, acc)
+            acc = _dot(xt, dy, acc, IEEE)
         out = dw_ptr + e.to(tl.int64) * K * N + ks[:, None] * N + cols[None, :]
         tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
 
