@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="time compute vs all-to-all (dualpipev, no overlap)")
     p.add_argument("--trace-steps", type=int, default=2, help="timed steps per mode in the trace (the last ones)")
     p.add_argument("--profile", action="store_true", help="also save a torch profiler trace per rank and mode")
+    p.add_argument("--keep-events", action="store_true", help="also save every rank's raw events (rank<R>.json)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     p.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     return p
@@ -249,11 +250,15 @@ def main(argv: list[str] | None = None) -> int:
         rank_files = [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("rank*.json"))]
         if len(rank_files) != opts.pp * opts.ep:
             raise SystemExit(f"error: expected {opts.pp * opts.ep} rank results, found {len(rank_files)} in {run_dir}")
-        if args.profile:
-            dest = Path(args.out) / "profiles"
-            dest.mkdir(parents=True, exist_ok=True)
-            for p in Path(run_dir).glob("profile-*.json"):
-                shutil.copy(p, dest / p.name)
+        for wanted, pattern, sub in (
+            (args.profile, "profile-*.json", "profiles"),
+            (args.keep_events, "rank*.json", "events"),
+        ):
+            if wanted:
+                dest = Path(args.out) / sub
+                dest.mkdir(parents=True, exist_ok=True)
+                for p in Path(run_dir).glob(pattern):
+                    shutil.copy(p, dest / p.name)
         return _report(args, opts, rank_files, cluster)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -13,6 +13,10 @@ Events per rank (one :class:`moe.events.EventRecorder` shared by the rank's stag
   nesting depth): recorded by wrapping the pipeline's handlers on the instance (the executor is unchanged)
   or, for torch's schedule, the stage's ``forward_one_chunk`` / ``backward_one_chunk`` /
   ``backward_weight_one_chunk``;
+- waits for pipeline messages (direction ``"p2p"``, ``begin``/``end`` around the executor's receive
+  completion, which runs inside the compute action that consumes the message): the bubble counts them as
+  idle and the measured action costs exclude them;
+- the executor issuing sends and receives between actions (direction ``"post"``), which counts as busy;
 - ``step`` begin/end, taken after a barrier over all ranks.
 
 Rank order: torchrun's ranks are node-major (node i holds ranks i*P .. i*P+P-1). The layout here is
@@ -165,25 +169,32 @@ class _ActionRecorder:
         self.recorder = recorder
         self.depth = 0
 
-    def wrap(self, fn, label_of):
+    def wrap(self, fn, label_of, direction: str = "action"):
         def recorded(*args, **kwargs):
             label = label_of(*args, **kwargs)
-            self.recorder.record(label, "action", self.depth, "begin")
+            self.recorder.record(label, direction, self.depth, "begin")
             self.depth += 1
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.depth -= 1
-                self.recorder.record(label, "action", self.depth, "end")
+                self.recorder.record(label, direction, self.depth, "end")
 
         return recorded
 
 
 def instrument_pipeline(pipe: Pipeline, recorder: EventRecorder) -> None:
-    """Record every compute action of ``pipe`` (instance attributes shadow the executor's handlers)."""
+    """Record every compute action of ``pipe``, every wait for a pipeline message inside one, and the
+    executor issuing sends and receives between them (instance attributes shadow the executor's methods)."""
     actions = _ActionRecorder(recorder)
     for name in ("_forward", "_backward", "_forward_backward", "_weight"):
         setattr(pipe, name, actions.wrap(getattr(pipe, name), lambda a, st: str(a)))
+    pipe._take = actions.wrap(pipe._take, lambda st, kind, key: f"recv {kind}{key[0]}.{key[1]}", "p2p")
+    pipe._post = actions.wrap(pipe._post, lambda batch, st: " ".join(["post", *map(str, batch)]), "post")
+    reap = pipe._reap_sends
+    timed_reap = actions.wrap(reap, lambda st, block: "reap sends", "post")
+    # the blocking reap at the end of the step waits for peers: left unrecorded, it counts as idle
+    pipe._reap_sends = lambda st, block: reap(st, block) if block else timed_reap(st, block)
 
 
 def _absolute_events(recorder: EventRecorder, host_t0: float) -> list[list]:
@@ -213,6 +224,9 @@ def _build_ours(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLay
         s.recorder = recorder
         s.aux_loss_scale = 1.0 / o.chunks
     pipe = PIPELINES[schedule](list(stages), process_group=layout.pp_group, overlap=overlap, timeout=600)
+    # declared boundary shapes: receives are posted ahead (no header round trip inside the consuming action)
+    pipe.set_p2p_tensor_shapes([(o.micro_batch, o.seq_len, o.hidden)])
+    pipe.set_p2p_tensor_dtype(next(stages[0].parameters()).dtype)
     instrument_pipeline(pipe, recorder)
     first = [m for m in range(len(stages)) if pipe.layout.is_first(pipe.rank, m)]
     last = [m for m in range(len(stages)) if pipe.layout.is_last(pipe.rank, m)]

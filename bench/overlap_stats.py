@@ -2,7 +2,9 @@
 
 An event is ``[name, direction, layer, edge, seconds]`` (see :mod:`bench.overlap_run`): compute sub-stages
 ``begin``/``end``, all-to-alls ``start``/``wait``, pipeline actions (direction ``"action"``, layer = nesting
-depth) ``begin``/``end``, and the step's ``begin``/``end``.
+depth) ``begin``/``end``, waits for pipeline messages (direction ``"p2p"``) and the executor issuing
+sends and receives between actions (direction ``"post"``) ``begin``/``end``, and the step's
+``begin``/``end``.
 
 All-to-all accounting. A communication is *in flight* from its ``start`` to its ``wait`` (recorded right
 after the wait returned). The rank is *blocked* in the wait from the previous event it recorded (the end of
@@ -11,27 +13,42 @@ flight``: a blocking all-to-all (waited right after it started) hides nothing; o
 once after the other micro-batch's compute hides all of it. When compute outlasts the transfer the
 in-flight time is the compute's, and all of it counts as hidden, which it is.
 
-Bubble: a rank is busy inside its top-level pipeline actions (F, B, I, W, F&B), waits for the all-to-all
-included, and idle elsewhere in the step window (waiting for pipeline messages). ``bubble fraction = idle
-time of all ranks / (ranks x step time)``, the simulator's definition.
+Bubble: within the step window a rank is idle while it waits for a pipeline message (the executor
+completes a receive inside the action that consumes it) and after its work is done (its last action and
+the sends and receives it issues after it; the end-of-step wait for its sends to be taken is idle). Every
+other moment, from its own step begin on, is busy: compute actions with their all-to-all waits, and the
+executor's own work between them (issuing sends and receives, bookkeeping). ``bubble fraction = idle time
+of all ranks / (ranks x step time)``, the simulator's definition.
+
+Prediction: the simulator times the same schedule from the costs measured in the same step, in two ways.
+*Replayed*: every compute action costs the busy time from its start to the next action's start (its own
+span less the pipeline-message waits in it, plus the executor's work after it; the first action also takes
+the work before it, the last what it issues after it). Per-stage differences (the embedding and the head
+live on some stages only) and per-micro-batch noise are kept, and a send leaves at the end of its
+producer's replayed cost, as it did in the step; what the measurement adds on top is the time pipeline
+messages take to arrive. *Mean*: one cost per action kind (the mean of the actions' own spans, less
+their waits), the published formulas' model.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from dualpipe.schedule import build_schedule
+from dualpipe.schedule import Schedule, build_schedule
 from dualpipe.simulate import Costs, simulate
 
 __all__ = [
     "ActionSpan",
     "CommSpan",
     "ComputeSpan",
+    "HostSpan",
     "RankSteps",
+    "action_durations",
     "chrome_trace",
     "comm_totals",
     "measured_bubble",
@@ -39,6 +56,7 @@ __all__ = [
     "op_of",
     "parse_events",
     "predicted_bubble",
+    "replayed_bubble",
 ]
 
 Event = Sequence  # [name, direction, layer, edge, seconds]
@@ -86,6 +104,16 @@ class ActionSpan:
         return op_of(self.label)
 
 
+@dataclass(frozen=True, slots=True)
+class HostSpan:
+    """A labelled interval of a rank's host time: a wait for a pipeline message, or the executor issuing
+    sends and receives."""
+
+    label: str
+    start: float
+    end: float
+
+
 @dataclass(slots=True)
 class RankSteps:
     """One rank's spans in one step."""
@@ -95,6 +123,21 @@ class RankSteps:
     compute: list[ComputeSpan]
     comm: list[CommSpan]
     actions: list[ActionSpan]
+    waits: list[HostSpan] = field(default_factory=list)
+    """Blocked on a pipeline message (inside the consuming action)."""
+    posts: list[HostSpan] = field(default_factory=list)
+    """Issuing sends and receives (between actions)."""
+
+    def waited(self, t0: float, t1: float) -> float:
+        """Time spent waiting for pipeline messages within ``[t0, t1]``."""
+        return sum(max(0.0, min(w.end, t1) - max(w.start, t0)) for w in self.waits)
+
+    def work_end(self) -> float:
+        """End of the rank's last action or communication issue (its step begin if there is none)."""
+        return max([self.begin, *(a.end for a in self.actions), *(p.end for p in self.posts)])
+
+    def top_level(self) -> list[ActionSpan]:
+        return [a for a in self.actions if a.depth == 0]
 
 
 _OP = re.compile(r"^\((F)|^(F|B|I|W)")
@@ -114,6 +157,7 @@ def parse_events(events: Iterable[Event]) -> RankSteps:
     compute: list[ComputeSpan] = []
     comm: list[CommSpan] = []
     actions: list[ActionSpan] = []
+    host: dict[str, list[HostSpan]] = {"p2p": [], "post": []}
     open_compute: dict[tuple, float] = {}
     open_comm: dict[tuple, float] = {}
     open_actions: dict[tuple, float] = {}
@@ -127,6 +171,11 @@ def parse_events(events: Iterable[Event]) -> RankSteps:
                 open_actions[key] = t
             else:
                 actions.append(ActionSpan(name, layer, open_actions.pop(key), t))
+        elif direction in host:
+            if edge == "begin":
+                open_actions[key] = t
+            else:
+                host[direction].append(HostSpan(name, open_actions.pop(key), t))
         elif edge == "begin":
             open_compute[key] = t
         elif edge == "end":
@@ -137,7 +186,7 @@ def parse_events(events: Iterable[Event]) -> RankSteps:
             start = open_comm.pop(key)
             comm.append(CommSpan(name, direction, layer, start, t, max(start, previous)))
         previous = t
-    return RankSteps(begin, end, compute, comm, actions)
+    return RankSteps(begin, end, compute, comm, actions, host["p2p"], host["post"])
 
 
 def comm_totals(ranks: Sequence[RankSteps], within: str | None = None) -> tuple[float, float, float]:
@@ -164,13 +213,20 @@ def step_window(ranks: Sequence[RankSteps]) -> tuple[float, float]:
 
 
 def measured_bubble(ranks: Sequence[RankSteps]) -> float:
-    """Idle time outside top-level compute actions over ``ranks x step time``."""
+    """Idle time (waiting for pipeline messages, or outside the rank's own work) over ``ranks x step time``."""
     t0, t1 = step_window(ranks)
     span = t1 - t0
     if span <= 0:
         return math.nan
-    busy = sum(min(a.end, t1) - max(a.start, t0) for r in ranks for a in r.actions if a.depth == 0)
+    busy = 0.0
+    for r in ranks:
+        lo, hi = max(r.begin, t0), min(r.work_end(), t1)
+        busy += max(0.0, hi - lo) - r.waited(lo, hi)
     return (len(ranks) * span - busy) / (len(ranks) * span)
+
+
+def _net(r: RankSteps, a: ActionSpan) -> float:
+    return a.end - a.start - r.waited(a.start, a.end)
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -178,7 +234,8 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def measured_costs(ranks: Sequence[RankSteps]) -> Costs:
-    """Mean cost of each action kind over all ranks (every nesting level), in seconds.
+    """Mean cost of each action kind over all ranks (every nesting level, pipeline-message waits cut out), in
+    seconds.
 
     ``B`` is the full backward: measured where the schedule runs full backwards, else input-gradient plus
     weight-gradient parts. ``FB`` is the pair as run (``F + B`` when nothing runs paired).
@@ -186,7 +243,7 @@ def measured_costs(ranks: Sequence[RankSteps]) -> Costs:
     by_op: dict[str, list[float]] = {}
     for r in ranks:
         for a in r.actions:
-            by_op.setdefault(a.op, []).append(a.end - a.start)
+            by_op.setdefault(a.op, []).append(_net(r, a))
     f = _mean(by_op.get("F", [])) or 0.0
     w = _mean(by_op.get("W", [])) or 0.0
     b = _mean(by_op.get("B", []))
@@ -197,8 +254,53 @@ def measured_costs(ranks: Sequence[RankSteps]) -> Costs:
 
 
 def predicted_bubble(schedule: str, num_ranks: int, chunks: int, costs: Costs) -> float:
-    """The simulator's bubble fraction for ``schedule`` under ``costs``."""
+    """The simulator's bubble fraction for ``schedule`` under ``costs`` (one cost per action kind)."""
     return simulate(build_schedule(schedule, num_ranks, chunks), costs).bubble_fraction
+
+
+def action_durations(schedule: Schedule, ranks: Sequence[RankSteps]) -> list[list[float]]:
+    """Each rank's top-level compute actions as measured, in the order of ``schedule``'s compute actions on
+    that rank, which they must match label by label: the busy time from an action's start to the next
+    one's (the pipeline-message waits in between cut out), the first from the rank's step begin, the last
+    to the end of its work."""
+    if len(ranks) != len(schedule.ranks):
+        raise ValueError(f"{len(ranks)} ranks measured, the schedule has {len(schedule.ranks)}")
+    out = []
+    for rank, (r, actions) in enumerate(zip(ranks, schedule.ranks, strict=True)):
+        want = [str(a) for a in actions if a.op.is_compute]
+        got = r.top_level()
+        if [a.label for a in got] != want:
+            raise ValueError(f"rank {rank}: measured actions {[a.label for a in got]} are not the schedule's {want}")
+        # what the executor issues after an action (its sends, the next receives) is charged to it, so a
+        # send leaves at the end of its producer's replayed cost, as it did in the step
+        edges = [r.begin, *(a.start for a in got[1:]), r.work_end()] if got else []
+        out.append([hi - lo - r.waited(lo, hi) for lo, hi in itertools.pairwise(edges)])
+    return out
+
+
+def replayed_bubble(
+    schedule: str, pipelines: Sequence[Sequence[RankSteps]], chunks: int, latency: float = 0.0
+) -> float:
+    """The simulator's bubble fraction for ``schedule`` when every compute action costs what it took in the
+    measured step (:func:`action_durations`) and every rank starts at its measured step begin.
+    ``pipelines`` holds each pipeline's ranks in pipeline-rank order (one pipeline per expert-parallel
+    rank); as in :func:`measured_bubble`, every rank's idle time counts within one window, from the first
+    begin to the end of the slowest pipeline."""
+    t0 = min((r.begin for ranks in pipelines for r in ranks), default=math.nan)
+    results = []
+    for ranks in pipelines:
+        sched = build_schedule(schedule, len(ranks), chunks)
+        durations = action_durations(sched, ranks)
+        results.append(
+            simulate(sched, Costs(latency=latency), durations=durations, ready=[r.begin - t0 for r in ranks])
+        )
+    if not results:
+        return math.nan
+    makespan = max(r.makespan for r in results)
+    if makespan <= 0:
+        return math.nan
+    busy = [b for r in results for b in r.busy]
+    return (len(busy) * makespan - sum(busy)) / (len(busy) * makespan)
 
 
 # ------------------------------------------------------------------------------------------------ trace
@@ -210,8 +312,8 @@ def chrome_trace(steps: Sequence[tuple[str, int, dict[int, RankSteps]]], names: 
     """One Chrome/Perfetto trace: a process per rank, a thread per stream (compute, comm fwd, comm bwd).
 
     ``steps``: ``(mode, step, {rank: spans})``; ``names``: rank -> process label. Times in microseconds
-    from the earliest event. Compute spans nest (step > action > sub-stage); each comm thread holds one
-    direction, whose all-to-alls never overlap.
+    from the earliest event. Compute spans nest (step > action > sub-stage or wait for a pipeline message);
+    each comm thread holds one direction, whose all-to-alls never overlap.
     """
     origin = min((r.begin for _, _, ranks in steps for r in ranks.values()), default=0.0)
     out: list[dict] = []
@@ -231,6 +333,8 @@ def chrome_trace(steps: Sequence[tuple[str, int, dict[int, RankSteps]]], names: 
             out.append(x(f"{mode} step {step}", rank, 0, r.begin, r.end, mode=mode))
             out += [x(a.label, rank, 0, a.start, a.end, op=a.op, mode=mode) for a in r.actions]
             out += [x(f"{c.name}.{c.direction} L{c.layer}", rank, 0, c.start, c.end) for c in r.compute]
+            out += [x(f"wait {w.label}", rank, 0, w.start, w.end, mode=mode) for w in r.waits]
+            out += [x(p.label, rank, 0, p.start, p.end, mode=mode) for p in r.posts]
             for c in r.comm:
                 exposed_ms = round(c.exposed * 1e3, 4)
                 tid = TRACKS["comm bwd" if c.direction == "bwd" else "comm fwd"]

@@ -134,11 +134,14 @@ def _stage_fraction(schedule: Schedule) -> float:
     return schedule.layout.num_ranks / len(schedule.layout.paths[0])
 
 
-def _timelines(schedule: Schedule, costs: Costs) -> list[list[Span]]:
+def _timelines(
+    schedule: Schedule, costs: Costs, durations: Sequence[Sequence[float]] | None, ready: Sequence[float] | None
+) -> list[list[Span]]:
     """Place every compute action; the rank order is fixed, a compute waits for its messages."""
     n = len(schedule.ranks)
+    done = [0] * n  # compute actions placed per rank: the index into ``durations``
     pos = [0] * n
-    clock = [0.0] * n
+    clock = [0.0] * n if ready is None else [float(t) for t in ready]
     arrival: dict[tuple, float] = {}
     spans: list[list[Span]] = [[] for _ in range(n)]
     while any(pos[r] < len(schedule.ranks[r]) for r in range(n)):
@@ -153,7 +156,8 @@ def _timelines(schedule: Schedule, costs: Costs) -> list[list[Span]]:
                     if any(k not in arrival for k in keys):
                         break  # its input is not sent yet: let the other ranks catch up
                     start = max([clock[rank], *(arrival[k] for k in keys)])
-                    clock[rank] = start + costs.of(a)
+                    clock[rank] = start + (costs.of(a) if durations is None else durations[rank][done[rank]])
+                    done[rank] += 1
                     spans[rank].append(Span(start, clock[rank], str(a), a.op.value))
                 pos[rank] += 1  # receives take no rank time in the async model
                 progress = True
@@ -171,10 +175,38 @@ def _peak_activations(actions: Sequence[Action]) -> int:
     return peak
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
-    """Time ``schedule`` under ``costs`` (defaults: F=1, B=2, W=1, F&B=F+B, no latency)."""
+def _check_durations(schedule: Schedule, durations: Sequence[Sequence[float]]) -> None:
+    if len(durations) != len(schedule.ranks):
+        raise ValueError(f"durations: one list per rank expected ({len(schedule.ranks)}), got {len(durations)}")
+    for rank, (actions, times) in enumerate(zip(schedule.ranks, durations, strict=True)):
+        computes = sum(1 for a in actions if a.op.is_compute)
+        if len(times) != computes:
+            raise ValueError(f"durations: rank {rank} runs {computes} compute actions, got {len(times)} durations")
+        bad = [t for t in times if not math.isfinite(t) or t < 0]
+        if bad:
+            raise ValueError(f"durations: rank {rank} has durations that are not finite numbers >= 0: {bad[:3]}")
+
+
+def simulate(
+    schedule: Schedule,
+    costs: Costs | None = None,
+    *,
+    durations: Sequence[Sequence[float]] | None = None,
+    ready: Sequence[float] | None = None,
+) -> SimResult:
+    """Time ``schedule`` under ``costs`` (defaults: F=1, B=2, W=1, F&B=F+B, no latency).
+
+    ``durations`` replaces the per-kind costs by one cost per compute action: ``durations[r][i]`` is what
+    rank ``r``'s ``i``-th compute action takes (e.g. measured in a run, so the prediction sees per-stage and
+    per-micro-batch differences that a mean per kind hides). ``costs`` then only gives the latency.
+    ``ready[r]`` is when rank ``r`` can start (default: every rank at 0); the time before it is idle.
+    """
     costs = costs if costs is not None else Costs()
-    spans = _timelines(schedule, costs)
+    if durations is not None:
+        _check_durations(schedule, durations)
+    if ready is not None and (len(ready) != len(schedule.ranks) or any(not math.isfinite(t) or t < 0 for t in ready)):
+        raise ValueError(f"ready: one finite time >= 0 per rank expected ({len(schedule.ranks)}), got {list(ready)}")
+    spans = _timelines(schedule, costs, durations, ready)
     makespan = max((s[-1].end for s in spans if s), default=0.0)
     busy = tuple(sum(x.end - x.start for x in s) for s in spans)
     idle = tuple(makespan - b for b in busy)

@@ -171,6 +171,10 @@ def setup(args: argparse.Namespace) -> Run:
         timeout=args.timeout,
         overlap=args.overlap and args.schedule.startswith("dualpipe"),
     )
+    # Every stage boundary carries one hidden-state tensor per micro-batch: declaring it lets receives be
+    # posted ahead of the compute that consumes them (no per-message shape header to wait for).
+    pipe.set_p2p_tensor_shapes([(args.micro_batch_size, args.seq_len, cfg.hidden_size)])
+    pipe.set_p2p_tensor_dtype(dtype)
     params = list({id(p): p for p in pipe.parameters()}.values())
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     corpus = ByteCorpus(args.data)

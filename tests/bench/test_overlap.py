@@ -16,7 +16,9 @@ from bench import overlap
 from bench.overlap_report import ModeRow, table, targets
 from bench.overlap_stats import (
     ActionSpan,
+    HostSpan,
     RankSteps,
+    action_durations,
     chrome_trace,
     comm_totals,
     measured_bubble,
@@ -24,6 +26,7 @@ from bench.overlap_stats import (
     op_of,
     parse_events,
     predicted_bubble,
+    replayed_bubble,
 )
 from dualpipe.schedule import build_schedule
 from dualpipe.simulate import Costs, simulate
@@ -83,7 +86,7 @@ def test_blocking_all_to_all_hides_nothing_and_overlapped_hides_all():
     assert math.isnan(comm_totals([RankSteps(0, 1, [], [], [])])[2])
 
 
-def test_actions_nest_and_the_bubble_counts_top_level_only():
+def test_actions_nest_and_costs_count_each_level():
     r0 = parse_events(
         [
             _ev("step", "m", 0, "begin", 0.0),
@@ -98,10 +101,95 @@ def test_actions_nest_and_the_bubble_counts_top_level_only():
     )
     assert [(a.op, a.depth) for a in r0.actions] == [("F", 1), ("B", 1), ("FB", 0)]
     r1 = RankSteps(0.5, 4.0, [], [], [ActionSpan("F0.0", 0, 1.0, 2.0)])
-    # window 0..4 on 2 ranks = 8; busy 3 + 1
-    assert measured_bubble([r0, r1]) == pytest.approx(0.5)
+    # window 0..4 on 2 ranks = 8; busy: rank 0 from its begin to its last action's end (3), rank 1 from its
+    # begin to its last action's end (1.5: the executor's work before the action counts)
+    assert measured_bubble([r0, r1]) == pytest.approx(3.5 / 8)
     costs = measured_costs([r0, r1])
     assert (costs.F, costs.B, costs.W, costs.FB) == (1.0, 2.0, 0.0, 3.0)
+
+
+def _rank(begin, end, actions, waits=(), posts=()):
+    return RankSteps(begin, end, [], [], [ActionSpan(*a) for a in actions], [HostSpan(*w) for w in waits],
+                     [HostSpan(*p) for p in posts])  # fmt: skip
+
+
+def test_message_waits_and_the_end_of_the_step_are_idle_the_executors_work_is_busy():
+    r = parse_events(
+        [
+            _ev("step", "m", 0, "begin", 0.0),
+            _ev("post RECV_F0.0<0", "post", 0, "begin", 0.0),
+            _ev("post RECV_F0.0<0", "post", 0, "end", 0.5),
+            _ev("F0.0", "action", 0, "begin", 1.0),
+            _ev("recv F0.0", "p2p", 1, "begin", 1.0),
+            _ev("recv F0.0", "p2p", 1, "end", 3.0),
+            _ev("F0.0", "action", 0, "end", 4.0),
+            _ev("post SEND_F0.0>2", "post", 0, "begin", 4.0),
+            _ev("post SEND_F0.0>2", "post", 0, "end", 4.5),
+            _ev("step", "m", 0, "end", 6.0),
+        ]
+    )
+    assert [(w.label, w.start, w.end) for w in r.waits] == [("recv F0.0", 1.0, 3.0)]
+    assert [p.label for p in r.posts] == ["post RECV_F0.0<0", "post SEND_F0.0>2"]
+    assert r.work_end() == 4.5
+    # busy 0..4.5 less the 2 s wait; idle: the wait and 4.5..6 (the blocking end-of-step reap)
+    assert measured_bubble([r]) == pytest.approx(3.5 / 6)
+    assert measured_costs([r]).F == 1.0  # the action less its wait
+
+
+def test_action_durations_run_from_action_start_to_action_start_less_waits():
+    schedule = build_schedule("1f1b", 2, 1)  # rank 0: F0.0, B0.0; rank 1: F0.0, B0.0
+    r0 = _rank(0.0, 9.0, [("F0.0", 0, 0.5, 1.5), ("B0.0", 0, 2.0, 6.0)], waits=[("recv B0.0", 2.0, 4.0)],
+               posts=[("post", 1.5, 1.8), ("post", 6.0, 6.5)])  # fmt: skip
+    r1 = _rank(0.0, 9.0, [("F0.0", 0, 0.0, 3.0), ("B0.0", 0, 3.0, 4.0)], waits=[("recv F0.0", 0.0, 1.0)])
+    assert action_durations(schedule, [r0, r1]) == [[2.0, 2.5], [2.0, 1.0]]
+    with pytest.raises(ValueError, match="not the schedule's"):
+        action_durations(schedule, [r1, _rank(0.0, 1.0, [("F0.0", 0, 0.0, 1.0)])])
+    with pytest.raises(ValueError, match="ranks measured"):
+        action_durations(schedule, [r0])
+
+
+def _executed(name: str, ranks: int, chunks: int, costs: Costs, ready: list[float] | None = None) -> list[RankSteps]:
+    """What an ideal executor records when every action takes its cost under ``costs`` and rank ``r`` begins
+    its step at ``ready[r]``: each action entered as soon as the previous one ended, its wait for a message
+    recorded inside it."""
+    ready = ready or [0.0] * ranks
+    result = simulate(build_schedule(name, ranks, chunks), costs, ready=ready)
+    out = []
+    for spans, free in zip(result.timelines, ready):
+        actions, waits, begin = [], [], free
+        for s in spans:
+            if s.start > free:
+                waits.append(("recv", free, s.start))
+            actions.append((s.label, 0, free, s.end))
+            free = s.end
+        out.append(_rank(begin, result.makespan, actions, waits))
+    return out
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb1p", "dualpipe", "dualpipev"])
+def test_the_replay_of_an_ideal_execution_is_the_measurement(name: str):
+    costs = Costs(F=1.0, B=2.0, W=0.5, FB=2.6)
+    ranks = _executed(name, 4, 8, costs)
+    want = simulate(build_schedule(name, 4, 8), costs).bubble_fraction
+    assert measured_bubble(ranks) == pytest.approx(want)
+    assert replayed_bubble(name, [ranks], 8) == pytest.approx(want)
+    assert replayed_bubble(name, [ranks, ranks], 8) == pytest.approx(want)  # two identical pipelines
+
+
+def test_slow_messages_are_what_the_replay_does_not_predict():
+    costs = Costs(F=1.0, B=2.0, W=0.5, FB=2.6, latency=0.3)
+    ranks = _executed("dualpipev", 4, 8, costs)
+    measured = measured_bubble(ranks)
+    assert measured == pytest.approx(simulate(build_schedule("dualpipev", 4, 8), costs).bubble_fraction)
+    assert replayed_bubble("dualpipev", [ranks], 8) < measured - 0.01
+    assert replayed_bubble("dualpipev", [ranks], 8, latency=0.3) == pytest.approx(measured)
+
+
+def test_a_late_start_is_idle_in_the_measurement_and_the_replay():
+    costs = Costs(F=1.0, B=2.0, W=1.0)
+    late = _executed("1f1b", 2, 4, costs, ready=[0.0, 1.5])  # rank 1 leaves the step barrier late
+    assert replayed_bubble("1f1b", [late], 4) == pytest.approx(measured_bubble(late))
+    assert measured_bubble(late) > measured_bubble(_executed("1f1b", 2, 4, costs)) + 0.01
 
 
 def test_costs_without_full_backward_add_input_and_weight_parts():
@@ -145,7 +233,8 @@ def test_chrome_trace_has_a_track_per_rank_and_stream():
 def _row(mode: str, **kw) -> ModeRow:
     base = dict(
         schedule="dualpipev", overlap=True, steps=3, step_ms=80.0, step_ms_min=78.0, step_ms_max=90.0,
-        tokens_per_s=1e4, vs_torch=0.8, bubble=0.10, bubble_predicted=0.09, a2a_ms=50.0, a2a_exposed_ms=5.0,
+        tokens_per_s=1e4, vs_torch=0.8, bubble=0.10, bubble_predicted=0.09,
+        bubble_predicted_mean=0.05, a2a_ms=50.0, a2a_exposed_ms=5.0,
         hidden=0.9, hidden_in_pairs=0.95, cpu_use=0.5, costs_ms={}, loss=5.0,
     )  # fmt: skip
     base.update(kw)
@@ -179,12 +268,20 @@ def _check_outputs(out_dir, modes: list[str]) -> dict:
 
 def test_smoke_run_on_loopback(tmp_path, capsys):
     modes = ["dualpipev-overlap", "dualpipev", "dualpipe-overlap", "1f1b", "torch-dualpipev"]
-    rc = overlap.main([*TINY, "--steps", "1", "--modes", *modes, "--out", str(tmp_path), "--timeout", "120"])
-    assert rc == 0
+    argv = [*TINY, "--steps", "1", "--modes", *modes, "--out", str(tmp_path), "--timeout", "120", "--keep-events"]
+    assert overlap.main(argv) == 0
     printed = capsys.readouterr().out
     assert "targets (DualPipeV with overlap)" in printed and "loopback" in printed
     record = _check_outputs(tmp_path, modes)
     assert record["device"].endswith("-loopback") and record["cluster"] is None
+    rows = {r["mode"]: r for r in record["rows"]}
+    for mode in modes[:-1]:  # our executor: the replay matches the recorded actions to the schedule
+        assert 0 <= rows[mode]["bubble_predicted"] < 1 and 0 <= rows[mode]["bubble_predicted_mean"] < 1
+    assert math.isnan(rows["torch-dualpipev"]["bubble_predicted"])
+    events = sorted(p.name for p in (tmp_path / "events").glob("rank*.json"))
+    assert events == [f"rank{r}.json" for r in range(4)]
+    names = {e["name"].split()[0] for e in json.loads(next(tmp_path.glob("*.trace.json")).read_text())["traceEvents"]}
+    assert {"wait", "post"} <= names  # pipeline-message waits and the executor's issuing are on the trace
     assert record["loss_check"]["grad_sq_rel_diff_torch_vs_dualpipev"] <= 1e-6
 
 

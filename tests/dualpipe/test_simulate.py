@@ -141,6 +141,48 @@ def test_early_receives_do_not_change_timing() -> None:
     assert early.timelines == plain.timelines
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb1p", "dualpipe", "dualpipev"])
+def test_per_action_durations_equal_to_the_costs_give_the_same_timelines(name: str) -> None:
+    costs = Costs(F=1, B=2, W=0.5, FB=2.5, latency=0.1)
+    schedule = build_schedule(name, 4, 8)
+    durations = [[costs.of(a) for a in actions if a.op.is_compute] for actions in schedule.ranks]
+    assert simulate(schedule, costs, durations=durations).timelines == simulate(schedule, costs).timelines
+
+
+def test_per_action_durations_move_only_what_depends_on_them() -> None:
+    # 1F1B on 2 ranks, 1 chunk: F on rank 0, F then B on rank 1, B on rank 0 (a chain).
+    schedule = build_schedule("1f1b", 2, 1)
+    result = simulate(schedule, Costs(latency=0.5), durations=[[3.0, 5.0], [1.0, 2.0]])
+    assert [[(s.start, s.end) for s in spans] for spans in result.timelines] == [
+        [(0.0, 3.0), (7.0, 12.0)],
+        [(3.5, 4.5), (4.5, 6.5)],
+    ]
+    assert result.busy == (8.0, 3.0) and result.makespan == 12.0
+
+
+def test_ready_times_delay_each_rank_and_count_as_idle() -> None:
+    schedule = build_schedule("1f1b", 2, 1)
+    result = simulate(schedule, Costs(F=1, B=2, W=1), ready=[0.0, 2.0])
+    assert [s.start for s in result.timelines[1]] == [2.0, 3.0]  # waits for itself, not for the message at 1
+    assert result.makespan == 2.0 + 1 + 2 + 2 and result.idle == (result.makespan - 3, result.makespan - 3)
+
+
+@pytest.mark.parametrize(
+    "durations",
+    [[[1.0, 1.0]], [[1.0], [1.0, 1.0]], [[1.0, -1.0], [1.0, 1.0]], [[1.0, float("nan")], [1.0, 1.0]]],
+    ids=["ranks", "actions", "negative", "nan"],
+)
+def test_durations_are_validated(durations: list[list[float]]) -> None:
+    with pytest.raises(ValueError, match="durations"):
+        simulate(build_schedule("1f1b", 2, 1), durations=durations)
+
+
+@pytest.mark.parametrize("ready", [[0.0], [0.0, -1.0], [0.0, float("inf")]], ids=str)
+def test_ready_times_are_validated(ready: list[float]) -> None:
+    with pytest.raises(ValueError, match="ready"):
+        simulate(build_schedule("1f1b", 2, 1), ready=ready)
+
+
 @pytest.mark.parametrize("kwargs", [{"F": -1.0}, {"W": 3.0}, {"latency": float("nan")}, {"FB": float("inf")}], ids=str)
 def test_costs_are_validated(kwargs: dict) -> None:
     with pytest.raises(ValueError):
