@@ -14,14 +14,20 @@ the ``dw_builder`` that ``PipelineStage`` documents for this case: every backwar
 :class:`dualpipe.weight_grad.GradStore` enabled, the builder closes that store's batch and its runner (the
 ``W`` action, or at once for a full backward) runs exactly those closures. This is configuration torch
 asks of any model with custom weight gradients; it overlaps nothing.
+
+Pipeline messages: torch's runtime posts them with ``schedules._batch_p2p`` and waits for them with
+``schedules._wait_batch_p2p``, between compute actions. During a step both are wrapped to record
+``"post"`` and ``"p2p"`` spans, as our executor's are, so both runtimes' bubbles are measured alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+from torch.distributed.pipelining import schedules as torch_schedules
 
 from dualpipe.weight_grad import GradStore, active_store
 from moe.config import MoEConfig
@@ -85,6 +91,18 @@ def _instrument(stage: PipelineStage, actions) -> None:
     stage.backward_weight_one_chunk = actions.wrap(stage.backward_weight_one_chunk, lambda mb, *a, **k: "W")
 
 
+@contextlib.contextmanager
+def _recording_p2p(actions) -> Iterator[None]:
+    """Record torch's posting of and waiting for pipeline messages (module functions, restored after)."""
+    post, wait = torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p
+    torch_schedules._batch_p2p = actions.wrap(post, lambda ops, desc=None: f"post {desc or ''}".strip(), "post")
+    torch_schedules._wait_batch_p2p = actions.wrap(wait, lambda works: "p2p", "p2p")
+    try:
+        yield
+    finally:
+        torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p = post, wait
+
+
 def build_torch_dualpipev(
     cfg: MoEConfig,
     layout: ParallelLayout,
@@ -115,11 +133,12 @@ def build_torch_dualpipev(
     feeds = layout.pp_rank == 0  # stage 0 (inputs) and stage 2N-1 (loss) both live on pipeline rank 0
 
     def step(ids: torch.Tensor, labels: torch.Tensor) -> list[float]:
-        if not feeds:
-            schedule.step()
-            return []
-        losses: list[torch.Tensor] = []
-        schedule.step(ids, target=labels, losses=losses)
+        with _recording_p2p(actions):
+            if not feeds:
+                schedule.step()
+                return []
+            losses: list[torch.Tensor] = []
+            schedule.step(ids, target=labels, losses=losses)
         return [float(x) for x in losses]
 
     params = [p for m in modules for p in m.parameters()]

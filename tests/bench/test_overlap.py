@@ -13,7 +13,7 @@ import math
 import pytest
 
 from bench import overlap
-from bench.overlap_report import ModeRow, table, targets
+from bench.overlap_report import ModeRow, cpu_floor, table, targets
 from bench.overlap_stats import (
     ActionSpan,
     HostSpan,
@@ -249,6 +249,13 @@ def test_targets_are_evaluated_not_asserted():
     assert "| dualpipev-overlap | 80 (78..90) |" in table([_row("dualpipev-overlap")])
 
 
+def test_cpu_floor_is_our_cpu_time_over_torchs_step():
+    # 80 ms at 0.5 of all cores = 40 ms of CPU per core; torch's step is 100 ms
+    assert cpu_floor([_row("dualpipev-overlap", vs_torch=0.8, cpu_use=0.5), _row("torch-dualpipev")]) == 0.4
+    assert cpu_floor([_row("dualpipev-overlap", vs_torch=None)]) is None
+    assert cpu_floor([_row("dualpipev", vs_torch=0.8)]) is None
+
+
 def _check_outputs(out_dir, modes: list[str]) -> dict:
     (json_path,) = out_dir.glob("overlap-*-????-??-??.json")
     stem = json_path.name.removesuffix(".json")
@@ -271,7 +278,7 @@ def test_smoke_run_on_loopback(tmp_path, capsys):
     argv = [*TINY, "--steps", "1", "--modes", *modes, "--out", str(tmp_path), "--timeout", "120", "--keep-events"]
     assert overlap.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "targets (DualPipeV with overlap)" in printed and "loopback" in printed
+    assert "targets (DualPipeV with overlap)" in printed and "loopback" in printed and "CPU floor" in printed
     record = _check_outputs(tmp_path, modes)
     assert record["device"].endswith("-loopback") and record["cluster"] is None
     rows = {r["mode"]: r for r in record["rows"]}
