@@ -67,17 +67,17 @@ class WorkerOptions:
     """Pipeline ranks (per ep rank; the ranks of one node in the emulated cluster)."""
     ep: int = 2
     """Expert-parallel ranks (one per node in the emulated cluster)."""
-    chunks: int = 8
+    chunks: int = 16
     """Micro-batches per step, the same for every mode (DualPipe: half per direction)."""
     micro_batch: int = 4
     """Sequences per micro-batch per ep rank."""
     seq_len: int = 64
-    hidden: int = 128
+    hidden: int = 256
     layers: int = 4
     """Transformer blocks in total (DualPipeV and torch: 2*pp stages; DualPipe and 1F1B: pp)."""
     experts: int = 8
     top_k: int = 2
-    moe_intermediate: int = 128
+    moe_intermediate: int = 256
     heads: int = 4
     steps: int = 3
     """Timed steps per mode."""

@@ -268,11 +268,16 @@ class MoEStage(nn.Module):
 
         Forward block i is paired with backward block L-1-i; each pair runs (DeepSeek-V3 Figure 4)::
 
-            comm:     B.combine        | F.dispatch   B.dispatch      | F.combine
-            compute:  F.attention      | B.mlp (dX, dW)  F.mlp        | B.attention (dX, dW)
+            comm:     B.combine        | F.dispatch   B.dispatch      | F.combine  (next B.combine)
+            compute:  F.attention      | B.mlp (dX, dW)  F.mlp        | B.attention (dX | dW)
 
         Every all-to-all is started before the other micro-batch's compute and waited where its result is
-        consumed. Returns ``(outputs0, loss0)`` as the reference hook does.
+        consumed. The pairs' boundaries are not aligned with the blocks': the next backward block's combine
+        starts as soon as this block's input gradient exists (after B.attention dX), so it runs behind
+        B.attention dW, the forward's combine and the next F.attention instead of the last alone. The first
+        one starts before the embedding forward, and the stage's input-gradient computation (the embedding
+        backward on the first stage) runs while the last forward combine is in flight. Returns
+        ``(outputs0, loss0)`` as the reference hook does.
         """
         if not (module0.piecewise and module1.piecewise):
             raise ValueError(
@@ -303,21 +308,26 @@ class MoEStage(nn.Module):
             raise RuntimeError("the outputs/loss given for module1 come from another module")
 
         run0 = StageRun(module0, tuple(inputs0), module0.recorder)
-        h0 = run0.pre_forward()
         g1 = run1.post_backward(grad1)
         n0, n1 = len(run0.blocks), len(run1.blocks)
-        for i in range(max(n0, n1)):
-            f = run0.blocks[i] if i < n0 else None
-            b = run1.blocks[n1 - 1 - i] if i < n1 else None
-            if f is not None and b is not None:
-                h0, g1 = _overlap_pair(f, h0, b, g1)
-            elif f is not None:
-                h0 = f.forward(h0)
-            else:
-                assert b is not None
-                g1 = b.backward(g1)
+        pairs = min(n0, n1)
+        backward = run1.blocks[::-1]  # in backward order
+        if pairs:
+            backward[0].combine_backward_start(g1)
+        h0 = run0.pre_forward()
+        input_grad: tuple[torch.Tensor | None] | None = None  # (pre_backward's result,) once computed
+        for i in range(pairs):
+            f = run0.blocks[i]
+            g1 = _overlap_pair(f, h0, backward[i], backward[i + 1] if i + 1 < pairs else None)
+            if i + 1 == n1:  # the last backward block: the stage's input gradient, while F.combine flies
+                input_grad = (run1.pre_backward(g1),)
+            h0 = f.combine_wait()
+        for f in run0.blocks[pairs:]:
+            h0 = f.forward(h0)
+        for b in backward[pairs:]:
+            g1 = b.backward(g1)
         out0 = run0.post_forward(h0)
-        run1.deliver_input_grad(run1.pre_backward(g1))
+        run1.deliver_input_grad(run1.pre_backward(g1) if input_grad is None else input_grad[0])
 
         anchor = torch.empty(0, device=out0.device, requires_grad=True)
         outputs0 = [_StageGraph.apply(run0, out0.detach(), anchor, *inputs0)]
@@ -325,9 +335,10 @@ class MoEStage(nn.Module):
         return outputs0, loss0
 
 
-def _overlap_pair(f: BlockRun, h: torch.Tensor, b: BlockRun, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward of block run ``f`` on ``h`` and backward of ``b`` from ``g``, interleaved."""
-    b.combine_backward_start(g)  # comm  B.combine (dispatch direction)
+def _overlap_pair(f: BlockRun, h: torch.Tensor, b: BlockRun, next_b: BlockRun | None) -> torch.Tensor:
+    """Forward of block run ``f`` on ``h`` and backward of ``b`` (whose combine backward was started),
+    interleaved up to ``f``'s combine, which is left in flight for the caller to wait. Starts ``next_b``'s
+    combine backward as soon as ``b``'s input gradient exists. Returns that gradient."""
     f.attn_forward(h)  # compute F.attention (router; the count exchange starts)
     f.dispatch_start()  # comm  F.dispatch
     b.combine_backward_wait()
@@ -339,7 +350,8 @@ def _overlap_pair(f: BlockRun, h: torch.Tensor, b: BlockRun, g: torch.Tensor) ->
     f.combine_start()  # comm  F.combine
     b.dispatch_backward_wait()
     b.attn_backward_dx()  # compute B.attention dX
-    b.attn_backward_dw()  # compute B.attention dW
-    h_out = f.combine_wait()
     assert b.grad_in is not None
-    return h_out, b.grad_in
+    if next_b is not None:
+        next_b.combine_backward_start(b.grad_in)  # comm  next B.combine (dispatch direction)
+    b.attn_backward_dw()  # compute B.attention dW
+    return b.grad_in

@@ -208,6 +208,11 @@ def test_overlapped_event_order():
         ]
         expected = [("attn", "fwd"), ("mlp.dx", "bwd"), ("mlp.dw", "bwd"), ("mlp", "fwd"), ("attn.dx", "bwd")]
         assert [b for b in begins if b in expected] == expected
+    # Pairs straddle block boundaries: the next backward block's combine (layer 2) starts once layer 3's
+    # input gradient exists, before its dW and before the first pair's forward combine is waited.
+    at = {(n, d, layer, e): i for i, (n, d, layer, e) in enumerate(order1)}
+    assert at[("attn.dx", "bwd", 3, "end")] < at[("combine", "bwd", 2, "start")] < at[("attn.dw", "bwd", 3, "begin")]
+    assert at[("combine", "bwd", 2, "start")] < at[("combine", "fwd", 2, "wait")] < at[("attn", "fwd", 3, "begin")]
     # Stage 0 (layer 0 dense, layer 1 MoE): each pair has one communicating side, still hidden.
     comm0 = [(n, d, 1) for n in ("dispatch", "combine") for d in ("fwd", "bwd")]
     _assert_comm_hidden(order0, comm0)
