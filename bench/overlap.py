@@ -192,7 +192,7 @@ def _report(args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict
     if args.calibrate:
         return 0
     rows = summarise(rank_files)
-    goals = targets(rows)
+    goals = targets(rows, opts.pp)
     check = loss_check(rank_files)
     print(f"\n{device}: pp={opts.pp} ep={opts.ep} chunks={opts.chunks} tokens/step={opts.tokens_per_step} "
           f"steps={opts.steps} (+{opts.warmup} warm-up), medians over steps\n")  # fmt: skip

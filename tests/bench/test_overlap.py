@@ -246,6 +246,10 @@ def test_targets_are_evaluated_not_asserted():
     assert [t.met for t in met] == [True, True, True]
     missed = targets([_row("dualpipev-overlap", hidden=0.5, vs_torch=0.95, bubble=0.2)])
     assert [t.met for t in missed] == [False, False, False]
+    assert [t.what for t in targets([_row("dualpipev-overlap")], pipeline_ranks=1)] == [
+        "all-to-all hidden (dualpipev-overlap)",
+        "step time vs torch ScheduleDualPipeV",
+    ]
     assert "| dualpipev-overlap | 80 (78..90) |" in table([_row("dualpipev-overlap")])
 
 
