@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dualpipe import PIPELINES, Pipeline
+from dualpipe.schedule import SCHEDULES
 from moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moe.config import PRESETS, preset
 from moe.data import ByteCorpus
@@ -82,6 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def num_chunks(args: argparse.Namespace) -> int:
+    """Micro-batches per step: ``--num-chunks``, or by default the fewest DualPipe(V) accepts."""
+    return args.num_chunks or max(2 * args.pp, 2)
+
+
 def check_args(args: argparse.Namespace, world: int) -> None:
     """Every constraint up front, with what to change."""
     if args.pp * args.ep != world:
@@ -89,13 +95,12 @@ def check_args(args: argparse.Namespace, world: int) -> None:
             f"error: --pp {args.pp} x --ep {args.ep} = {args.pp * args.ep}, but the world size is "
             f"{world}; launch pp x ep processes (torchrun --nproc-per-node ...)"
         )
-    if args.schedule == "dualpipe" and args.pp % 2:
-        raise SystemExit(f"error: --schedule dualpipe needs an even --pp (got {args.pp}); use dualpipev")
-    need = {"dualpipe": 2 * args.pp, "dualpipev": 2 * args.pp}.get(args.schedule, 1)
-    if args.num_chunks and args.num_chunks < need:
-        raise SystemExit(f"error: --num-chunks must be >= {need} for {args.schedule} at pp={args.pp}")
-    if args.schedule == "dualpipe" and args.num_chunks % 2:
-        raise SystemExit("error: --schedule dualpipe needs an even --num-chunks")
+    try:  # the schedule's own rules (pipeline ranks = --pp, micro-batches = --num-chunks)
+        SCHEDULES[args.schedule].validate(args.pp, num_chunks(args))
+    except ValueError as exc:
+        raise SystemExit(
+            f"error: --schedule {args.schedule} --pp {args.pp} --num-chunks {num_chunks(args)}: {exc}"
+        ) from None
     if args.ckpt_every and not args.ckpt_dir:
         raise SystemExit("error: --ckpt-every needs --ckpt-dir")
     if args.resume and not args.ckpt_dir:
@@ -178,7 +183,7 @@ def setup(args: argparse.Namespace) -> Run:
     params = list({id(p): p for p in pipe.parameters()}.values())
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     corpus = ByteCorpus(args.data)
-    chunks = args.num_chunks or max(2 * args.pp, 2)
+    chunks = num_chunks(args)
     for stage in stages:
         # The step averages the LM loss over micro-batches (loss_reduction="mean"); the balance loss, added
         # inside each stage per micro-batch, must be averaged the same way.

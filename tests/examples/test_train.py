@@ -102,8 +102,15 @@ def _bad_flags(rank: int, world: int, argv: list[str]) -> str:
     ("argv", "message"),
     [
         (["--pp", "2", "--ep", "2"], "the world size is 2"),
-        (["--pp", "1", "--ep", "2", "--schedule", "dualpipe"], "needs an even --pp"),
-        (["--pp", "2", "--ep", "1", "--num-chunks", "3"], "--num-chunks must be >= 4"),
+        (["--pp", "1", "--ep", "2", "--schedule", "dualpipe"], "--pp 1 --num-chunks 2: DualPipe needs an even"),
+        (
+            ["--pp", "2", "--ep", "1", "--num-chunks", "3"],
+            "--num-chunks 3: DualPipeV needs num_chunks >= 2 * ranks = 4",
+        ),
+        (
+            ["--pp", "2", "--ep", "1", "--schedule", "dualpipe", "--num-chunks", "5"],
+            "DualPipe needs an even num_chunks",
+        ),
         (["--pp", "2", "--ep", "1", "--ckpt-every", "2"], "--ckpt-every needs --ckpt-dir"),
         (["--pp", "2", "--ep", "1", "--layers", "3"], "pass --layers 4 or more"),
     ],
