@@ -250,6 +250,8 @@ def test_targets_are_evaluated_not_asserted():
         "all-to-all hidden (dualpipev-overlap)",
         "step time vs torch ScheduleDualPipeV",
     ]
+    no_a2a = targets([_row("dualpipev-overlap", hidden=math.nan, vs_torch=None)])
+    assert [t.what for t in no_a2a] == ["|bubble measured - simulated| / simulated"]
     assert "| dualpipev-overlap | 80 (78..90) |" in table([_row("dualpipev-overlap")])
 
 
