@@ -143,6 +143,13 @@ class _BlockingComm:
     def __init__(self, dispatcher: TokenDispatcher, route: Route, recorder: EventRecorder | None, layer: int) -> None:
         self.dispatcher, self.route, self.recorder, self.layer = dispatcher, route, recorder, layer
         self.local_idx_RK: torch.Tensor | None = None
+        if route.exchanges_counts:
+            record_edge(recorder, "counts", "fwd", layer, "start")
+
+    def wait_counts(self) -> None:
+        if self.route.exchanges_counts:
+            self.route.wait_counts()
+            record_edge(self.recorder, "counts", "fwd", self.layer, "wait")
 
     def run(self, name: str, direction: str, start):
         """Start one all-to-all and wait for it right away (recording both edges)."""
@@ -157,6 +164,7 @@ class _BlockingDispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, comm: _BlockingComm, x_TD: torch.Tensor, weights_TK: torch.Tensor):
+        comm.wait_counts()
         got = comm.run("dispatch", "fwd", lambda: comm.dispatcher.dispatch(comm.route, x_TD, weights_TK))
         comm.local_idx_RK = got.local_idx_RK
         ctx.comm = comm
@@ -260,12 +268,17 @@ class BlockRun:
                 self.aux_loss = None if aux is None else aux.detach()
                 assert self.block.dispatcher is not None
                 self.route: Route = self.block.dispatcher.plan(self.routing.topk_idx_TK)
+                if self.route.exchanges_counts:
+                    self._comm("counts", "fwd", "start")
 
     def dispatch_start(self) -> None:
         self._dispatch: Pending[Dispatched] | None = None
         if self.routing is None:
             return
         assert self.block.dispatcher is not None
+        if self.route.exchanges_counts:  # the data all-to-all needs the row counts: a wait of its own
+            self.route.wait_counts()
+            self._comm("counts", "fwd", "wait")
         self._comm("dispatch", "fwd", "start")
         x_TD = self.z_BSD.detach().reshape(-1, self.z_BSD.shape[-1])
         self._dispatch = self.block.dispatcher.dispatch(self.route, x_TD, self.routing.topk_weights_TK.detach())

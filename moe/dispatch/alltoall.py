@@ -16,6 +16,7 @@ buffers must be allocated before the data exchange starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,10 @@ class _A2ARoute(Route):
     counts_work: dist.Work | None
     send_splits: list[int] = field(default_factory=list)
     recv_splits: list[int] = field(default_factory=list)
+    exchanges_counts: ClassVar[bool] = True
+
+    def wait_counts(self) -> None:
+        self.splits()
 
     def splits(self) -> tuple[list[int], list[int]]:
         if self.counts_work is not None:

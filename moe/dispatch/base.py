@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
@@ -63,6 +63,13 @@ class Dispatched:
 
 class Route:
     """Per-micro-batch, per-layer bookkeeping a backend keeps between dispatch, combine and their backward."""
+
+    exchanges_counts: ClassVar[bool] = False
+    """Whether :meth:`TokenDispatcher.plan` starts an exchange of row counts that ``dispatch`` must wait
+    for (uneven all-to-all: the receive buffers are sized from them)."""
+
+    def wait_counts(self) -> None:
+        """Finish the row-count exchange :meth:`TokenDispatcher.plan` started (no-op without one)."""
 
 
 class TokenDispatcher(ABC):

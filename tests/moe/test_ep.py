@@ -188,7 +188,7 @@ def _spans(order):
 
 def _assert_comm_hidden(order, comm_keys):
     spans = _spans(order)
-    compute = {k: v for k, v in spans.items() if k[0] not in ("dispatch", "combine")}
+    compute = {k: v for k, v in spans.items() if k[0] not in ("dispatch", "combine", "counts")}
     assert set(comm_keys) <= set(spans), f"missing communication spans: {set(comm_keys) - set(spans)}"
     for key in comm_keys:
         start, wait = spans[key]
@@ -216,4 +216,10 @@ def test_overlapped_event_order():
     # Stage 0 (layer 0 dense, layer 1 MoE): each pair has one communicating side, still hidden.
     comm0 = [(n, d, 1) for n in ("dispatch", "combine") for d in ("fwd", "bwd")]
     _assert_comm_hidden(order0, comm0)
-    assert not any(n in ("dispatch", "combine") and layer == 0 for n, _, layer, _ in order0)
+    assert not any(n in ("dispatch", "combine", "counts") and layer == 0 for n, _, layer, _ in order0)
+    # The row-count exchange is its own span: started after routing, waited right before the dispatch.
+    at = {(n, d, layer, e): i for i, (n, d, layer, e) in enumerate(order1)}
+    for layer in (2, 3):
+        assert at[("attn", "fwd", layer, "begin")] < at[("counts", "fwd", layer, "start")]
+        assert at[("counts", "fwd", layer, "start")] < at[("counts", "fwd", layer, "wait")]
+        assert at[("counts", "fwd", layer, "wait")] < at[("dispatch", "fwd", layer, "start")]

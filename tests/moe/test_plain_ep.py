@@ -54,4 +54,14 @@ def test_plain_graph_ep_matches_piecewise(skewed: bool):
                 continue
             assert_rel_close(got, want, rel=1e-5, what=name)
         # Both paths record every all-to-all, forward and backward.
-        assert comms == ref_comms == [("combine", "bwd"), ("combine", "fwd"), ("dispatch", "bwd"), ("dispatch", "fwd")]
+        assert (
+            comms
+            == ref_comms
+            == [
+                ("combine", "bwd"),
+                ("combine", "fwd"),
+                ("counts", "fwd"),
+                ("dispatch", "bwd"),
+                ("dispatch", "fwd"),
+            ]
+        )
