@@ -271,6 +271,11 @@ class BlockRun:
                 if self.route.exchanges_counts:
                     self._comm("counts", "fwd", "start")
 
+    @property
+    def exchanges_counts(self) -> bool:
+        """Whether :meth:`dispatch_start` first waits for the row counts :meth:`attn_forward` started."""
+        return self.routing is not None and self.route.exchanges_counts
+
     def dispatch_start(self) -> None:
         self._dispatch: Pending[Dispatched] | None = None
         if self.routing is None:

@@ -272,11 +272,15 @@ class MoEStage(nn.Module):
             compute:  F.attention      | B.mlp (dX, dW)  F.mlp        | B.attention (dX | dW)
 
         Every all-to-all is started before the other micro-batch's compute and waited where its result is
-        consumed. The pairs' boundaries are not aligned with the blocks': the next backward block's combine
-        starts as soon as this block's input gradient exists (after B.attention dX), so it runs behind
-        B.attention dW, the forward's combine and the next F.attention instead of the last alone. The first
-        one starts before the embedding forward, and the stage's input-gradient computation (the embedding
-        backward on the first stage) runs while the last forward combine is in flight. Returns
+        consumed. A backend whose dispatch waits for a row-count exchange of its own (``alltoall``; DeepEP
+        counts inside its dispatch) starts F.dispatch after B.mlp dX instead, so that wait is hidden
+        rather than blocking right after routing.
+
+        The pairs' boundaries are not aligned with the blocks': the next backward block's combine starts as
+        soon as this block's input gradient exists (after B.attention dX), so it runs behind B.attention dW,
+        the forward's combine and the next F.attention instead of the last alone. The first one starts
+        before the embedding forward, and the stage's input-gradient computation (the embedding backward on
+        the first stage) runs while the last forward combine is in flight. Returns
         ``(outputs0, loss0)`` as the reference hook does.
         """
         if not (module0.piecewise and module1.piecewise):
@@ -339,10 +343,14 @@ def _overlap_pair(f: BlockRun, h: torch.Tensor, b: BlockRun, next_b: BlockRun | 
     """Forward of block run ``f`` on ``h`` and backward of ``b`` (whose combine backward was started),
     interleaved up to ``f``'s combine, which is left in flight for the caller to wait. Starts ``next_b``'s
     combine backward as soon as ``b``'s input gradient exists. Returns that gradient."""
-    f.attn_forward(h)  # compute F.attention (router; the count exchange starts)
-    f.dispatch_start()  # comm  F.dispatch
+    f.attn_forward(h)  # compute F.attention (router; a row-count exchange starts, if the backend has one)
+    counts = f.exchanges_counts
+    if not counts:
+        f.dispatch_start()  # comm  F.dispatch
     b.combine_backward_wait()
     b.mlp_backward_dx()  # compute B.mlp dX
+    if counts:
+        f.dispatch_start()  # comm  F.dispatch, once the counts had B.mlp dX to arrive behind
     b.dispatch_backward_start()  # comm  B.dispatch (combine direction)
     b.mlp_backward_dw()  # compute B.mlp dW, while both dispatches are in flight
     f.dispatch_wait()

@@ -11,6 +11,7 @@ and :class:`RankTimeout` says which ranks were still running.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -56,6 +57,7 @@ def _child(
     import torch
     import torch.distributed as dist
 
+    ok = False
     try:
         torch.set_num_threads(1)
         if backend == "nccl":
@@ -71,12 +73,19 @@ def _child(
         # Plain pickle copies tensors by value; the queue's own pickler would share their storage through
         # file descriptors that die with this process.
         out.put((rank, True, pickle.dumps(result)))
+        ok = True
     except BaseException:
         # Reported before the process group closes, so the root cause reaches the parent before the
         # "connection closed" errors it causes on the peers.
         out.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            if ok:
+                # No rank closes its connections while a peer may still be connecting a group with it
+                # (gloo's full-mesh setup reads "connection closed by peer" otherwise). A failed peer never
+                # gets here: the parent kills the ranks still waiting.
+                with contextlib.suppress(Exception):
+                    dist.barrier()
             dist.destroy_process_group()
 
 

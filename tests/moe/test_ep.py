@@ -197,8 +197,9 @@ def _assert_comm_hidden(order, comm_keys):
         assert inside, f"{key} is not in flight during any compute of the other micro-batch"
 
 
-def test_overlapped_event_order():
-    order1, order0 = run_ranks(_overlap_vs_regular, world_size=EP, args=(False,))[0][3:]
+@pytest.mark.parametrize("kind", ["alltoall", "deepep"])
+def test_overlapped_event_order(kind: str):
+    order1, order0 = run_ranks(_overlap_vs_regular, world_size=EP, args=(False, kind))[0][3:]
     # Stage 1 (layers 2, 3, both MoE): F layer 2 pairs with B layer 3, F layer 3 with B layer 2.
     comm1 = [(n, d, layer) for n in ("dispatch", "combine") for d in ("fwd", "bwd") for layer in (2, 3)]
     _assert_comm_hidden(order1, comm1)
@@ -217,9 +218,12 @@ def test_overlapped_event_order():
     comm0 = [(n, d, 1) for n in ("dispatch", "combine") for d in ("fwd", "bwd")]
     _assert_comm_hidden(order0, comm0)
     assert not any(n in ("dispatch", "combine", "counts") and layer == 0 for n, _, layer, _ in order0)
-    # The row-count exchange is its own span: started after routing, waited right before the dispatch.
-    at = {(n, d, layer, e): i for i, (n, d, layer, e) in enumerate(order1)}
-    for layer in (2, 3):
-        assert at[("attn", "fwd", layer, "begin")] < at[("counts", "fwd", layer, "start")]
-        assert at[("counts", "fwd", layer, "start")] < at[("counts", "fwd", layer, "wait")]
-        assert at[("counts", "fwd", layer, "wait")] < at[("dispatch", "fwd", layer, "start")]
+    for f_layer, b_layer in ((2, 3), (3, 2)):
+        dispatch = at[("dispatch", "fwd", f_layer, "start")]
+        if kind == "deepep":  # counts inside its dispatch: F.dispatch starts right after routing
+            assert not any(n == "counts" for n, _, _, _ in order1)
+            assert at[("attn", "fwd", f_layer, "end")] < dispatch < at[("mlp.dx", "bwd", b_layer, "begin")]
+        else:  # the row-count exchange is its own span, hidden behind B.mlp dX; then F.dispatch starts
+            assert at[("attn", "fwd", f_layer, "begin")] < at[("counts", "fwd", f_layer, "start")]
+            assert at[("mlp.dx", "bwd", b_layer, "end")] < at[("counts", "fwd", f_layer, "wait")] < dispatch
+            assert dispatch < at[("mlp.dw", "bwd", b_layer, "begin")]
