@@ -5,7 +5,9 @@
     python -m bench.overlap --cluster --calibrate                   # compute vs all-to-all time only
 
 Every mode runs the same MoE model (same stage split where the schedule allows, same weights, same data,
-same micro-batch count) for ``--warmup`` untimed and ``--steps`` timed steps, on pp x ep ranks. A step is
+same micro-batch count) for ``--warmup`` untimed and ``--steps`` timed steps, on pp x ep ranks. The modes
+are interleaved: each step index runs once in every mode, in a rotating order, so drift in the machine's
+load hits all modes alike. A step is
 one pipeline step (forward and backward of all micro-batches; no gradient reduction, no optimizer), timed
 from a barrier to the last rank's end. Each rank records every sub-stage's start and end on compute and
 on communication (:mod:`bench.overlap_run`); this process merges the ranks and writes, under ``--out``:

@@ -72,14 +72,17 @@ def _cpu_seconds(rank_files: list[dict]) -> dict[tuple[str, int], float]:
 
 
 def collect(rank_files: list[dict]) -> dict[str, list[tuple[int, dict[int, RankSteps]]]]:
-    """mode -> [(step, {rank: spans})] over the timed (non-warm-up) steps, in run order."""
+    """mode -> [(step, {rank: spans})] over the timed (non-warm-up) steps, by step index; the modes in
+    ``--modes`` order."""
     out: dict[str, dict[int, dict[int, RankSteps]]] = {}
     for record in rank_files:
         for s in record["steps"]:
             if s["warmup"]:
                 continue
             out.setdefault(s["mode"], {}).setdefault(s["step"], {})[record["rank"]] = parse_events(s["events"])
-    return {mode: sorted(steps.items()) for mode, steps in out.items()}
+    given = rank_files[0]["options"].get("modes", []) if rank_files else []
+    order = [m for m in given if m in out] + [m for m in out if m not in given]
+    return {mode: sorted(out[mode].items()) for mode in order}
 
 
 def _mode_losses(rank_files: list[dict], mode: str) -> dict[int, list[float]]:
@@ -170,7 +173,7 @@ def _row(
 
 
 def summarise(rank_files: list[dict]) -> list[ModeRow]:
-    """One row per mode, in the order the modes ran, with the ratio to torch's schedule filled in."""
+    """One row per mode, in ``--modes`` order, with the ratio to torch's schedule filled in."""
     opts = rank_files[0]["options"]
     losses = loss_check(rank_files)["mean_loss"]
     cpu, cores = _cpu_seconds(rank_files), rank_files[0].get("cores", 1)

@@ -296,19 +296,26 @@ def _grad_sq(mode: _Mode) -> float:
     return total.item()
 
 
-def _run_mode(mode: _Mode, o: WorkerOptions, corpus: ByteCorpus, ep_rank: int) -> list[dict]:
-    steps = []
+def _run_modes(modes: list[_Mode], o: WorkerOptions, corpus: ByteCorpus, ep_rank: int) -> list[dict]:
+    """Every step index once in every mode, the modes interleaved in a rotating order: drift in the
+    machine's load (shared, noisy machines) hits every mode alike, and no mode always runs after the same
+    one."""
+    records = []
     for step in range(o.warmup + o.steps):
         # The same global batch at the same step index in every mode: losses must agree across modes.
         global_batch = o.chunks * o.micro_batch * o.ep
         ids, labels = corpus.batch(step, global_batch, o.seq_len, seed=o.seed, dp_rank=ep_rank, dp_size=o.ep)
-        device = mode.recorder.device
         last = step == o.warmup + o.steps - 1
-        profile_to = Path(o.run_dir) / f"profile-{mode.name}-rank{dist.get_rank()}.json" if o.profile and last else None
-        record = _timed_step(mode, step, ids.to(device), labels.to(device), profile_to)
-        record.update(mode=mode.name, step=step, warmup=step < o.warmup, grad_sq=_grad_sq(mode))
-        steps.append(record)
-    return steps
+        turn = step % len(modes)
+        for mode in modes[turn:] + modes[:turn]:
+            device = mode.recorder.device
+            profile_to = None
+            if o.profile and last:
+                profile_to = Path(o.run_dir) / f"profile-{mode.name}-rank{dist.get_rank()}.json"
+            record = _timed_step(mode, step, ids.to(device), labels.to(device), profile_to)
+            record.update(mode=mode.name, step=step, warmup=step < o.warmup, grad_sq=_grad_sq(mode))
+            records.append(record)
+    return records
 
 
 def _profiler():
@@ -343,10 +350,9 @@ def worker_main(options_json: str) -> None:
         "options": asdict(o),
         "steps": [],
     }
-    for name in o.modes:
-        mode = _build(name, o, cfg, layout, device)
-        record["steps"] += _run_mode(mode, o, corpus, ep_rank)
-        del mode
+    modes = [_build(name, o, cfg, layout, device) for name in o.modes]
+    record["steps"] = _run_modes(modes, o, corpus, ep_rank)
+    del modes
     Path(o.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(o.run_dir) / f"rank{rank}.json").write_text(json.dumps(record))
     dist.barrier()

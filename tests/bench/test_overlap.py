@@ -293,6 +293,9 @@ def test_smoke_run_on_loopback(tmp_path, capsys):
     assert math.isnan(rows["torch-dualpipev"]["bubble_predicted"])
     events = sorted(p.name for p in (tmp_path / "events").glob("rank*.json"))
     assert events == [f"rank{r}.json" for r in range(4)]
+    # modes interleaved step by step, in a rotating order (warm-up step 0, then step 1)
+    ran = [(s["step"], s["mode"]) for s in json.loads((tmp_path / "events" / "rank0.json").read_text())["steps"]]
+    assert ran == [(0, m) for m in modes] + [(1, m) for m in modes[1:] + modes[:1]]
     names = {e["name"].split()[0] for e in json.loads(next(tmp_path.glob("*.trace.json")).read_text())["traceEvents"]}
     assert {"wait", "post"} <= names  # pipeline-message waits and the executor's issuing are on the trace
     assert record["loss_check"]["grad_sq_rel_diff_torch_vs_dualpipev"] <= 1e-6
