@@ -26,7 +26,7 @@ emulated cluster of :mod:`bench.cluster` (network namespaces, ``tbf``-shaped lin
 every all-to-all crosses the shaped links, and keeps each pipeline inside a node: loopback P2P) or
 ``--nodes`` = pp x ep, one rank per node (no two ranks share a link; pipeline P2P crosses links too). Size the
 model so compute and all-to-all take about the same time: ``--calibrate`` prints both (the defaults, hidden
-256 at 500 Mbit/s with 2 ranks per node, measured a ratio of about 0.93 on a 2-core machine).
+256 at 500 Mbit/s with 2 ranks per node, measured ratios of 0.86 to 0.92 on a 2-core machine).
 
 The targets (printed as met or missed, never tuned into the output): at least 80% of all-to-all time
 hidden, DualPipeV with overlap at most 0.8x torch ScheduleDualPipeV's step time, measured bubble within
