@@ -160,7 +160,7 @@ def parse_events(events: Iterable[Event]) -> RankSteps:
     host: dict[str, list[HostSpan]] = {"p2p": [], "post": []}
     open_compute: dict[tuple, float] = {}
     open_comm: dict[tuple, float] = {}
-    open_actions: dict[tuple, float] = {}
+    open_spans: dict[tuple, float] = {}
     previous = math.nan
     for name, direction, layer, edge, t in events:
         key = (name, direction, layer)
@@ -168,14 +168,14 @@ def parse_events(events: Iterable[Event]) -> RankSteps:
             begin, end = (t, end) if edge == "begin" else (begin, t)
         elif direction == "action":
             if edge == "begin":
-                open_actions[key] = t
+                open_spans[key] = t
             else:
-                actions.append(ActionSpan(name, layer, open_actions.pop(key), t))
+                actions.append(ActionSpan(name, layer, open_spans.pop(key), t))
         elif direction in host:
             if edge == "begin":
-                open_actions[key] = t
+                open_spans[key] = t
             else:
-                host[direction].append(HostSpan(name, open_actions.pop(key), t))
+                host[direction].append(HostSpan(name, open_spans.pop(key), t))
         elif edge == "begin":
             open_compute[key] = t
         elif edge == "end":
