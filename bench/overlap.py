@@ -7,10 +7,10 @@
 Every mode runs the same MoE model (same stage split where the schedule allows, same weights, same data,
 same micro-batch count) for ``--warmup`` untimed and ``--steps`` timed steps, on pp x ep ranks. The modes
 are interleaved: each step index runs once in every mode, in a rotating order, so drift in the machine's
-load hits all modes alike. A step is
-one pipeline step (forward and backward of all micro-batches; no gradient reduction, no optimizer), timed
-from a barrier to the last rank's end. Each rank records every sub-stage's start and end on compute and
-on communication (:mod:`bench.overlap_run`); this process merges the ranks and writes, under ``--out``:
+load hits all modes alike. A step is one pipeline step (forward and backward of all micro-batches; no
+gradient reduction, no optimizer), timed from a barrier to the last rank's end. Each rank records every
+sub-stage's start and end on compute and on communication (:mod:`bench.overlap_run`); this process merges
+the ranks and writes, under ``--out``:
 
 - ``overlap-<device>-<date>.json``: per-mode medians, spreads, measured action costs, the loss check, the
   targets;

@@ -319,19 +319,21 @@ class MoEStage(nn.Module):
         if pairs:
             backward[0].combine_backward_start(g1)
         h0 = run0.pre_forward()
-        input_grad: tuple[torch.Tensor | None] | None = None  # (pre_backward's result,) once computed
+        delivered = False
         for i in range(pairs):
             f = run0.blocks[i]
             g1 = _overlap_pair(f, h0, backward[i], backward[i + 1] if i + 1 < pairs else None)
             if i + 1 == n1:  # the last backward block: the stage's input gradient, while F.combine flies
-                input_grad = (run1.pre_backward(g1),)
+                run1.deliver_input_grad(run1.pre_backward(g1))
+                delivered = True
             h0 = f.combine_wait()
         for f in run0.blocks[pairs:]:
             h0 = f.forward(h0)
         for b in backward[pairs:]:
             g1 = b.backward(g1)
         out0 = run0.post_forward(h0)
-        run1.deliver_input_grad(run1.pre_backward(g1) if input_grad is None else input_grad[0])
+        if not delivered:
+            run1.deliver_input_grad(run1.pre_backward(g1))
 
         anchor = torch.empty(0, device=out0.device, requires_grad=True)
         outputs0 = [_StageGraph.apply(run0, out0.detach(), anchor, *inputs0)]
