@@ -16,15 +16,14 @@ import time
 
 import pytest
 
-from bench import cluster as cl
-from bench.cluster import ClusterConfig, ClusterError, EmulatedCluster, JobResult, NodeResult
+from bench.cluster import ClusterConfig, ClusterError, EmulatedCluster, JobResult, NodeResult, launch, net
 
 # ------------------------------------------------------------------------------------------ unit (no root)
 
 
 def test_plan_shapes_both_directions_inside_namespaces_only():
     config = ClusterConfig(nodes=3, rate="400mbit")
-    plan = cl.plan_setup(config, "dpm-abc123")
+    plan = net.plan_setup(config, "dpm-abc123")
     for cmd in plan:
         if cmd[0] == "tc" or cmd[:2] == ["ip", "-n"]:
             assert cmd[1] == "-n" and cmd[2].startswith("dpm-abc123-"), cmd
@@ -46,8 +45,8 @@ def test_plan_shapes_both_directions_inside_namespaces_only():
 
 
 def test_plan_without_rate_has_no_qdisc_and_delay_stacks_netem_over_tbf():
-    assert not [cmd for cmd in cl.plan_setup(ClusterConfig(nodes=2, rate=None), "dpm-000000") if cmd[0] == "tc"]
-    plan = cl.plan_setup(ClusterConfig(nodes=1, delay="2ms"), "dpm-000000", with_delay=True)
+    assert not [cmd for cmd in net.plan_setup(ClusterConfig(nodes=2, rate=None), "dpm-000000") if cmd[0] == "tc"]
+    plan = net.plan_setup(ClusterConfig(nodes=1, delay="2ms"), "dpm-000000", with_delay=True)
     tc = [cmd[3:] for cmd in plan if cmd[0] == "tc" and cmd[2] == "dpm-000000-n0"]
     tbf = ["tbf", "rate", "400mbit", "burst", "256kb", "latency", "400ms"]
     assert tc == [
@@ -55,7 +54,7 @@ def test_plan_without_rate_has_no_qdisc_and_delay_stacks_netem_over_tbf():
         ["qdisc", "add", "dev", "eth0", "parent", "1:1", "handle", "10:", *tbf],
     ]
     # Without a usable netem (with_delay=False) a requested delay falls back to tbf alone.
-    plan = cl.plan_setup(ClusterConfig(nodes=1, delay="2ms"), "dpm-000000", with_delay=False)
+    plan = net.plan_setup(ClusterConfig(nodes=1, delay="2ms"), "dpm-000000", with_delay=False)
     assert not any("netem" in cmd for cmd in plan)
 
 
@@ -74,17 +73,17 @@ def test_config_validation(kwargs, match):
 
 
 def test_names_are_unique_per_instance():
-    tags = {cl.new_tag("dpm") for _ in range(500)}
+    tags = {net.new_tag("dpm") for _ in range(500)}
     assert len(tags) == 500
     assert all(re.fullmatch(r"dpm-[0-9a-f]{6}", t) for t in tags)
     a, b = EmulatedCluster(ClusterConfig(nodes=2)), EmulatedCluster(ClusterConfig(nodes=2))
-    names_a = {n.netns for n in a.nodes} | {cl.switch_netns(a.tag)}
-    names_b = {n.netns for n in b.nodes} | {cl.switch_netns(b.tag)}
+    names_a = {n.netns for n in a.nodes} | {net.switch_netns(a.tag)}
+    names_b = {n.netns for n in b.nodes} | {net.switch_netns(b.tag)}
     assert len(names_a) == 3 and not names_a & names_b
 
 
 def test_torchrun_argv_and_node_env():
-    argv = cl.torchrun_argv(
+    argv = launch.torchrun_argv(
         nnodes=4, node_rank=2, nproc_per_node=2, master_addr="10.213.0.1", master_port=29555, argv=["-m", "x", "--a"]
     )
     assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
@@ -104,21 +103,21 @@ def test_torchrun_argv_and_node_env():
 
 
 def test_not_root_is_a_clear_error_and_builds_nothing(monkeypatch):
-    monkeypatch.setattr(cl.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(net.os, "geteuid", lambda: 1000)
 
     def no_commands(*args, **kwargs):
         raise AssertionError(f"ran a command without root: {args}")
 
-    monkeypatch.setattr(cl.subprocess, "run", no_commands)
+    monkeypatch.setattr(net.subprocess, "run", no_commands)
     with pytest.raises(ClusterError, match="needs root: run as root"), EmulatedCluster(ClusterConfig()):
         pass
 
 
 def test_missing_iproute2_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(cl.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cl.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
+    monkeypatch.setattr(net.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(net.shutil, "which", lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
     with pytest.raises(ClusterError, match="tc not found: install iproute2"):
-        cl.check_prerequisites()
+        net.check_prerequisites()
 
 
 def test_job_result_status():
@@ -134,13 +133,13 @@ def test_job_result_status():
 def test_cleanup_stale_spares_locked_clusters(monkeypatch, tmp_path):
     listed = ["dpm-aaaaaa-n0", "dpm-aaaaaa-sw", "dpm-bbbbbb-n0", "dpm-cccccc-n1", "other-ns", "dpm-zz-n0"]
     deleted = []
-    monkeypatch.setattr(cl, "LOCK_DIR", tmp_path)
-    monkeypatch.setattr(cl, "_list_netns", lambda: [n for n in listed if n not in deleted])
-    monkeypatch.setattr(cl, "_delete_netns", deleted.append)
+    monkeypatch.setattr(net, "LOCK_DIR", tmp_path)
+    monkeypatch.setattr(net, "list_netns", lambda: [n for n in listed if n not in deleted])
+    monkeypatch.setattr(net, "delete_netns", deleted.append)
     (tmp_path / "dpm-cccccc.lock").touch()  # owner died: lock file left, nobody holds it
     with open(tmp_path / "dpm-bbbbbb.lock", "w") as live:
         fcntl.flock(live, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        removed = cl.cleanup_stale("dpm")
+        removed = net.cleanup_stale("dpm")
     assert removed == deleted == ["dpm-aaaaaa-n0", "dpm-aaaaaa-sw", "dpm-cccccc-n1"]
     assert not (tmp_path / "dpm-cccccc.lock").exists()
     assert (tmp_path / "dpm-bbbbbb.lock").exists()
@@ -153,10 +152,10 @@ def test_qdisc_counters_read_the_innermost_qdisc(monkeypatch):
         "qdisc tbf 10: parent 1:1 rate 400Mbit burst 256Kb lat 400ms\n"
         " Sent 8000 bytes 9 pkt (dropped 3, overlimits 5 requeues 0)\n"
     )
-    monkeypatch.setattr(cl, "_run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, shown, ""))
-    assert EmulatedCluster._tc_counters("ns", "eth0") == (8000, 3)
-    monkeypatch.setattr(cl, "_run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
-    assert EmulatedCluster._tc_counters("ns", "eth0") == (0, 0)
+    monkeypatch.setattr(net, "run_cmd", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, shown, ""))
+    assert net.tc_counters("ns", "eth0") == (8000, 3)
+    monkeypatch.setattr(net, "run_cmd", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
+    assert net.tc_counters("ns", "eth0") == (0, 0)
 
 
 # ------------------------------------------------------------------------------------------ cluster (root)
@@ -244,7 +243,7 @@ def test_links_connect_shape_and_keep_intra_node_traffic_off_the_wire(tmp_path):
         assert cluster.qdisc_bytes(0) - shaped_before < 64_000
         assert local < floor / 4, f"intra-node {local:.3f} s: went through the shaped link?"
     assert tag not in _netns_names()
-    assert not (cl.LOCK_DIR / f"{tag}.lock").exists()
+    assert not (net.LOCK_DIR / f"{tag}.lock").exists()
 
 
 @pytest.mark.cluster
@@ -269,25 +268,25 @@ def test_timeout_kills_the_job_and_errors_still_tear_down(tmp_path):
         job = cluster.run_torchrun([str(script)], timeout=4)
         assert job.timed_out and not job.ok and time.monotonic() - start < 20
         for node in cluster.nodes:  # launchers and workers are gone, not just orphaned
-            assert cl._netns_pids(node.netns) == []
+            assert net.netns_pids(node.netns) == []
         raise RuntimeError("an error inside the with-block")
     assert tag not in _netns_names()
 
 
 @pytest.mark.cluster
 def test_failed_setup_and_stale_namespaces_are_removed(monkeypatch):
-    real_plan = cl.plan_setup
-    monkeypatch.setattr(cl, "plan_setup", lambda *a, **k: [*real_plan(*a, **k), ["ip", "link", "nonsense"]])
+    real_plan = net.plan_setup
+    monkeypatch.setattr(net, "plan_setup", lambda *a, **k: [*real_plan(*a, **k), ["ip", "link", "nonsense"]])
     broken = EmulatedCluster(ClusterConfig(nodes=2))
     with pytest.raises(ClusterError, match="nonsense"):
         broken.setup()
     assert broken.tag not in _netns_names()
     monkeypatch.undo()
 
-    stale = f"{cl.new_tag('dpm')}-n0"  # what a killed run leaves: a namespace and no lock holder
+    stale = f"{net.new_tag('dpm')}-n0"  # what a killed run leaves: a namespace and no lock holder
     subprocess.run(["ip", "netns", "add", stale], check=True, timeout=10)
     with EmulatedCluster(ClusterConfig(nodes=1)) as live:
-        removed = cl.cleanup_stale("dpm")
+        removed = net.cleanup_stale("dpm")
         assert stale in removed
         assert not any(n.startswith(live.tag) for n in removed)
         assert live.nodes[0].netns in _netns_names()
