@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moe.dispatch.base import Dispatched, Pending, Route, TokenDispatcher
+from moe.dispatch.registry import DispatcherSpec, register_dispatcher
 
 __all__ = ["AllToAllDispatcher"]
 
@@ -156,3 +157,12 @@ class AllToAllDispatcher(TokenDispatcher):
             return grad_y_RD
 
         return Pending(finish)
+
+
+def _make_alltoall(
+    num_experts: int, group: dist.ProcessGroup | None, *, hidden_size: int, dtype: torch.dtype, comm_sms: int
+) -> TokenDispatcher:
+    return AllToAllDispatcher(num_experts, group)
+
+
+register_dispatcher(DispatcherSpec(name="alltoall", factory=_make_alltoall))

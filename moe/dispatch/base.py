@@ -22,7 +22,12 @@ from typing import ClassVar, Generic, TypeVar
 
 import torch
 
-__all__ = ["Dispatched", "Pending", "Route", "TokenDispatcher"]
+__all__ = ["DEFAULT_COMM_SMS", "Dispatched", "Pending", "Route", "TokenDispatcher"]
+
+# SMs reserved for communication kernels (DeepEP's Buffer.set_num_sms, NCCL's CTA cap) while the grouped
+# GEMM runs on the rest: DeepSeek-V3 gives 20 of the H800's 132 SMs to all-to-all, enough to saturate IB
+# and NVLink (technical report, section 3.2.2).
+DEFAULT_COMM_SMS = 20
 
 T = TypeVar("T")
 

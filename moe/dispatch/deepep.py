@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe.dispatch.base import Dispatched, Pending, Route, TokenDispatcher
+from moe.dispatch.base import DEFAULT_COMM_SMS, Dispatched, Pending, Route, TokenDispatcher
+from moe.dispatch.registry import DispatcherSpec, register_dispatcher
 
 __all__ = ["DEEPEP_INSTALL_HINT", "DeepEPDispatcher", "import_deep_ep"]
 
@@ -59,7 +60,9 @@ class DeepEPDispatcher(TokenDispatcher):
     from DeepEP's own hints. ``comm_sms`` is applied with ``Buffer.set_num_sms`` (DeepEP requires it even).
     """
 
-    def __init__(self, num_experts: int, group: dist.ProcessGroup, hidden_bytes: int, comm_sms: int = 20) -> None:
+    def __init__(
+        self, num_experts: int, group: dist.ProcessGroup, hidden_bytes: int, comm_sms: int = DEFAULT_COMM_SMS
+    ) -> None:
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
         deep_ep = import_deep_ep()
         if comm_sms % 2:
@@ -144,3 +147,26 @@ class DeepEPDispatcher(TokenDispatcher):
             return grad_y_RD
 
         return Pending(finish)
+
+
+def _make_deepep(
+    num_experts: int, group: dist.ProcessGroup | None, *, hidden_size: int, dtype: torch.dtype, comm_sms: int
+) -> TokenDispatcher:
+    assert group is not None  # needs_group: make_dispatcher refused None already
+    hidden_bytes = hidden_size * torch.empty((), dtype=dtype).element_size()
+    return DeepEPDispatcher(num_experts, group, hidden_bytes=hidden_bytes, comm_sms=comm_sms)
+
+
+# CUDA and bf16 are the real library's needs (V1 combine takes bf16 only); they are recorded, not enforced,
+# because the tests run this backend over a CPU emulation in fp32.
+register_dispatcher(
+    DispatcherSpec(
+        name="deepep",
+        factory=_make_deepep,
+        needs_group=True,
+        needs_cuda=True,
+        dtypes=(torch.bfloat16,),
+        package="deep_ep",
+        install_hint=DEEPEP_INSTALL_HINT,
+    )
+)

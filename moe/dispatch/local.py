@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from moe.dispatch.base import Dispatched, Pending, Route, TokenDispatcher
+from moe.dispatch.registry import DispatcherSpec, register_dispatcher
 
 __all__ = ["LocalDispatcher"]
 
@@ -39,3 +41,12 @@ class LocalDispatcher(TokenDispatcher):
 
     def combine_backward(self, route: Route, grad_y_TD: torch.Tensor) -> Pending[torch.Tensor]:
         return Pending.done(grad_y_TD)
+
+
+def _make_local(
+    num_experts: int, group: dist.ProcessGroup | None, *, hidden_size: int, dtype: torch.dtype, comm_sms: int
+) -> TokenDispatcher:
+    return LocalDispatcher(num_experts)
+
+
+register_dispatcher(DispatcherSpec(name="local", factory=_make_local))

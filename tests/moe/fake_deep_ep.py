@@ -88,6 +88,8 @@ class EventOverlap:
 
 
 class Buffer:
+    # DeepEP's own class default (deep_ep/buffer.py), written as the library has it rather than taken from
+    # moe.dispatch.DEFAULT_COMM_SMS: the emulation follows DeepEP, not this project's configuration.
     num_sms: int = 20
 
     def __init__(

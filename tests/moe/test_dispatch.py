@@ -1,18 +1,34 @@
 """Dispatcher round trips on 4 gloo ranks against an oracle built from every rank's tokens.
 
 Cases include uneven token counts, a rank with no tokens, experts and ranks that receive nothing, for the
-``alltoall`` dispatcher and the ``deepep`` one (over the in-test DeepEP emulation).
+``alltoall`` dispatcher and the ``deepep`` one (over the in-test DeepEP emulation). Then the registry: a
+backend registered from here is selectable everywhere a dispatcher is named.
 """
 
 from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from moe.dispatch import AllToAllDispatcher, LocalDispatcher, make_dispatcher
+from moe.dispatch import (
+    DEEPEP_INSTALL_HINT,
+    DEFAULT_COMM_SMS,
+    DISPATCHERS,
+    AllToAllDispatcher,
+    DispatcherSpec,
+    LocalDispatcher,
+    Route,
+    TokenDispatcher,
+    make_dispatcher,
+    register_dispatcher,
+    unregister_dispatcher,
+)
+from moe.parallel import ParallelConfig, build_stages, init_layout
 from tests.distributed import run_ranks
+from tests.moe.helpers import batch, tiny_config
 
 NUM_EXPERTS, TOP_K, HIDDEN = 8, 3, 5
 TOKENS = (5, 0, 7, 3)  # rank 1 has no tokens at all
@@ -112,3 +128,98 @@ def test_local_dispatcher_is_identity():
     assert got.x_RD is x and got.local_idx_RK is idx and got.weights_RK is w
     assert d.combine(route, x).wait() is x
     assert not d.communicates and list(d.local_experts) == [0, 1, 2, 3]
+
+
+class _CountingDispatcher(AllToAllDispatcher):
+    """A test-only backend: the all-to-all exchange, counting the routes it plans."""
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup | None) -> None:
+        super().__init__(num_experts, group)
+        self.plans = 0
+
+    def plan(self, topk_idx_TK: torch.Tensor) -> Route:
+        self.plans += 1
+        return super().plan(topk_idx_TK)
+
+
+def _make_counting(
+    num_experts: int, group: dist.ProcessGroup | None, *, hidden_size: int, dtype: torch.dtype, comm_sms: int
+) -> TokenDispatcher:
+    return _CountingDispatcher(num_experts, group)
+
+
+COUNTING = DispatcherSpec(name="test-counting", factory=_make_counting, needs_group=True)
+
+
+def test_registered_backend_is_selectable_by_name():
+    from examples.train import parse_args
+
+    register_dispatcher(COUNTING)
+    try:
+        assert DISPATCHERS[COUNTING.name] is COUNTING
+        assert ParallelConfig(ep=2, dispatcher=COUNTING.name).dispatcher == COUNTING.name
+        assert parse_args(["--dispatcher", COUNTING.name]).dispatcher == COUNTING.name
+        with pytest.raises(ValueError, match="needs an expert-parallel process group"):
+            make_dispatcher(COUNTING.name, 4)
+        with pytest.raises(ValueError, match="already registered"):
+            register_dispatcher(COUNTING)
+    finally:
+        unregister_dispatcher(COUNTING.name)
+    assert COUNTING.name not in DISPATCHERS
+    with pytest.raises(ValueError, match=r"unknown dispatcher 'test-counting'; choose one of \('"):
+        make_dispatcher(COUNTING.name, 4)
+    with pytest.raises(ValueError, match="unknown dispatcher"):
+        ParallelConfig(dispatcher=COUNTING.name)
+    with pytest.raises(SystemExit):
+        parse_args(["--dispatcher", COUNTING.name])
+
+
+def _build_with_registered_backend(rank: int, world: int) -> int:
+    register_dispatcher(COUNTING)
+    try:
+        cfg = tiny_config()
+        layout = init_layout(ParallelConfig(pp=1, ep=world, dispatcher=COUNTING.name))
+        stages = build_stages(cfg, layout)
+        assert all(isinstance(s.dispatcher, _CountingDispatcher) for s in stages)
+        first = next(s for s in stages if s.first)
+        ids, _ = batch(cfg, 2 * world, 16)
+        first(ids[2 * rank : 2 * rank + 2])
+        return first.dispatcher.plans
+    finally:
+        unregister_dispatcher(COUNTING.name)
+
+
+def test_build_stages_uses_a_registered_backend():
+    assert all(plans > 0 for plans in run_ranks(_build_with_registered_backend, world_size=2, timeout=60))
+
+
+def test_train_flags_come_from_the_registry():
+    from examples.train import parse_args
+
+    for name in DISPATCHERS:
+        assert parse_args(["--dispatcher", name]).dispatcher == name
+    with pytest.raises(SystemExit):
+        parse_args(["--dispatcher", "nccl"])
+    assert parse_args([]).comm_sms == ParallelConfig().comm_sms == DEFAULT_COMM_SMS
+
+
+def test_requirements_are_recorded_not_enforced(monkeypatch):
+    # The round trips above build ``deepep`` on CPU in fp32: its CUDA and bf16 needs are only reported.
+    deepep = DISPATCHERS["deepep"]
+    assert deepep.requirements == (
+        "an expert-parallel process group",
+        "CUDA",
+        "rows in torch.bfloat16",
+        "the module 'deep_ep'",
+    )
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # not installed
+    assert deepep.check(device="cuda", dtype=torch.bfloat16) == [DEEPEP_INSTALL_HINT]
+    from tests.moe import fake_deep_ep
+
+    monkeypatch.setitem(sys.modules, "deep_ep", fake_deep_ep)
+    assert deepep.check(device="cuda", dtype=torch.bfloat16) == []
+    assert deepep.check(device="cpu", dtype=torch.float32) == [
+        "CUDA (got cpu)",
+        "rows in torch.bfloat16 (got torch.float32)",
+    ]
+    assert DISPATCHERS["local"].requirements == () and DISPATCHERS["local"].check(device="cpu") == []

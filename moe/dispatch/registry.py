@@ -1,0 +1,172 @@
+"""The token-dispatcher registry: every backend file registers one :class:`DispatcherSpec` when imported.
+
+Adding a backend is one new file in this package that ends with ``register_dispatcher(DispatcherSpec(...))``
+plus one import line in ``moe/dispatch/__init__.py``. :data:`DISPATCHERS` is a live, read-only view of the
+registered backends, so ``ParallelConfig`` and ``examples/train.py --dispatcher`` accept every one of them
+without a list of their own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from moe.dispatch.base import DEFAULT_COMM_SMS, TokenDispatcher
+
+__all__ = [
+    "DISPATCHERS",
+    "DispatcherFactory",
+    "DispatcherSpec",
+    "make_dispatcher",
+    "register_dispatcher",
+    "unregister_dispatcher",
+]
+
+
+class DispatcherFactory(Protocol):
+    """Builds a dispatcher over the expert-parallel ``group``; a backend ignores the arguments it does not use."""
+
+    def __call__(
+        self,
+        num_experts: int,
+        group: dist.ProcessGroup | None,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        comm_sms: int,
+    ) -> TokenDispatcher: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DispatcherSpec:
+    """One backend: its name, how to build it, and what it needs.
+
+    :func:`make_dispatcher` enforces only ``needs_group``. The other needs are those of the real library and
+    are recorded, not enforced, because the tests run such backends over CPU emulations; a caller that wants
+    an early refusal (a launcher on the cluster) asks :meth:`check`.
+    """
+
+    name: str
+    """The ``ParallelConfig.dispatcher`` / ``--dispatcher`` value."""
+    factory: DispatcherFactory
+    needs_group: bool = False
+    """``make_dispatcher`` refuses ``group=None`` (otherwise None means the default group, or no group)."""
+    needs_cuda: bool = False
+    """The real kernels run on CUDA devices only."""
+    dtypes: tuple[torch.dtype, ...] | None = None
+    """Row dtypes the backend takes; None: any."""
+    package: str | None = None
+    """Module the backend imports lazily when it is built; None: nothing beyond torch."""
+    install_hint: str = ""
+    """How to get ``package`` (the backend raises it as an ImportError when the import fails)."""
+
+    @property
+    def requirements(self) -> tuple[str, ...]:
+        """What the backend needs, in words (empty: nothing beyond torch)."""
+        needs = []
+        if self.needs_group:
+            needs.append("an expert-parallel process group")
+        if self.needs_cuda:
+            needs.append("CUDA")
+        if self.dtypes is not None:
+            needs.append(_rows_in(self.dtypes))
+        if self.package is not None:
+            needs.append(f"the module {self.package!r}")
+        return tuple(needs)
+
+    def check(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[str]:
+        """The needs a dispatcher for rows of ``dtype`` on ``device`` would miss (None: not checked).
+
+        The group is not checked here: :func:`make_dispatcher` refuses a missing one itself.
+        """
+        missing = []
+        if self.needs_cuda and device is not None and torch.device(device).type != "cuda":
+            missing.append(f"CUDA (got {device})")
+        if self.dtypes is not None and dtype is not None and dtype not in self.dtypes:
+            missing.append(f"{_rows_in(self.dtypes)} (got {dtype})")
+        if self.package is not None and not _importable(self.package):
+            missing.append(self.install_hint or f"the module {self.package!r}")
+        return missing
+
+
+def _rows_in(dtypes: tuple[torch.dtype, ...]) -> str:
+    return f"rows in {' or '.join(map(str, dtypes))}"
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a missing parent package, or a module without a spec
+        return False
+
+
+class _Registry(Mapping[str, DispatcherSpec]):
+    """Read-only live view of the registered specs by name, in registration order.
+
+    Prints as the tuple of names, so messages read ``choose one of ('alltoall', ...)``.
+    """
+
+    __slots__ = ("_specs",)
+
+    def __init__(self, specs: dict[str, DispatcherSpec]) -> None:
+        self._specs = specs
+
+    def __getitem__(self, name: str) -> DispatcherSpec:
+        return self._specs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __str__(self) -> str:
+        return str(tuple(self._specs))
+
+    def __repr__(self) -> str:
+        return f"DISPATCHERS{tuple(self._specs)}"
+
+
+_SPECS: dict[str, DispatcherSpec] = {}
+DISPATCHERS: Mapping[str, DispatcherSpec] = _Registry(_SPECS)
+"""Registered backends by name; ``name in DISPATCHERS`` tells whether ``make_dispatcher(name, ...)`` knows it."""
+
+
+def register_dispatcher(spec: DispatcherSpec) -> DispatcherSpec:
+    """Make ``spec.name`` selectable; a name is registered once (a clash is a bug, not an override)."""
+    if spec.name in _SPECS:
+        raise ValueError(f"dispatcher {spec.name!r} is already registered")
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def unregister_dispatcher(name: str) -> DispatcherSpec:
+    """Remove a backend registered with :func:`register_dispatcher` and return its spec."""
+    return _SPECS.pop(name)
+
+
+def make_dispatcher(
+    kind: str,
+    num_experts: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    hidden_size: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    comm_sms: int = DEFAULT_COMM_SMS,
+) -> TokenDispatcher:
+    """Build the registered dispatcher ``kind`` over the expert-parallel ``group`` (``local`` ignores it).
+
+    ``hidden_size`` and ``dtype`` describe the rows sent (DeepEP sizes its buffers from them); ``comm_sms`` is
+    the SM budget of the communication kernels.
+    """
+    spec = _SPECS.get(kind)
+    if spec is None:
+        raise ValueError(f"unknown dispatcher {kind!r}; choose one of {DISPATCHERS}")
+    if spec.needs_group and group is None:
+        raise ValueError(f"the {kind!r} dispatcher needs an expert-parallel process group")
+    return spec.factory(num_experts, group, hidden_size=hidden_size, dtype=dtype, comm_sms=comm_sms)
