@@ -28,6 +28,7 @@ from dualpipe.schedule import SCHEDULES
 from moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moe.config import PRESETS, preset
 from moe.data import ByteCorpus
+from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS
 from moe.model import lm_loss
 from moe.parallel import ParallelConfig, balance_routers, build_stages, init_layout, reduce_gradients
 
@@ -46,8 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="overlap paired forward/backward chunks (DualPipe family)",
     )
-    p.add_argument("--dispatcher", default="alltoall", choices=("local", "alltoall", "deepep"))
-    p.add_argument("--comm-sms", type=int, default=20, help="SMs reserved for communication (GPU)")
+    p.add_argument("--dispatcher", default="alltoall", choices=tuple(DISPATCHERS))
+    p.add_argument("--comm-sms", type=int, default=DEFAULT_COMM_SMS, help="SMs reserved for communication (GPU)")
     p.add_argument("--recompute", action="store_true", help="recompute attention and MLP in backward")
     p.add_argument(
         "--bias-update-rate",

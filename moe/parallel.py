@@ -23,7 +23,7 @@ from dualpipe.schedule import SCHEDULES as PIPELINE_SCHEDULES
 from dualpipe.schedule import Layout
 from moe.block import Block
 from moe.config import MoEConfig
-from moe.dispatch import DISPATCHERS, make_dispatcher
+from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
 from moe.stage import MoEStage
 
 __all__ = [
@@ -53,7 +53,7 @@ class ParallelConfig:
     the single-module baselines ``1f1b`` / ``zb1p`` (pp stages, one per rank)."""
     dispatcher: str = "alltoall"
     """Token dispatcher for ep > 1: ``alltoall`` or ``deepep`` (``local`` is forced at ep == 1)."""
-    comm_sms: int = 20
+    comm_sms: int = DEFAULT_COMM_SMS
     """SMs reserved for communication: DeepEP's ``Buffer.set_num_sms`` and NCCL's CTA cap on the ep group.
     20 is the DeepSeek-V3 figure (enough to saturate IB and NVLink on H800); the grouped GEMM launches on
     the remaining SMs."""
