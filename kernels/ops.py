@@ -1,8 +1,5 @@
 """The one backend switch: every kernel call of the package goes through the functions here.
 
-Legend for shape suffixes: T tokens, D hidden size, E experts, K top-k (or input features in the GEMMs),
-M routed rows, N / F output and intermediate feature sizes.
-
 The backend is chosen per call from the environment variable ``DUALPIPE_KERNELS``:
 
 * ``auto`` (default): Triton when the tensor is on CUDA and Triton is installed, the torch reference
@@ -11,62 +8,37 @@ The backend is chosen per call from the environment variable ``DUALPIPE_KERNELS`
   call (the interpreter runs kernels on CPU tensors, slowly);
 * ``torch``: always the reference in :mod:`kernels.reference`.
 
-The variable is read on every call, so tests and benchmarks can flip it without reloading anything.
-Triton modules are imported on first use only: ``import kernels`` works without Triton.
+The variable is read on every call, so tests and benchmarks can flip it without reloading anything, and the
+tensor that decides is the call's first tensor argument. Triton modules are imported on first use only:
+``import kernels`` works without Triton.
 
-These functions are not differentiable; :mod:`kernels.functional` wraps them in autograd Functions.
+There is one function here per op in :mod:`kernels.registry`, named like it and with its reference's
+signature and docstring (``help(kernels.ops.swiglu)``); none is written out by hand. They are not
+differentiable; :mod:`kernels.functional` wraps them in autograd Functions.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
-from typing import Literal
+from typing import Any
 
 import torch
 
-from kernels import reference
-
-__all__ = [
-    "ENV_VAR",
-    "backend_for",
-    "grouped_gemm",
-    "grouped_gemm_dgrad",
-    "grouped_gemm_wgrad",
-    "permute",
-    "permute_backward",
-    "router_topk",
-    "swiglu",
-    "swiglu_backward",
-    "unpermute",
-    "unpermute_backward",
-]
+# Importing the reference registers every op (and its signature); the Triton modules wait for first use.
+from kernels import reference, registry  # noqa: F401
 
 ENV_VAR = "DUALPIPE_KERNELS"
 _CHOICES = ("auto", "triton", "torch")
-
-# Which module holds each op's Triton launcher.
-_TRITON_MODULE = {
-    "grouped_gemm": "kernels.triton_grouped_gemm",
-    "grouped_gemm_dgrad": "kernels.triton_grouped_gemm",
-    "grouped_gemm_wgrad": "kernels.triton_grouped_gemm",
-    "permute": "kernels.triton_permute",
-    "permute_backward": "kernels.triton_permute",
-    "unpermute": "kernels.triton_permute",
-    "unpermute_backward": "kernels.triton_permute",
-    "router_topk": "kernels.triton_router",
-    "swiglu": "kernels.triton_swiglu",
-    "swiglu_backward": "kernels.triton_swiglu",
-}
 
 
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def backend_for(tensor: torch.Tensor) -> Literal["triton", "torch"]:
+def backend_for(tensor: torch.Tensor) -> registry.Backend:
     """The backend a call on ``tensor`` takes now, from ``DUALPIPE_KERNELS`` and the tensor's device.
 
     Raises RuntimeError when Triton is forced but cannot run, ValueError on an unknown setting.
@@ -89,92 +61,31 @@ def backend_for(tensor: torch.Tensor) -> Literal["triton", "torch"]:
     return "triton"
 
 
-def _impl(name: str, tensor: torch.Tensor, **triton_only: object) -> Callable:
-    """The implementation of op ``name`` for ``tensor``; ``triton_only`` keywords go to Triton alone.
+def _contiguous(value: Any) -> Any:
+    return value.contiguous() if isinstance(value, torch.Tensor) else value
+
+
+def _dispatcher(name: str) -> Callable:
+    """The switch for op ``name``: the implementation the current setting picks for the first tensor.
 
     The references accept any strides; the Triton launchers insist on contiguous operands, so the Triton
     path makes its tensor arguments contiguous (free for the contiguous tensors a model passes).
     """
-    if backend_for(tensor) == "torch":
-        return getattr(reference, name)
-    launcher = getattr(importlib.import_module(_TRITON_MODULE[name]), name)
 
-    def call(*args):
-        return launcher(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args), **triton_only)
+    @functools.wraps(registry.implementation(name, "torch"))
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        backend = backend_for(next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)))
+        impl = registry.implementation(name, backend)
+        if backend == "triton":
+            args = tuple(_contiguous(a) for a in args)
+            kwargs = {k: _contiguous(v) for k, v in kwargs.items()}
+        return impl(*args, **kwargs)
 
-    return call
-
-
-def grouped_gemm(
-    x_MK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
-) -> torch.Tensor:
-    """y[rows of e] = x[rows of e] @ w[e]: x [M, K], w [E, K, N], counts [E] -> [M, N] in x.dtype.
-
-    comm_sms: SMs left to concurrent communication (the Triton kernel launches num_sms - comm_sms
-    persistent programs; the reference ignores it).
-    """
-    return _impl("grouped_gemm", x_MK, comm_sms=comm_sms)(x_MK, w_EKN, tokens_per_expert_E)
+    dispatch.__module__ = __name__
+    return dispatch
 
 
-def grouped_gemm_dgrad(
-    dy_MN: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
-) -> torch.Tensor:
-    """dx[rows of e] = dy[rows of e] @ w[e]^T: dy [M, N], w [E, K, N] -> [M, K] in dy.dtype."""
-    return _impl("grouped_gemm_dgrad", dy_MN, comm_sms=comm_sms)(dy_MN, w_EKN, tokens_per_expert_E)
+_OPS = registry.op_names("torch")
+globals().update({name: _dispatcher(name) for name in _OPS})
 
-
-def grouped_gemm_wgrad(
-    x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
-) -> torch.Tensor:
-    """dw[e] = x[rows of e]^T @ dy[rows of e]: x [M, K], dy [M, N] -> [E, K, N] in x.dtype (0 if empty)."""
-    return _impl("grouped_gemm_wgrad", x_MK, comm_sms=comm_sms)(x_MK, dy_MN, tokens_per_expert_E)
-
-
-def permute(
-    x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows into expert order -> (x_sorted [M, D], row_id [M] int64, tokens_per_expert [E] int64)."""
-    return _impl("permute", x_TD)(x_TD, topk_idx_TK, num_experts)
-
-
-def permute_backward(dx_sorted_MD: torch.Tensor, row_id_M: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """Gradient of :func:`permute` w.r.t. x: [M, D] -> [T, D]."""
-    return _impl("permute_backward", dx_sorted_MD)(dx_sorted_MD, row_id_M, num_tokens, top_k)
-
-
-def unpermute(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-    """Weighted combine back to token order: [M, D] -> [T, D] in y.dtype."""
-    return _impl("unpermute", y_MD)(y_MD, row_id_M, topk_weights_TK)
-
-
-def unpermute_backward(
-    dout_TD: torch.Tensor, y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`unpermute` -> (dy [M, D], dweights [T, K])."""
-    return _impl("unpermute_backward", dout_TD)(dout_TD, y_MD, row_id_M, topk_weights_TK)
-
-
-def router_topk(
-    logits_TE: torch.Tensor,
-    bias_E: torch.Tensor,
-    top_k: int,
-    n_group: int = 1,
-    topk_group: int = 1,
-    route_scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group-limited top-k routing -> (weights [T, K] fp32, idx [T, K] int64, scores [T, E] fp32).
-
-    Not differentiable: to train the router, recompute the weights from ``idx`` with torch ops
-    (``scores.gather(1, idx)``, normalised) on differentiable sigmoid scores.
-    """
-    return _impl("router_topk", logits_TE)(logits_TE, bias_E, top_k, n_group, topk_group, route_scale)
-
-
-def swiglu(x_MF2: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up with x = [gate | up]: [M, 2F] -> [M, F]."""
-    return _impl("swiglu", x_MF2)(x_MF2)
-
-
-def swiglu_backward(dy_MF: torch.Tensor, x_MF2: torch.Tensor) -> torch.Tensor:
-    """Gradient of :func:`swiglu`: [M, F], [M, 2F] -> [M, 2F]."""
-    return _impl("swiglu_backward", x_MF2)(dy_MF, x_MF2)
+__all__ = ["ENV_VAR", "backend_for", *_OPS]

@@ -3,14 +3,17 @@
 Legend for shape suffixes: T tokens, D hidden size, E experts, K top-k, M routed rows (<= T*K),
 N / F output and intermediate feature sizes, G expert groups.
 
-Every function here has the same signature as its Triton twin in this package; tests and benchmarks
-compare the two directly.
+Each function here declares one op of :mod:`kernels.registry`: its name, signature and docstring are the
+op's, and its Triton twin (same name, same signature) lives in a ``kernels/triton_*.py`` module. Tests and
+benchmarks compare the two directly.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.registry import register
 
 __all__ = [
     "grouped_gemm",
@@ -34,11 +37,17 @@ def _offsets(tokens_per_expert_E: torch.Tensor) -> list[int]:
     return offs
 
 
-def grouped_gemm(x_MK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+@register("torch")
+def grouped_gemm(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
+) -> torch.Tensor:
     """y[rows of e] = x[rows of e] @ w[e]; rows are sorted by expert, group e has tokens_per_expert[e] rows.
 
     x: [M, K], w: [E, K, N], tokens_per_expert: [E] int (sum == M, zeros allowed) -> y: [M, N] in x.dtype
     (accumulated in fp32).
+
+    comm_sms: SMs left to concurrent communication (the Triton kernel launches num_sms - comm_sms
+    persistent programs; the reference ignores it, as do the other two grouped GEMMs here).
     """
     offs = _offsets(tokens_per_expert_E)
     y_MN = x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
@@ -49,12 +58,18 @@ def grouped_gemm(x_MK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: t
     return y_MN
 
 
-def grouped_gemm_dgrad(dy_MN: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-    """Input gradient of :func:`grouped_gemm`: dx[rows of e] = dy[rows of e] @ w[e]^T -> [M, K]."""
+@register("torch")
+def grouped_gemm_dgrad(
+    dy_MN: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
+) -> torch.Tensor:
+    """Input gradient of :func:`grouped_gemm`: dx[rows of e] = dy[rows of e] @ w[e]^T -> [M, K] in dy.dtype."""
     return grouped_gemm(dy_MN, w_EKN.transpose(1, 2), tokens_per_expert_E)
 
 
-def grouped_gemm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+@register("torch")
+def grouped_gemm_wgrad(
+    x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
+) -> torch.Tensor:
     """Weight gradient of :func:`grouped_gemm`: dw[e] = x[rows of e]^T @ dy[rows of e] -> [E, K, N].
 
     Experts with no rows get a zero gradient. Result in x.dtype, accumulated in fp32.
@@ -69,6 +84,7 @@ def grouped_gemm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_exper
     return dw_EKN
 
 
+@register("torch")
 def permute(
     x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,6 +106,7 @@ def permute(
     return x_sorted_MD, row_id_M, tokens_per_expert_E.to(torch.int64)
 
 
+@register("torch")
 def unpermute(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
     """Weighted scatter-add back to token order: out[t] = sum_k w[t, k] * y[row of (t, k)].
 
@@ -102,6 +119,7 @@ def unpermute(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch
     return out_TD.to(y_MD.dtype)
 
 
+@register("torch")
 def permute_backward(dx_sorted_MD: torch.Tensor, row_id_M: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     """Gradient of :func:`permute` w.r.t. x: dx[t] = sum of the sorted rows that came from token t.
 
@@ -112,6 +130,7 @@ def permute_backward(dx_sorted_MD: torch.Tensor, row_id_M: torch.Tensor, num_tok
     return dx_TD.to(dx_sorted_MD.dtype)
 
 
+@register("torch")
 def unpermute_backward(
     dout_TD: torch.Tensor, y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +148,7 @@ def unpermute_backward(
     return dy_MD, dweights_S.view(num_tokens, k).to(topk_weights_TK.dtype)
 
 
+@register("torch")
 def router_topk(
     logits_TE: torch.Tensor,
     bias_E: torch.Tensor,
@@ -171,12 +191,14 @@ def _topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+@register("torch")
 def swiglu(x_MF2: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up with x = [gate | up] along the last dim: [M, 2F] -> [M, F] (computed in fp32)."""
     gate, up = x_MF2.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x_MF2.dtype)
 
 
+@register("torch")
 def swiglu_backward(dy_MF: torch.Tensor, x_MF2: torch.Tensor) -> torch.Tensor:
     """Gradient of :func:`swiglu` with respect to its input: [M, F], [M, 2F] -> [M, 2F]."""
     gate, up = x_MF2.float().chunk(2, dim=-1)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels._launch import BlockConfig, num_programs, validate_counts
+from kernels.registry import register
 
 __all__ = ["grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad"]
 
@@ -235,6 +236,7 @@ def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, counts_E: torch
     validate_counts(name, counts_E)
 
 
+@register("triton")
 def grouped_gemm(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
 ) -> torch.Tensor:
@@ -267,6 +269,7 @@ def grouped_gemm(
     return y_MN
 
 
+@register("triton")
 def grouped_gemm_dgrad(
     dy_MN: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
 ) -> torch.Tensor:
@@ -274,6 +277,7 @@ def grouped_gemm_dgrad(
     return grouped_gemm(dy_MN, w_EKN.transpose(1, 2), tokens_per_expert_E, comm_sms=comm_sms)
 
 
+@register("triton")
 def grouped_gemm_wgrad(
     x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
 ) -> torch.Tensor:

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.registry import register
+
 __all__ = ["permute", "permute_backward", "unpermute", "unpermute_backward"]
 
 # One-hot tiles hold BLOCK_S x BLOCK_E int32; 8192 of them stay in registers at 4 warps (64 per thread).
@@ -231,6 +233,7 @@ def _combine(y_MD, row_id_M, num_tokens, top_k, weights_S=None):
     return out_TD
 
 
+@register("triton")
 def permute(
     x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,12 +251,14 @@ def permute(
     return x_sorted_MD, row_id_M, tokens_per_expert_E
 
 
+@register("triton")
 def permute_backward(dx_sorted_MD: torch.Tensor, row_id_M: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     """Gradient of :func:`permute` w.r.t. x: dx[t] = sum of the sorted rows that came from t -> [T, D]."""
     _check_rows("permute_backward", dx_sorted_MD, row_id_M, "row_id")
     return _combine(dx_sorted_MD, row_id_M, num_tokens, top_k)
 
 
+@register("triton")
 def unpermute(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k w[t, k] * y[row of (t, k)] -> [T, D] in y.dtype (fp32 accumulation)."""
     _check_rows("unpermute", y_MD, row_id_M, "row_id")
@@ -265,6 +270,7 @@ def unpermute(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch
     return _combine(y_MD, row_id_M, num_tokens, top_k, topk_weights_TK.reshape(-1))
 
 
+@register("triton")
 def unpermute_backward(
     dout_TD: torch.Tensor, y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.registry import register
+
 __all__ = ["router_topk"]
 
 # Token rows per program x experts (padded to a power of two) kept in registers at 4 warps.
@@ -143,6 +145,7 @@ def _check(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: i
         )
 
 
+@register("triton")
 def router_topk(
     logits_TE: torch.Tensor,
     bias_E: torch.Tensor,

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.registry import register
+
 __all__ = ["swiglu", "swiglu_backward"]
 
 
@@ -67,6 +69,7 @@ def _check_x(name: str, x_MF2: torch.Tensor) -> int:
     return x_MF2.shape[1] // 2
 
 
+@register("triton")
 def swiglu(x_MF2: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up: [M, 2F] contiguous -> [M, F] in x.dtype."""
     f = _check_x("swiglu", x_MF2)
@@ -80,6 +83,7 @@ def swiglu(x_MF2: torch.Tensor) -> torch.Tensor:
     return y_MF
 
 
+@register("triton")
 def swiglu_backward(dy_MF: torch.Tensor, x_MF2: torch.Tensor) -> torch.Tensor:
     """Input gradient of :func:`swiglu`: dy [M, F], x [M, 2F] (both contiguous) -> dx [M, 2F] in x.dtype."""
     f = _check_x("swiglu_backward", x_MF2)

@@ -1,7 +1,9 @@
-"""The backend switch: DUALPIPE_KERNELS is honoured, read at call time, and Triton is imported lazily."""
+"""The backend switch: DUALPIPE_KERNELS is honoured, read at call time, and Triton is imported lazily; the op
+table holds one reference and one Triton launcher per op, with one signature."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import ops
+from kernels import ops, registry
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,8 +86,31 @@ def test_comm_sms_reaches_triton_only(monkeypatch):
     monkeypatch.setenv(ops.ENV_VAR, "triton")
     ops.grouped_gemm(*args, comm_sms=3)
     assert seen == {"comm_sms": 3}
-    monkeypatch.setenv(ops.ENV_VAR, "torch")  # the reference takes no comm_sms and must still work
+    monkeypatch.setenv(ops.ENV_VAR, "torch")  # the reference ignores comm_sms and must still work
     torch.testing.assert_close(ops.grouped_gemm(*args, comm_sms=3), kernels.reference.grouped_gemm(*args))
+
+
+def test_every_op_has_a_triton_launcher_with_the_reference_signature():
+    pytest.importorskip("triton")
+    names = registry.op_names("torch")
+    assert names == registry.op_names("triton") == sorted(set(ops.__all__) - {"ENV_VAR", "backend_for"})
+    for name in names:
+        signature = inspect.signature(registry.implementation(name, "torch"))
+        assert inspect.signature(registry.implementation(name, "triton")) == signature, name
+        assert inspect.signature(getattr(ops, name)) == signature, name
+        assert getattr(ops, name).__doc__ == registry.implementation(name, "torch").__doc__
+
+
+def test_an_op_registers_once_per_backend():
+    def swiglu(x):
+        return x
+
+    with pytest.raises(ValueError, match="two torch implementations"):
+        registry.register("torch")(swiglu)
+    with pytest.raises(ValueError, match="unknown backend"):
+        registry.register("cuda")
+    with pytest.raises(NotImplementedError, match="no torch implementation"):
+        registry.implementation("no_such_op", "torch")
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
