@@ -7,17 +7,37 @@ Backward passes call the raw ops too, so forward and backward always take the sa
 ``router_topk`` has no Function: its indices are not differentiable. Callers that train the router
 recompute the weights from the indices with torch ops on differentiable scores, e.g.
 ``w = torch.sigmoid(logits).gather(1, idx); w = w / w.sum(-1, keepdim=True) * route_scale``.
+
+:func:`grouped_experts` is the expert MLP, E SwiGLU MLPs over expert-sorted rows, with its three parts
+(:func:`experts_forward`, :func:`experts_input_grad`, :func:`experts_weight_grads`) exposed so a schedule
+can run the weight gradient apart from the input gradient.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from kernels import ops
 
-__all__ = ["grouped_mm", "permute_tokens", "swiglu", "unpermute_tokens"]
+__all__ = [
+    "WeightGradHook",
+    "accumulate_grad",
+    "experts_forward",
+    "experts_input_grad",
+    "experts_weight_grads",
+    "grouped_experts",
+    "grouped_mm",
+    "permute_tokens",
+    "swiglu",
+    "unpermute_tokens",
+]
+
+WeightGradHook = Callable[[Callable[[], None]], None]
+"""Receives a closure that computes weight gradients and adds them to the weights' ``.grad``, to run it
+whenever it chooses (now, after a communication has started, in a later pipeline slot)."""
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -106,3 +126,117 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(x_MF2: torch.Tensor) -> torch.Tensor:
     """Differentiable silu(gate) * up with x = [gate | up]: [M, 2F] -> [M, F]."""
     return _SwiGLU.apply(x_MF2.contiguous())
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` the way autograd's AccumulateGrad would (first write takes the tensor)."""
+    if param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad += grad
+
+
+def experts_forward(
+    x_MD: torch.Tensor,
+    w_gate_up_EDF2: torch.Tensor,
+    w_down_EFD: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    *,
+    comm_sms: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the rows of expert e: y = (silu(x @ W_gate[e]) * (x @ W_up[e])) @ W_down[e].
+
+    x: [M, D] sorted by expert, tokens_per_expert: [E] summing to M, w_gate_up: [E, D, 2F] (gate | up fused,
+    so the first GEMM reads x once), w_down: [E, F, D]. Returns (y [M, D] in x.dtype, h [M, 2F]), where h,
+    the gate | up activations, is what the backward parts take.
+    """
+    h_MF2 = ops.grouped_gemm(x_MD, w_gate_up_EDF2, tokens_per_expert_E, comm_sms=comm_sms)
+    y_MD = ops.grouped_gemm(ops.swiglu(h_MF2), w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
+    return y_MD, h_MF2
+
+
+def experts_input_grad(
+    dy_MD: torch.Tensor,
+    h_MF2: torch.Tensor,
+    w_gate_up_EDF2: torch.Tensor,
+    w_down_EFD: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    *,
+    comm_sms: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input gradient of :func:`experts_forward` -> (dx [M, D], dh [M, 2F]); dh goes on to the weight grads."""
+    da_MF = ops.grouped_gemm_dgrad(dy_MD, w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
+    dh_MF2 = ops.swiglu_backward(da_MF, h_MF2)
+    dx_MD = ops.grouped_gemm_dgrad(dh_MF2, w_gate_up_EDF2, tokens_per_expert_E, comm_sms=comm_sms)
+    return dx_MD, dh_MF2
+
+
+def experts_weight_grads(
+    x_MD: torch.Tensor,
+    h_MF2: torch.Tensor,
+    dy_MD: torch.Tensor,
+    dh_MF2: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    *,
+    comm_sms: int = 0,
+) -> Iterator[torch.Tensor]:
+    """Weight gradients of :func:`experts_forward`: dw_down [E, F, D], then dw_gate_up [E, D, 2F].
+
+    Each is computed when the iterator reaches it, so a caller that adds one to ``.grad`` before asking for
+    the next holds one weight-sized temporary, not two. The SwiGLU output is recomputed from h: cheaper
+    than keeping a second [M, F] activation alive until the weight gradient runs.
+    """
+    yield ops.grouped_gemm_wgrad(ops.swiglu(h_MF2), dy_MD, tokens_per_expert_E, comm_sms=comm_sms)
+    yield ops.grouped_gemm_wgrad(x_MD, dh_MF2, tokens_per_expert_E, comm_sms=comm_sms)
+
+
+class _GroupedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, comm_sms: int, defer):
+        y_MD, h_MF2 = experts_forward(x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
+        ctx.save_for_backward(x_MD, h_MF2, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E)
+        ctx.comm_sms, ctx.defer = comm_sms, defer
+        return y_MD
+
+    @staticmethod
+    def backward(ctx: Any, dy_MD):
+        x_MD, h_MF2, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E = ctx.saved_tensors
+        dy_MD, sms = dy_MD.contiguous(), ctx.comm_sms
+        dx_MD, dh_MF2 = experts_input_grad(dy_MD, h_MF2, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, comm_sms=sms)
+        if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
+            return dx_MD, None, None, None, None, None
+
+        def weight_grads() -> Iterator[torch.Tensor]:
+            return experts_weight_grads(x_MD, h_MF2, dy_MD, dh_MF2, tokens_per_expert_E, comm_sms=sms)
+
+        if ctx.defer is None:
+            dw_down_EFD, dw_gate_up_EDF2 = weight_grads()
+            return dx_MD, dw_gate_up_EDF2, dw_down_EFD, None, None, None
+
+        def accumulate_weight_grads() -> None:
+            # It may run later with grad mode on: the saved tensors may require grad, the sums must not.
+            with torch.no_grad():
+                for w, dw in zip((w_down_EFD, w_gate_up_EDF2), weight_grads()):
+                    accumulate_grad(w, dw)
+
+        ctx.defer(accumulate_weight_grads)
+        return dx_MD, None, None, None, None, None
+
+
+def grouped_experts(
+    x_MD: torch.Tensor,
+    w_gate_up_EDF2: torch.Tensor,
+    w_down_EFD: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    *,
+    comm_sms: int = 0,
+    defer_weight_grad: WeightGradHook | None = None,
+) -> torch.Tensor:
+    """Differentiable expert MLP (:func:`experts_forward`): [M, D] rows sorted by expert -> [M, D].
+
+    comm_sms: SMs the grouped GEMMs leave to concurrent all-to-all kernels (0 = use all).
+    defer_weight_grad: None, and the weights get their gradients from autograd like any input. Otherwise
+    backward returns the input gradient only and hands this hook a closure that, when called, adds the
+    weight gradients to ``w_gate_up.grad`` and ``w_down.grad`` (leaf weights) under ``torch.no_grad``.
+    """
+    return _GroupedExperts.apply(x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, comm_sms, defer_weight_grad)
