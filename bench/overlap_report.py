@@ -1,37 +1,82 @@
-"""Summaries of one overlap benchmark run: per-mode rows, the targets, the table, the timeline picture.
+"""Summaries of one overlap benchmark run: per-mode rows, the targets, the tables.
 
 Input: the ``rank<R>.json`` files the ranks wrote (:mod:`bench.overlap_run`). Per step, all ranks' spans
 give one value of each metric; a mode's row holds the median over its timed steps and the spread
 (min..max) of the step time. Warm-up steps are dropped.
+
+Where the exposed all-to-all time comes from (:mod:`bench.overlap_stats` defines both): its split by kind
+(forward and backward dispatch and combine, the row-count exchange) as means per rank and step, so the
+kinds add up; and the skew of the expert-parallel peers, pooled over every all-to-all of the timed steps.
+From a saved run (``python -m bench.overlap --keep-events`` keeps the rank files under ``<out>/events``)::
+
+    python -m bench.overlap_report bench/results/events
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from bench.overlap_run import MODES
 from bench.overlap_stats import (
+    COMM_KINDS,
+    PeerSkew,
     RankSteps,
+    comm_by_kind,
     comm_totals,
     measured_bubble,
     measured_costs,
     parse_events,
+    peer_skews,
     predicted_bubble,
     replayed_bubble,
     step_window,
 )
 
-__all__ = ["ModeRow", "Target", "collect", "cpu_floor", "loss_check", "rows_json", "summarise", "table", "targets"]
+__all__ = [
+    "KindExposure",
+    "ModeRow",
+    "Target",
+    "collect",
+    "cpu_floor",
+    "kind_table",
+    "load_rank_files",
+    "loss_check",
+    "main",
+    "rows_json",
+    "skew_table",
+    "summarise",
+    "table",
+    "targets",
+]
 
 BASELINE = "torch-dualpipev"
 
 
 @dataclass(kw_only=True, slots=True)
+class KindExposure:
+    """One kind of all-to-all in one mode: means per rank and timed step (times in milliseconds)."""
+
+    count: float
+    in_flight_ms: float
+    exposed_ms: float
+    hidden: float
+    share: float
+    """Of the mode's exposed all-to-all time."""
+    peer_wait_ms: float
+    """Of ``exposed_ms``: ranks ahead waiting for an expert-parallel peer to join."""
+
+
+@dataclass(kw_only=True, slots=True)
 class ModeRow:
-    """Medians over the timed steps of one mode (times in milliseconds)."""
+    """Medians over the timed steps of one mode (times in milliseconds); the exposure breakdown at the end
+    is pooled over those steps instead (means and quantiles, as its fields say)."""
 
     mode: str
     schedule: str
@@ -60,6 +105,15 @@ class ModeRow:
     """Hidden fraction of the all-to-alls inside overlapped F&B pairs only (None: no pairs)."""
     costs_ms: dict[str, float]
     loss: float | None
+    exposed_by_kind: dict[str, KindExposure] = field(default_factory=dict)
+    """The all-to-all time by kind (``dispatch.fwd``, ..., ``counts.fwd``: see ``COMM_KINDS``), in that order."""
+    peer_skew_ms: float = math.nan
+    """Median over the mode's all-to-alls of the spread of the expert-parallel group's start times."""
+    peer_skew_p90_ms: float = math.nan
+    peer_wait_ms: float = math.nan
+    """Exposed time per rank and step (mean) that is a rank waiting for an expert-parallel peer to join."""
+    peer_wait_share: float = math.nan
+    """The same over the exposed all-to-all time."""
 
 
 def _cpu_seconds(rank_files: list[dict]) -> dict[tuple[str, int], float]:
@@ -125,6 +179,62 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(kept) if kept else math.nan
 
 
+def _quantile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default); NaN for no values."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _pipelines(ranks: dict[int, RankSteps], pp: int) -> list[list[RankSteps]]:
+    """Each expert-parallel rank's pipeline, in pipeline-rank order (global rank ``ep_rank * pp + pp_rank``,
+    :func:`bench.overlap_run.ep_major_layout`). Its transpose is the expert-parallel groups."""
+    return [[ranks[e * pp + p] for p in range(pp)] for e in range(len(ranks) // pp)]
+
+
+def _exposure(steps: list[tuple[int, dict[int, RankSteps]]], pp: int) -> dict:
+    """ModeRow's exposure fields: the kinds summed over every rank and timed step, then divided by the
+    rank-steps (means, so the kinds add up); the skews pooled over every all-to-all of those steps."""
+    sums: dict[str, list[float]] = {}  # kind -> [count, in flight, exposed, peer wait], seconds
+    skews: list[PeerSkew] = []
+    for _, ranks in steps:
+        for kind, totals in comm_by_kind(list(ranks.values())).items():
+            acc = sums.setdefault(kind, [0.0, 0.0, 0.0, 0.0])
+            for i, v in enumerate(totals):
+                acc[i] += v
+        for group in zip(*_pipelines(ranks, pp)):
+            skews += peer_skews(group)
+    for s in skews:
+        sums[s.kind][3] += s.peer_wait
+    rank_steps = sum(len(ranks) for _, ranks in steps)
+    exposed = sum(acc[2] for acc in sums.values())
+    peer_wait = sum(s.peer_wait for s in skews)
+    order = [k for k in COMM_KINDS if k in sums] + [k for k in sums if k not in COMM_KINDS]
+    by_kind = {
+        k: KindExposure(
+            count=sums[k][0] / rank_steps,
+            in_flight_ms=sums[k][1] / rank_steps * 1e3,
+            exposed_ms=sums[k][2] / rank_steps * 1e3,
+            hidden=1.0 - sums[k][2] / sums[k][1] if sums[k][1] > 0 else math.nan,
+            share=sums[k][2] / exposed if exposed > 0 else math.nan,
+            peer_wait_ms=sums[k][3] / rank_steps * 1e3,
+        )
+        for k in order
+    }
+    skew_ms = [s.skew * 1e3 for s in skews]
+    return {
+        "exposed_by_kind": by_kind,
+        "peer_skew_ms": _quantile(skew_ms, 0.5),
+        "peer_skew_p90_ms": _quantile(skew_ms, 0.9),
+        "peer_wait_ms": peer_wait / rank_steps * 1e3 if skews else math.nan,
+        "peer_wait_share": peer_wait / exposed if exposed > 0 else math.nan,
+    }
+
+
 def _row(
     mode: str, steps: list[tuple[int, dict[int, RankSteps]]], opts: dict, mean_loss: float | None, cpu: dict, cores: int
 ) -> ModeRow:
@@ -137,7 +247,7 @@ def _row(
         in_flight, exposed, hidden = comm_totals(list(ranks.values()))
         costs = measured_costs(list(ranks.values()))
         mean_predicted = predicted_bubble(schedule, num_ranks, opts["chunks"], costs)
-        pipelines = [[ranks[e * num_ranks + p] for p in range(num_ranks)] for e in range(len(ranks) // num_ranks)]
+        pipelines = _pipelines(ranks, num_ranks)
         # torch runs its own action order, which our schedule's replay does not describe
         replayed = math.nan if mode == BASELINE else replayed_bubble(schedule, pipelines, opts["chunks"])
         paired = comm_totals(list(ranks.values()), within="FB")[2]
@@ -169,6 +279,7 @@ def _row(
         cpu_use=med[7],
         costs_ms={k: getattr(costs, k) * 1e3 for k in ("F", "B", "W", "FB")},
         loss=mean_loss,
+        **_exposure(steps, num_ranks),
     )
 
 
@@ -224,24 +335,117 @@ def cpu_floor(rows: list[ModeRow]) -> float | None:
     return ours.cpu_use * ours.vs_torch
 
 
+def _markdown(header: str, cells: Iterable[Sequence[str]], text_columns: int = 1) -> str:
+    """A markdown table with the columns of ``header`` (names joined by " | "); the first ``text_columns``
+    columns left-aligned, the numbers right-aligned."""
+    width = len(header.split(" | "))
+    align = ["---"] * text_columns + ["---:"] * (width - text_columns)
+    lines = [f"| {header} |", f"|{'|'.join(align)}|"]
+    return "\n".join(lines + [f"| {' | '.join(line)} |" for line in cells])
+
+
 def table(rows: list[ModeRow]) -> str:
     """Markdown table of the rows."""
-    lines = [
-        "| mode | step ms (min..max) | tokens/s | vs torch | bubble | bubble (sim) | bubble (sim, mean costs) "
-        "| a2a ms/rank | exposed ms | hidden | hidden in F&B pairs | CPU use |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    header = (
+        "mode | step ms (min..max) | tokens/s | vs torch | bubble | bubble (sim) | bubble (sim, mean costs) "
+        "| a2a ms/rank | exposed ms | hidden | hidden in F&B pairs | CPU use"
+    )
+    cells = []
     for r in rows:
         vs = f"{r.vs_torch:.2f}x" if r.vs_torch is not None else "-"
         pairs = f"{r.hidden_in_pairs:.2f}" if r.hidden_in_pairs is not None else "-"
-        lines.append(
-            f"| {r.mode} | {r.step_ms:.0f} ({r.step_ms_min:.0f}..{r.step_ms_max:.0f}) | {r.tokens_per_s:.0f} | {vs} "
-            f"| {r.bubble:.3f} | {r.bubble_predicted:.3f} | {r.bubble_predicted_mean:.3f} | {r.a2a_ms:.0f} "
-            f"| {r.a2a_exposed_ms:.0f} | {r.hidden:.2f} "
-            f"| {pairs} | {r.cpu_use:.2f} |"
+        cells.append(
+            [
+                r.mode,
+                f"{r.step_ms:.0f} ({r.step_ms_min:.0f}..{r.step_ms_max:.0f})",
+                f"{r.tokens_per_s:.0f}",
+                vs,
+                f"{r.bubble:.3f}",
+                f"{r.bubble_predicted:.3f}",
+                f"{r.bubble_predicted_mean:.3f}",
+                f"{r.a2a_ms:.0f}",
+                f"{r.a2a_exposed_ms:.0f}",
+                f"{r.hidden:.2f}",
+                pairs,
+                f"{r.cpu_use:.2f}",
+            ]
         )
-    return "\n".join(lines)
+    return _markdown(header, cells)
 
 
 def rows_json(rows: list[ModeRow]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+def kind_table(rows: list[ModeRow]) -> str:
+    """Markdown table of the exposed all-to-all time by kind, a line per mode and kind."""
+    header = (
+        "mode | all-to-all | per rank & step | in flight ms | exposed ms | exposed ms each | hidden "
+        "| share of exposed | waiting for a peer ms"
+    )
+    cells = []
+    for r in rows:
+        for kind, k in r.exposed_by_kind.items():
+            each = k.exposed_ms / k.count if k.count else math.nan
+            cells.append(
+                [
+                    r.mode,
+                    COMM_KINDS.get(kind, kind),
+                    f"{k.count:.1f}",
+                    f"{k.in_flight_ms:.1f}",
+                    f"{k.exposed_ms:.1f}",
+                    f"{each:.2f}",
+                    f"{k.hidden:.2f}",
+                    f"{k.share:.2f}",
+                    f"{k.peer_wait_ms:.1f}",
+                ]
+            )
+    return _markdown(header, cells, text_columns=2)
+
+
+def skew_table(rows: list[ModeRow]) -> str:
+    """Markdown table of the expert-parallel peer skew, a line per mode."""
+    header = "mode | skew median ms | skew p90 ms | waiting for a peer ms/rank | share of exposed"
+    cells = [
+        [
+            r.mode,
+            f"{r.peer_skew_ms:.2f}",
+            f"{r.peer_skew_p90_ms:.2f}",
+            f"{r.peer_wait_ms:.1f}",
+            f"{r.peer_wait_share:.2f}",
+        ]
+        for r in rows
+    ]
+    return _markdown(header, cells)
+
+
+def load_rank_files(folder: Path) -> list[dict]:
+    """The ``rank<R>.json`` files in ``folder``, in rank order."""
+    files = [json.loads(p.read_text()) for p in folder.glob("rank*.json")]
+    return sorted(files, key=lambda r: r["rank"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.overlap_report", description=__doc__.split("\n\n")[0])
+    p.add_argument("events", type=Path, help="folder of rank<R>.json (bench.overlap --keep-events: <out>/events)")
+    p.add_argument("--json", type=Path, help="also write the rows, breakdown included, to this file")
+    args = p.parse_args(argv)
+    rank_files = load_rank_files(args.events)
+    if not rank_files:
+        raise SystemExit(f"error: no rank*.json in {args.events}")
+    o = rank_files[0]["options"]
+    rows = summarise(rank_files)
+    print(f"{args.events}: pp={o['pp']} ep={o['ep']} chunks={o['chunks']} steps={o['steps']} "
+          f"(+{o['warmup']} warm-up), medians over steps\n")  # fmt: skip
+    print(table(rows))
+    print("\nexposed all-to-all by kind (means per rank and timed step):\n")
+    print(kind_table(rows))
+    print("\nexpert-parallel peer skew (every all-to-all of the timed steps, matched across its group):\n")
+    print(skew_table(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"events": str(args.events), "rows": rows_json(rows)}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

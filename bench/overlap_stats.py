@@ -13,6 +13,14 @@ flight``: a blocking all-to-all (waited right after it started) hides nothing; o
 once after the other micro-batch's compute hides all of it. When compute outlasts the transfer the
 in-flight time is the compute's, and all of it counts as hidden, which it is.
 
+Where the exposed time comes from. Each all-to-all has a *kind*, its recorded name and direction
+(:data:`COMM_KINDS`): the forward and backward dispatch and combine, and ``counts.fwd``, the row-count
+exchange a dispatch waits for first (``Route.wait_counts``). *Peer skew*: the ranks of one
+expert-parallel group issue the same all-to-alls in the same order, so the i-th one each rank issued
+(by start time) is one collective. Its skew is the spread of the ranks' start times; the exposed time a
+rank spends before the last rank has started it is the rank ahead waiting for its peer to join. This
+needs one clock for all ranks, which ``time.perf_counter`` is on one machine.
+
 Bubble: within the step window a rank is idle while it waits for a pipeline message (the executor
 completes a receive inside the action that consumes it) and after its work is done (its last action and
 the sends and receives it issues after it; the end-of-step wait for its sends to be taken is idle). Every
@@ -43,18 +51,23 @@ from dualpipe.schedule import Schedule, build_schedule
 from dualpipe.simulate import Costs, simulate
 
 __all__ = [
+    "COMM_KINDS",
     "ActionSpan",
     "CommSpan",
     "ComputeSpan",
     "HostSpan",
+    "PeerSkew",
     "RankSteps",
     "action_durations",
     "chrome_trace",
+    "comm_by_kind",
+    "comm_kind",
     "comm_totals",
     "measured_bubble",
     "measured_costs",
     "op_of",
     "parse_events",
+    "peer_skews",
     "predicted_bubble",
     "replayed_bubble",
 ]
@@ -205,6 +218,59 @@ def comm_totals(ranks: Sequence[RankSteps], within: str | None = None) -> tuple[
 def _inside(r: RankSteps, op: str) -> list[CommSpan]:
     spans = [(a.start, a.end) for a in r.actions if a.depth == 0 and a.op == op]
     return [c for c in r.comm if any(t0 <= c.start and c.wait <= t1 for t0, t1 in spans)]
+
+
+COMM_KINDS = {
+    "dispatch.fwd": "forward dispatch",
+    "combine.fwd": "forward combine",
+    "dispatch.bwd": "backward dispatch",
+    "combine.bwd": "backward combine",
+    "counts.fwd": "row-count exchange",
+}
+"""The all-to-all kinds :mod:`moe.block` records (``name.direction``), in the order reports list them."""
+
+
+def comm_kind(c: CommSpan) -> str:
+    """``"dispatch.fwd"``, ``"counts.fwd"``, ...: the recorded name and direction."""
+    return f"{c.name}.{c.direction}"
+
+
+def comm_by_kind(ranks: Sequence[RankSteps]) -> dict[str, tuple[int, float, float]]:
+    """kind -> ``(count, in flight, exposed)`` summed over ``ranks`` (seconds), kinds in first-seen order."""
+    out: dict[str, tuple[int, float, float]] = {}
+    for r in ranks:
+        for c in r.comm:
+            n, in_flight, exposed = out.get(comm_kind(c), (0, 0.0, 0.0))
+            out[comm_kind(c)] = (n + 1, in_flight + c.in_flight, exposed + c.exposed)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSkew:
+    """One all-to-all of an expert-parallel group, its ranks' spans matched by issue order."""
+
+    kind: str
+    skew: float
+    """The last rank's start minus the first rank's."""
+    peer_wait: float
+    """Exposed time, summed over the group's ranks, before the last rank started it."""
+
+
+def peer_skews(group: Sequence[RankSteps]) -> list[PeerSkew]:
+    """Every all-to-all of one step of one expert-parallel group (its ranks' spans, on one clock), in issue
+    order. The ranks must have recorded the same all-to-alls in the same order."""
+    issued = [sorted(r.comm, key=lambda c: c.start) for r in group]
+    if len({len(spans) for spans in issued}) > 1:
+        raise ValueError(f"the group's ranks recorded {[len(s) for s in issued]} all-to-alls")
+    out = []
+    for i, spans in enumerate(zip(*issued)):
+        names = [(c.name, c.direction, c.layer) for c in spans]
+        if len(set(names)) > 1:
+            raise ValueError(f"all-to-all {i} differs across the group's ranks: {names}")
+        first, last = min(c.start for c in spans), max(c.start for c in spans)
+        wait = sum(max(0.0, min(c.wait, last) - c.blocked_from) for c in spans)
+        out.append(PeerSkew(comm_kind(spans[0]), last - first, wait))
+    return out
 
 
 def step_window(ranks: Sequence[RankSteps]) -> tuple[float, float]:
