@@ -10,8 +10,8 @@ Events per rank (one :class:`moe.events.EventRecorder` shared by the rank's stag
 
 - sub-stages from the piecewise MoE path: compute ``begin``/``end`` and all-to-all ``start``/``wait``;
 - pipeline compute actions (direction ``"action"``, name the action as printed by the schedule, layer its
-  nesting depth): recorded by wrapping the pipeline's handlers on the instance (the executor is unchanged)
-  or, for torch's schedule, the stage's ``forward_one_chunk`` / ``backward_one_chunk`` /
+  nesting depth): reported by our executor to an observer (:mod:`dualpipe.observer`) or, for torch's
+  schedule, recorded by wrapping the stage's ``forward_one_chunk`` / ``backward_one_chunk`` /
   ``backward_weight_one_chunk``;
 - waits for pipeline messages (direction ``"p2p"``, ``begin``/``end`` around the executor's receive
   completion, which runs inside the compute action that consumes the message): the bubble counts them as
@@ -20,43 +20,55 @@ Events per rank (one :class:`moe.events.EventRecorder` shared by the rank's stag
 - ``step`` begin/end, taken after a barrier over all ranks.
 
 Rank order: torchrun's ranks are node-major (node i holds ranks i*P .. i*P+P-1). The layout here is
-ep-major (global rank ``ep_rank * pp + pp_rank``), so with P = pp ranks per node the pipeline of one ep
-rank stays inside a node (its P2P on loopback) and every expert-parallel group spans the nodes: the
-all-to-all crosses the shaped links. (:func:`moe.parallel.init_layout` is pp-major, which would keep each
-ep group inside a node.)
+ep-major (``rank_order=("ep", "pp")``, global rank ``ep_rank * pp + pp_rank``), so with P = pp ranks per
+node the pipeline of one ep rank stays inside a node (its P2P on loopback) and every expert-parallel group
+spans the nodes: the all-to-all crosses the shaped links. (The default, pp-major, would keep each ep group
+inside a node.)
+
+Modes: every registered schedule (:data:`dualpipe.schedule.SCHEDULES`) without overlap, those that pair
+forward and backward chunks also with overlap (``<name>-overlap``), and ``torch-dualpipev``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-from dualpipe import PIPELINES, Pipeline
+from dualpipe import PIPELINES
+from dualpipe.observer import PipelineObserver, SpanKind, span_label
+from dualpipe.schedule import SCHEDULES, schedule_spec
 from moe.config import MoEConfig
 from moe.data import ByteCorpus
 from moe.events import EventRecorder
 from moe.model import lm_loss
-from moe.parallel import ParallelConfig, ParallelLayout, build_stages
+from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout, with_schedule
 
-__all__ = ["MODES", "WorkerOptions", "ep_major_layout", "model_config", "worker_main"]
+__all__ = ["MODES", "TORCH_MODE", "WorkerOptions", "model_config", "worker_main"]
 
-MODES: dict[str, tuple[str, bool]] = {
-    # mode -> (schedule, overlap); "torch-dualpipev" is torch.distributed.pipelining's ScheduleDualPipeV.
-    "dualpipev-overlap": ("dualpipev", True),
-    "dualpipev": ("dualpipev", False),
-    "dualpipe-overlap": ("dualpipe", True),
-    "dualpipe": ("dualpipe", False),
-    "1f1b": ("1f1b", False),
-    "torch-dualpipev": ("dualpipev", False),
-}
+TORCH_MODE = "torch-dualpipev"
+"""torch.distributed.pipelining's ScheduleDualPipeV on our DualPipeV's stage split."""
+
+
+def _modes() -> dict[str, tuple[str, bool]]:
+    """mode -> (schedule, overlap), from the schedule registry."""
+    modes: dict[str, tuple[str, bool]] = {}
+    for name, spec in SCHEDULES.items():
+        if spec.overlaps:
+            modes[f"{name}-overlap"] = (name, True)
+        modes[name] = (name, False)
+    modes[TORCH_MODE] = ("dualpipev", False)
+    return modes
+
+
+MODES: dict[str, tuple[str, bool]] = _modes()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,7 +86,7 @@ class WorkerOptions:
     seq_len: int = 64
     hidden: int = 256
     layers: int = 4
-    """Transformer blocks in total (DualPipeV and torch: 2*pp stages; DualPipe and 1F1B: pp)."""
+    """Transformer blocks in total, at least one per stage of every mode's schedule (DualPipeV: 2*pp)."""
     experts: int = 8
     top_k: int = 2
     moe_intermediate: int = 256
@@ -93,12 +105,15 @@ class WorkerOptions:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown:
             raise ValueError(f"unknown modes {unknown}; choose from {list(MODES)}")
-        if self.chunks < 2 * self.pp or self.chunks % 2:
-            raise ValueError(
-                f"chunks must be even and >= 2*pp = {2 * self.pp} (DualPipe, DualPipeV), got {self.chunks}"
-            )
-        if self.layers < 2 * self.pp:
-            raise ValueError(f"layers={self.layers} cannot fill the 2*pp={2 * self.pp} DualPipeV stages")
+        for mode in self.modes:  # every mode's schedule takes these numbers, with its own message
+            spec = schedule_spec(MODES[mode][0])
+            try:
+                spec.validate(self.pp, self.chunks)
+            except ValueError as exc:
+                raise ValueError(f"mode {mode} at pp={self.pp}, chunks={self.chunks}: {exc}") from None
+            stages = spec.stage_layout(self.pp).num_stages
+            if self.layers < stages:
+                raise ValueError(f"layers={self.layers} cannot fill the {stages} stages of mode {mode}")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError("steps must be >= 1 and warmup >= 0")
 
@@ -123,78 +138,50 @@ def model_config(o: WorkerOptions) -> MoEConfig:
     )
 
 
-def ep_major_layout(config: ParallelConfig) -> ParallelLayout:
-    """The (pp, ep) layout with global rank ``ep_rank * pp + pp_rank`` (see the module doc)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    pp, ep = config.pp, config.ep
-    if pp * ep != world:
-        raise ValueError(f"pp x ep = {pp} x {ep} does not equal the world size {world}")
-    grid = torch.arange(world).view(ep, pp).t()  # grid[p, e] = e * pp + p
-    groups: dict[str, dist.ProcessGroup] = {}
-    # new_group is collective over the default group: every rank creates every group, in the same order.
-    for e in range(ep):
-        members = grid[:, e].tolist()
-        g = dist.new_group(members)
-        groups.update({"pp": g} if rank in members else {})
-    for p in range(pp):
-        members = grid[p].tolist()
-        g = dist.new_group(members)
-        groups.update({"ep": g} if rank in members else {})
-    for e in range(ep):
-        for p in range(pp // 2):
-            members = [int(grid[p, e]), int(grid[pp - 1 - p, e])]
-            g = dist.new_group(members)
-            groups.update({"mirror": g} if rank in members else {})
-    return ParallelLayout(
-        config=config,
-        pp_rank=rank % pp,
-        ep_rank=rank // pp,
-        pp_group=groups["pp"],
-        ep_group=groups["ep"],
-        mirror_group=groups.get("mirror"),
-        mesh=None,
-    )
-
-
-def _for_schedule(base: ParallelLayout, schedule: str) -> ParallelLayout:
-    """``base`` (groups created once) configured for ``schedule``; only DualPipe has mirror copies."""
-    config = ParallelConfig(pp=base.config.pp, ep=base.config.ep, schedule=schedule, comm_sms=0)
-    return dataclasses.replace(base, config=config, mirror_group=base.mirror_group if schedule == "dualpipe" else None)
-
-
 class _ActionRecorder:
-    """Wraps compute entry points so each call records ``begin``/``end`` (depth = nesting level)."""
+    """Records nested ``begin``/``end`` spans (layer = nesting depth); ``wrap`` does so around a callable."""
 
     def __init__(self, recorder: EventRecorder) -> None:
         self.recorder = recorder
         self.depth = 0
 
+    def begin(self, label: str, direction: str) -> None:
+        self.recorder.record(label, direction, self.depth, "begin")
+        self.depth += 1
+
+    def end(self, label: str, direction: str) -> None:
+        self.depth -= 1
+        self.recorder.record(label, direction, self.depth, "end")
+
     def wrap(self, fn, label_of, direction: str = "action"):
         def recorded(*args, **kwargs):
             label = label_of(*args, **kwargs)
-            self.recorder.record(label, direction, self.depth, "begin")
-            self.depth += 1
+            self.begin(label, direction)
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.depth -= 1
-                self.recorder.record(label, direction, self.depth, "end")
+                self.end(label, direction)
 
         return recorded
 
 
-def instrument_pipeline(pipe: Pipeline, recorder: EventRecorder) -> None:
-    """Record every compute action of ``pipe``, every wait for a pipeline message inside one, and the
-    executor issuing sends and receives between them (instance attributes shadow the executor's methods)."""
-    actions = _ActionRecorder(recorder)
-    for name in ("_forward", "_backward", "_forward_backward", "_weight"):
-        setattr(pipe, name, actions.wrap(getattr(pipe, name), lambda a, st: str(a)))
-    pipe._take = actions.wrap(pipe._take, lambda st, kind, key: f"recv {kind}{key[0]}.{key[1]}", "p2p")
-    pipe._post = actions.wrap(pipe._post, lambda batch, st: " ".join(["post", *map(str, batch)]), "post")
-    reap = pipe._reap_sends
-    timed_reap = actions.wrap(reap, lambda st, block: "reap sends", "post")
-    # the blocking reap at the end of the step waits for peers: left unrecorded, it counts as idle
-    pipe._reap_sends = lambda st, block: reap(st, block) if block else timed_reap(st, block)
+class _PipelineEvents(PipelineObserver):
+    """Our executor's spans as benchmark events: compute actions, waits for pipeline messages (``p2p``) and
+    posting or reaping sends between actions (``post``, busy). The final drain of outstanding sends waits
+    for peers: left unrecorded, it counts as idle."""
+
+    _DIRECTIONS: ClassVar[dict[str, str]] = {"action": "action", "recv": "p2p", "post": "post", "reap": "post"}
+
+    def __init__(self, recorder: EventRecorder) -> None:
+        self.spans = _ActionRecorder(recorder)
+
+    def begin(self, kind: SpanKind, subject) -> None:
+        if kind in self._DIRECTIONS:
+            self.spans.begin(span_label(kind, subject), self._DIRECTIONS[kind])
+
+    def end(self, kind: SpanKind, subject) -> None:
+        if kind in self._DIRECTIONS:
+            self.spans.end(span_label(kind, subject), self._DIRECTIONS[kind])
 
 
 def _absolute_events(recorder: EventRecorder, host_t0: float) -> list[list]:
@@ -217,7 +204,7 @@ class _Mode:
 
 def _build_ours(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLayout, recorder: EventRecorder) -> _Mode:
     schedule, overlap = MODES[name]
-    layout = _for_schedule(layout, schedule)
+    layout = with_schedule(layout, schedule)
     device = recorder.device
     stages = build_stages(cfg, layout, seed=o.seed, device=device)
     for s in stages:
@@ -227,12 +214,10 @@ def _build_ours(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLay
     # declared boundary shapes: receives are posted ahead (no header round trip inside the consuming action)
     pipe.set_p2p_tensor_shapes([(o.micro_batch, o.seq_len, o.hidden)])
     pipe.set_p2p_tensor_dtype(next(stages[0].parameters()).dtype)
-    instrument_pipeline(pipe, recorder)
-    first = [m for m in range(len(stages)) if pipe.layout.is_first(pipe.rank, m)]
-    last = [m for m in range(len(stages)) if pipe.layout.is_last(pipe.rank, m)]
+    pipe.add_observer(_PipelineEvents(recorder))
 
     def step(ids: torch.Tensor, labels: torch.Tensor) -> list[float]:
-        inputs, targets = _feed(pipe, schedule, first, last, ids, labels)
+        inputs, targets = pipe.split_batch((ids,), (labels,))
         loss, _ = pipe.step(*inputs, num_chunks=o.chunks, criterion=lm_loss, labels=targets, loss_reduction="mean")
         return [] if loss is None else loss.tolist()
 
@@ -240,23 +225,12 @@ def _build_ours(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLay
     return _Mode(name, step, params, recorder)
 
 
-def _feed(pipe: Pipeline, schedule: str, first: list[int], last: list[int], ids, labels) -> tuple[tuple, tuple]:
-    """What this pipeline rank passes to ``step`` (as examples/train.py: DualPipe feeds a half at each end)."""
-    if schedule != "dualpipe":
-        return ((ids,) if first else ()), ((labels,) if last else ())
-    half = ids.shape[0] // 2
-    halves = {0: (ids[:half], labels[:half]), 1: (ids[half:], labels[half:])}
-    inputs = (halves[pipe.layout.path_of(pipe.rank, first[0])][0],) if first else ()
-    targets = (halves[pipe.layout.path_of(pipe.rank, last[0])][1],) if last else ()
-    return inputs, targets
-
-
 def _build(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLayout, device: torch.device) -> _Mode:
     recorder = EventRecorder(device)
-    if name == "torch-dualpipev":
+    if name == TORCH_MODE:
         from bench.overlap_torch import build_torch_dualpipev
 
-        layout = _for_schedule(layout, "dualpipev")
+        layout = with_schedule(layout, MODES[name][0])
         step, params = build_torch_dualpipev(cfg, layout, o.chunks, o.seed, recorder, _ActionRecorder(recorder))
         return _Mode(name, step, params, recorder)
     return _build_ours(name, o, cfg, layout, recorder)
@@ -338,12 +312,11 @@ def worker_main(options_json: str) -> None:
     rank = dist.get_rank()
     cfg = model_config(o)
     corpus = ByteCorpus()
-    ep_rank = rank // o.pp
-    layout = ep_major_layout(ParallelConfig(pp=o.pp, ep=o.ep, comm_sms=0))
+    layout = init_layout(ParallelConfig(pp=o.pp, ep=o.ep, comm_sms=0, rank_order=("ep", "pp")), device.type)
     record = {
         "rank": rank,
-        "pp_rank": rank % o.pp,
-        "ep_rank": ep_rank,
+        "pp_rank": layout.pp_rank,
+        "ep_rank": layout.ep_rank,
         "node": int(os.environ.get("DUALPIPE_CLUSTER_NODE", "0")),
         "device": str(device),
         "cores": len(os.sched_getaffinity(0)),
@@ -351,7 +324,7 @@ def worker_main(options_json: str) -> None:
         "steps": [],
     }
     modes = [_build(name, o, cfg, layout, device) for name in o.modes]
-    record["steps"] = _run_modes(modes, o, corpus, ep_rank)
+    record["steps"] = _run_modes(modes, o, corpus, layout.ep_rank)
     del modes
     Path(o.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(o.run_dir) / f"rank{rank}.json").write_text(json.dumps(record))

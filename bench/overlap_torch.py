@@ -31,35 +31,11 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from dualpipe.weight_grad import GradStore, active_store
 from moe.config import MoEConfig
-from moe.dispatch import make_dispatcher
 from moe.events import EventRecorder
 from moe.model import lm_loss
-from moe.parallel import ParallelLayout, split_layers
-from moe.stage import MoEStage
+from moe.parallel import ParallelLayout, build_stages
 
-__all__ = ["build_torch_dualpipev", "plain_stages"]
-
-
-def plain_stages(cfg: MoEConfig, layout: ParallelLayout, seed: int, device: torch.device) -> list[MoEStage]:
-    """This pipeline rank's two DualPipeV stages (r and 2N-1-r), plain-graph, with the seed's weights."""
-    pp = layout.config.pp
-    num_stages = 2 * pp
-    dispatcher = make_dispatcher("alltoall", cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size)
-    ranges = split_layers(cfg.num_layers, num_stages)
-    stages = []
-    for sid in (layout.pp_rank, num_stages - 1 - layout.pp_rank):
-        stage = MoEStage(
-            cfg,
-            ranges[sid],
-            first=sid == 0,
-            last=sid == num_stages - 1,
-            dispatcher=dispatcher,
-            piecewise=False,
-            stage_index=sid,
-        )
-        stage.reset_parameters(seed)
-        stages.append(stage.to(device))
-    return stages
+__all__ = ["build_torch_dualpipev"]
 
 
 def _dw_builder() -> Callable[[], None]:
@@ -117,8 +93,9 @@ def build_torch_dualpipev(
     go to ``recorder``.
     """
     device = recorder.device
-    modules = plain_stages(cfg, layout, seed, device)
-    num_stages = 2 * layout.config.pp
+    # our DualPipeV's stage split (rank r: stages r and 2N-1-r), one plain autograd graph per stage
+    modules = build_stages(cfg, layout, seed=seed, device=device, piecewise=False)
+    num_stages = layout.config.num_stages
     stages = []
     for m in modules:
         m.recorder = recorder
@@ -130,7 +107,8 @@ def build_torch_dualpipev(
         _instrument(stage, actions)
         stages.append(stage)
     schedule = ScheduleDualPipeV(stages, n_microbatches=chunks, loss_fn=lm_loss, scale_grads=True)
-    feeds = layout.pp_rank == 0  # stage 0 (inputs) and stage 2N-1 (loss) both live on pipeline rank 0
+    # stage 0 (inputs) and the last stage (loss) both live on pipeline rank 0
+    feeds = bool(layout.config.stage_layout.entries(layout.pp_rank))
 
     def step(ids: torch.Tensor, labels: torch.Tensor) -> list[float]:
         with _recording_p2p(actions):

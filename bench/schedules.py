@@ -1,14 +1,16 @@
-"""Compare 1F1B, ZB1P, DualPipe and DualPipeV with the simulator: bubble, activations, parameter copies.
+"""Compare every registered schedule with the simulator: bubble, activations, parameter copies.
 
     python -m bench.schedules                      # PP 4, 8, 16; table + JSON + timelines at PP 8
     python -m bench.schedules --pp 4 8 --F 1 --B 2 --W 1 --overlap 0.7 --out bench/results
 
-Every schedule runs the same model on ``PP`` pipeline ranks with the same number of micro-batches. Costs are
-those of one full 1F1B stage (``F`` forward, ``B`` full backward, ``W`` its weight-gradient part); DualPipe
-holds two full stages per rank (the model twice), DualPipeV ``2 x PP`` half stages, so its chunk costs are
-halved. An overlapped forward/backward pair costs ``overlap x (F + B)`` (``--overlap 1``: no compute gained
-by pairing; the published formulas call the pair's cost ``F&B``). ``--comm`` adds the all-to-all a lone
-chunk waits for and a pair hides. The figures are simulated, not measured.
+Every schedule of :data:`dualpipe.schedule.SCHEDULES` runs the same model on ``PP`` pipeline ranks with the
+same number of micro-batches. Costs are those of one full 1F1B stage (``F`` forward, ``B`` full backward,
+``W`` its weight-gradient part); a schedule's chunk costs are scaled by the share of a full stage one of its
+modules holds (ranks / stages): DualPipe holds two full stages per rank (the model twice), DualPipeV
+``2 x PP`` half stages, interleaved 1F1B ``v x PP`` stages of ``1/v``. An overlapped forward/backward pair
+costs ``overlap x (F + B)`` (``--overlap 1``: no compute gained by pairing; the published formulas call the
+pair's cost ``F&B``). ``--comm`` adds the all-to-all a lone chunk waits for and a pair hides. The figures
+are simulated, not measured.
 """
 
 from __future__ import annotations
@@ -19,12 +21,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dualpipe.schedule import build_schedule
+from dualpipe.schedule import SCHEDULES, Schedule, build_schedule
 from dualpipe.simulate import Costs, SimResult, render_png, simulate
 
 __all__ = ["Row", "compare"]
-
-SCHEDULES = ("1f1b", "zb1p", "dualpipe", "dualpipev")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,14 +39,14 @@ class Row:
     parameter_copies: int
 
 
-def _costs(schedule: str, f: float, b: float, w: float, overlap: float, comm: float) -> Costs:
+def _costs(schedule: Schedule, f: float, b: float, w: float, overlap: float, comm: float) -> Costs:
     """Per-chunk costs; ``comm`` is the exposed all-to-all time of a lone F or B as a fraction of it.
 
     A lone forward or backward waits for its own dispatch and combine; an overlapped pair hides them
     behind the other micro-batch's compute (DeepSeek-V3's premise), so only ``overlap x (F + B)`` remains.
     The weight-gradient part (``W``) has no all-to-all.
     """
-    scale = 0.5 if schedule == "dualpipev" else 1.0  # DualPipeV's modules are half stages
+    scale = schedule.layout.num_ranks / schedule.layout.num_stages  # share of a full stage per module
     f_, b_, w_ = f * scale, b * scale, w * scale
     return Costs(F=f_ * (1 + comm), B=w_ + (b_ - w_) * (1 + comm), W=w_, FB=overlap * (f_ + b_))
 
@@ -56,7 +56,8 @@ def compare(
 ) -> list[tuple[Row, SimResult]]:
     out = []
     for name in SCHEDULES:
-        result = simulate(build_schedule(name, pp, chunks), _costs(name, f, b, w, overlap, comm))
+        schedule = build_schedule(name, pp, chunks)
+        result = simulate(schedule, _costs(schedule, f, b, w, overlap, comm))
         row = Row(
             schedule=name,
             pp=pp,
@@ -105,8 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     pictures: dict[str, SimResult] = {}
     for pp in args.pp:
-        if pp % 2:
-            raise SystemExit(f"error: PP must be even to compare with DualPipe (got {pp})")
+        try:
+            for spec in SCHEDULES.values():
+                spec.validate(pp, args.chunks_per_rank * pp)
+        except ValueError as exc:
+            raise SystemExit(f"error: --pp {pp} --chunks-per-rank {args.chunks_per_rank}: {exc}") from None
         for row, result in compare(pp, args.chunks_per_rank * pp, args.F, args.B, args.W, args.overlap, args.comm):
             rows.append(row)
             if pp == args.picture_pp:

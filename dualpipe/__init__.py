@@ -4,14 +4,16 @@ from dualpipe.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
 from dualpipe.executor import PIPELINES, DualPipe, DualPipeV, OneFOneB, Pipeline, ZeroBubble1P
 from dualpipe.grads import sum_mirrored_grads
 from dualpipe.hooks import OverlappedForwardBackward
+from dualpipe.observer import PipelineObserver
 from dualpipe.p2p import PipelineCommError
-from dualpipe.schedule import Action, Layout, Op, Schedule, build_schedule
+from dualpipe.schedule import SCHEDULES, Action, Layout, Op, Schedule, ScheduleSpec, build_schedule, register_schedule
 from dualpipe.weight_grad import WeightGradStore
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PIPELINES",
+    "SCHEDULES",
     "Action",
     "DualPipe",
     "DualPipeV",
@@ -21,10 +23,13 @@ __all__ = [
     "OverlappedForwardBackward",
     "Pipeline",
     "PipelineCommError",
+    "PipelineObserver",
     "Schedule",
+    "ScheduleSpec",
     "WeightGradStore",
     "ZeroBubble1P",
     "build_schedule",
+    "register_schedule",
     "set_p2p_tensor_dtype",
     "set_p2p_tensor_shapes",
     "sum_mirrored_grads",

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dualpipe.schedule import Action, Op, Schedule
 
 __all__ = [
     "DeadlockError",
+    "MessageKey",
     "ScheduleError",
     "check_complete",
     "check_matching",
@@ -40,31 +42,43 @@ class DeadlockError(ScheduleError):
     """No rank can make progress; the message lists where each rank is stuck."""
 
 
-def message_key(schedule: Schedule, rank: int, a: Action) -> tuple[str, int, int, int, int]:
-    """Identity of the message a communication action carries: (kind, path, chunk, src, dst).
+class MessageKey(NamedTuple):
+    """Identity of one transfer, the same on both sides whatever their local module indices are."""
 
-    The two sides of one transfer compute the same key, whatever their local module indices are.
-    """
-    path = schedule.layout.path_of(rank, a.module)
+    kind: str  # "F" activations, "B" gradients
+    path: int
+    chunk: int
+    src: int
+    dst: int
+    boundary: int  # the stage before the boundary it crosses (interleaved layouts share a rank pair)
+
+
+def message_key(schedule: Schedule, rank: int, a: Action) -> MessageKey:
+    """Identity of the message a communication action carries."""
+    layout = schedule.layout
+    path = layout.path_of(rank, a.module)
     kind = "F" if a.op in (Op.SEND_F, Op.RECV_F) else "B"
+    boundary = layout.boundary(rank, a.module, towards_next=a.op in (Op.SEND_F, Op.RECV_B))
     if a.op in (Op.SEND_F, Op.SEND_B):
-        return (kind, path, a.chunk, rank, a.peer)
-    return (kind, path, a.chunk, a.peer, rank)
+        return MessageKey(kind, path, a.chunk, rank, a.peer, boundary)
+    return MessageKey(kind, path, a.chunk, a.peer, rank, boundary)
 
 
-def needed_receives(schedule: Schedule, rank: int, a: Action) -> list[tuple[str, int, int, int, int]]:
+def needed_receives(schedule: Schedule, rank: int, a: Action) -> list[MessageKey]:
     """Message keys a compute action consumes from other ranks (empty for local hand-overs)."""
     layout = schedule.layout
     keys = []
     if a.op in (Op.F, Op.FB):
         prev = layout.prev(rank, a.module)
         if prev is not None and prev[0] != rank:
-            keys.append(("F", layout.path_of(rank, a.module), a.chunk, prev[0], rank))
+            path, stage = layout.locate(rank, a.module)
+            keys.append(MessageKey("F", path, a.chunk, prev[0], rank, stage - 1))
     backward = (a.b_module, a.b_chunk) if a.op is Op.FB else (a.module, a.chunk)
     if a.op in (Op.B, Op.I, Op.FB):
         nxt = layout.next(rank, backward[0])
         if nxt is not None and nxt[0] != rank:
-            keys.append(("B", layout.path_of(rank, backward[0]), backward[1], nxt[0], rank))
+            path, stage = layout.locate(rank, backward[0])
+            keys.append(MessageKey("B", path, backward[1], nxt[0], rank, stage))
     return keys
 
 
@@ -144,7 +158,7 @@ def check_matching(schedule: Schedule) -> None:
 @dataclass(slots=True)
 class _Group:
     rank: int
-    keys: list[tuple[str, int, int, int, int]]
+    keys: list[MessageKey]
     done: bool = False
 
 
@@ -160,7 +174,7 @@ def simulate_progress(schedule: Schedule, model: str = "async") -> None:
     steps: list[list[tuple[_Group | None, Action]]] = []
     for rank, actions in enumerate(schedule.ranks):
         seq: list[tuple[_Group | None, Action]] = []
-        pending: list[tuple[str, int, int, int, int]] = []
+        pending: list[MessageKey] = []
         for a in actions:
             if a.op.is_comm:
                 pending.append(message_key(schedule, rank, a))
@@ -173,8 +187,8 @@ def simulate_progress(schedule: Schedule, model: str = "async") -> None:
 
     pos = [0] * n  # index of the next step per rank
     issued: list[list[_Group]] = [[] for _ in range(n)]  # groups issued, in order
-    group_of: dict[tuple[tuple[str, int, int, int, int], int], _Group] = {}
-    completed_keys: set[tuple[str, int, int, int, int]] = set()
+    group_of: dict[tuple[MessageKey, int], _Group] = {}
+    completed_keys: set[MessageKey] = set()
 
     def running(g: _Group) -> bool:
         # grouped: a group runs once every earlier group of its rank has finished

@@ -4,16 +4,18 @@
 can before the first message, builds (or fetches, cached) the schedule's action lists and walks this
 rank's list: communication actions post sends and receives, compute actions wait only for the receives
 they consume. :class:`DualPipe`, :class:`DualPipeV`, :class:`OneFOneB` and :class:`ZeroBubble1P` differ
-only in the schedule they name.
+only in the schedule they name; :data:`PIPELINES` has a class for every registered schedule
+(:data:`dualpipe.schedule.SCHEDULES`), and ``Pipeline(modules, schedule=name)`` runs any of them.
+Observers (:mod:`dualpipe.observer`) see every span of work the executor runs.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +24,9 @@ from torch import nn
 from dualpipe import comm
 from dualpipe.checks import check_schedule
 from dualpipe.hooks import has_overlap_hook
+from dualpipe.observer import PipelineObserver, SpanKind
 from dualpipe.p2p import P2P, Message, PendingRecv
-from dualpipe.schedule import SCHEDULES, Action, Layout, Op, Schedule, build_schedule
+from dualpipe.schedule import SCHEDULES, Action, Layout, Op, Schedule, ScheduleSpec, build_schedule, schedule_spec
 from dualpipe.utils import gather, run_backward, scatter
 from dualpipe.weight_grad import GradStore
 
@@ -72,9 +75,12 @@ class Pipeline(nn.Module):
         overlap: hand paired forward/backward chunks to the stage class's ``overlapped_forward_backward``.
             ``None`` (default) does whenever the hook exists, as the reference; ``False`` runs them one after
             the other (the baseline an overlap benchmark compares against).
+        schedule: the registered schedule to run (:data:`dualpipe.schedule.SCHEDULES`); the subclasses name
+            theirs. Schedules that let the caller choose the modules per rank (interleaved 1F1B) take
+            ``len(modules)``.
     """
 
-    schedule_name: ClassVar[str] = ""
+    schedule_name: str = ""
 
     def __init__(
         self,
@@ -86,10 +92,14 @@ class Pipeline(nn.Module):
         timeout: float | datetime.timedelta | None = None,
         early_receives: bool | None = None,
         overlap: bool | None = None,
+        schedule: str | None = None,
     ) -> None:
         super().__init__()
+        if schedule is not None:
+            self.schedule_name = schedule
         if not self.schedule_name:
-            raise TypeError("use DualPipe, DualPipeV, OneFOneB or ZeroBubble1P (or set schedule_name)")
+            raise TypeError(f"name a schedule (Pipeline(..., schedule=...)), one of {sorted(SCHEDULES)}")
+        self.spec: ScheduleSpec = schedule_spec(self.schedule_name)
         if isinstance(modules, nn.Module) and not isinstance(modules, (nn.ModuleList, nn.Sequential)):
             modules = [modules]
         modules = list(modules)
@@ -97,18 +107,15 @@ class Pipeline(nn.Module):
             raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group first")
         self.group = process_group or dist.group.WORLD
         self.num_ranks = dist.get_world_size(self.group)
-        self.layout: Layout = self._layout(self.num_ranks)
-        if len(modules) != self.layout.modules_per_rank:
-            raise ValueError(
-                f"{type(self).__name__} takes {self.layout.modules_per_rank} module(s) per rank, got {len(modules)}"
-            )
+        self.layout: Layout = self.spec.stage_layout(self.num_ranks, len(modules))
         self.module = nn.ModuleList(modules)
         self.device = _common_device(modules)
         self.batch_dim = batch_dim
         hook = len(modules) == 2 and has_overlap_hook(modules[0], modules[1])
         if overlap and not hook:
             raise ValueError("overlap=True needs both stage modules of one class defining overlapped_forward_backward")
-        self.overlapped_forward_backward = hook if overlap is None else overlap
+        self.overlap = hook if overlap is None else overlap
+        self._observers: list[PipelineObserver] = []
 
         if rank_mapping is None:
             rank_mapping = list(range(self.num_ranks))
@@ -124,15 +131,39 @@ class Pipeline(nn.Module):
             raise ValueError("an NCCL pipeline group needs the stage modules on a CUDA device")
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
-        self.p2p = P2P(self.group, to_group_rank, self.device, len(self.layout.paths), timeout)
+        self.p2p = P2P(self.group, to_group_rank, self.device, len(self.layout.paths), timeout, self.layout.num_stages)
         self.early_receives = self.p2p.use_tags if early_receives is None else early_receives
         self.comm_model = "async" if self.p2p.use_tags else "grouped"
         self.grad_store = GradStore()
         self._own_shapes: tuple[list[tuple[int, ...]] | None, list[torch.dtype] | None] | None = None
 
-    @classmethod
-    def _layout(cls, num_ranks: int) -> Layout:
-        return SCHEDULES[cls.schedule_name].layout(num_ranks)
+    @property
+    def first_modules(self) -> list[int]:
+        """Local modules of this rank that run a first stage (their inputs come from ``step``)."""
+        return self.layout.entries(self.rank)
+
+    @property
+    def last_modules(self) -> list[int]:
+        """Local modules of this rank that run a last stage (they compute the loss)."""
+        return self.layout.exits(self.rank)
+
+    def add_observer(self, observer: PipelineObserver) -> None:
+        """Report every span of the executor's work to ``observer`` (see :mod:`dualpipe.observer`)."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: PipelineObserver) -> None:
+        self._observers.remove(observer)
+
+    def _observed(self, kind: SpanKind, subject: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        if not self._observers:
+            return fn(*args)
+        for o in self._observers:
+            o.begin(kind, subject)
+        try:
+            return fn(*args)
+        finally:
+            for o in reversed(self._observers):
+                o.end(kind, subject)
 
     # -- configuration --------------------------------------------------------------------------------
     def set_p2p_tensor_shapes(self, shapes: Sequence[Sequence[int]] | None) -> None:
@@ -156,7 +187,9 @@ class Pipeline(nn.Module):
 
     def schedule(self, num_chunks: int) -> Schedule:
         """The action lists this pipeline runs for ``num_chunks`` micro-batches (validated, cached)."""
-        schedule = build_schedule(self.schedule_name, self.num_ranks, num_chunks, self.early_receives)
+        schedule = build_schedule(
+            self.schedule_name, self.num_ranks, num_chunks, self.early_receives, self.layout.modules_per_rank
+        )
         _check_once(schedule, self.comm_model)
         return schedule
 
@@ -189,8 +222,7 @@ class Pipeline(nn.Module):
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
         schedule = self.schedule(num_chunks)
-        first = [m for m in range(len(self.module)) if self.layout.is_first(self.rank, m)]
-        last = [m for m in range(len(self.module)) if self.layout.is_last(self.rank, m)]
+        first, last = self.first_modules, self.last_modules
         if last and criterion is None and not forward_only:
             raise ValueError(f"pipeline rank {self.rank} computes the loss (it runs a last stage): pass criterion=...")
         if first and not inputs:
@@ -217,14 +249,27 @@ class Pipeline(nn.Module):
             self.grad_store.clear()
         return self._results(st, last, per_path)
 
+    def split_batch(
+        self, inputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] = ()
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """``(inputs, labels)`` this rank passes to :meth:`step`, cut from the whole batch every rank holds.
+
+        The batch is split into equal parts along ``batch_dim``, one per path of the layout, in path order:
+        DualPipe feeds the first half at rank 0 (labelled at rank N-1) and the second half at rank N-1
+        (labelled at rank 0); one-path schedules feed everything at their first stage. Ranks that run no
+        first (last) stage get no inputs (labels).
+        """
+        num_paths = len(self.layout.paths)
+
+        def part(tensors: Sequence[torch.Tensor], modules: list[int]) -> tuple[torch.Tensor, ...]:
+            if not modules:
+                return ()
+            path = self.layout.path_of(self.rank, modules[0])
+            return tuple(t.tensor_split(num_paths, dim=self.batch_dim)[path] for t in tensors)
+
+        return part(inputs, self.first_modules), part(labels, self.last_modules)
+
     def _run(self, actions: Sequence[Action], st: _StepState) -> None:
-        handlers = {
-            Op.F: self._forward,
-            Op.B: self._backward,
-            Op.I: self._backward,
-            Op.W: self._weight,
-            Op.FB: self._forward_backward,
-        }
         batch: list[Action] = []
         for a in actions:
             if a.op.is_comm:
@@ -232,10 +277,10 @@ class Pipeline(nn.Module):
                 continue
             self._post(batch, st)
             batch = []
-            handlers[a.op](a, st)
-            self._reap_sends(st, block=False)
+            self._compute(a, st)
+            self._observed("reap", None, self._reap_sends, st, False)
         self._post(batch, st)
-        self._reap_sends(st, block=True)
+        self._observed("drain", None, self._reap_sends, st, True)
         # Everything a step holds per micro-batch must have been consumed: anything left is a leak (and a
         # sign that the schedule and the executor disagree).
         leftover = {
@@ -248,6 +293,16 @@ class Pipeline(nn.Module):
         leftover = {k: v for k, v in leftover.items() if v}
         if leftover:
             raise RuntimeError(f"pipeline rank {self.rank}: step finished with unconsumed state {leftover}")
+
+    def _compute(self, a: Action, st: _StepState) -> None:
+        handler = {
+            Op.F: self._forward,
+            Op.B: self._backward,
+            Op.I: self._backward,
+            Op.W: self._weight,
+            Op.FB: self._forward_backward,
+        }[a.op]
+        self._observed("action", a, handler, a, st)
 
     def _results(self, st: _StepState, last: list[int], per_path: int):
         loss = outputs = None
@@ -263,9 +318,15 @@ class Pipeline(nn.Module):
 
     # -- communication --------------------------------------------------------------------------------
     def _message(self, a: Action, is_grad: bool) -> Message:
-        return Message(self.layout.path_of(self.rank, a.module), a.chunk, is_grad)
+        towards_next = a.op in (Op.SEND_F, Op.RECV_B)
+        boundary = self.layout.boundary(self.rank, a.module, towards_next)
+        return Message(self.layout.path_of(self.rank, a.module), a.chunk, is_grad, boundary)
 
     def _post(self, batch: list[Action], st: _StepState) -> None:
+        if batch:
+            self._observed("post", tuple(batch), self._post_batch, batch, st)
+
+    def _post_batch(self, batch: list[Action], st: _StepState) -> None:
         ops: list[dist.P2POp] = []
         recvs: list[tuple[PendingRecv, slice]] = []
         send_slots: list[int] = []
@@ -306,7 +367,7 @@ class Pipeline(nn.Module):
 
     def _take(self, st: _StepState, kind: str, key: Key) -> list[torch.Tensor | None]:
         pending = st.inbox.pop((kind, key))
-        tensors = self.p2p.complete(pending)
+        tensors = self._observed("recv", (kind, *key), self.p2p.complete, pending)
         if kind == "F" and not st.forward_only:
             for t in tensors:
                 if t is not None and t.is_floating_point():
@@ -404,9 +465,9 @@ class Pipeline(nn.Module):
             st.input_grads[key] = grads
 
     def _forward_backward(self, a: Action, st: _StepState) -> None:
-        if st.forward_only or not self.overlapped_forward_backward:
-            self._forward(Action(Op.F, a.module, a.chunk), st)
-            self._backward(Action(Op.B, a.b_module, a.b_chunk), st)
+        if st.forward_only or not self.overlap:
+            self._compute(Action(Op.F, a.module, a.chunk), st)
+            self._compute(Action(Op.B, a.b_module, a.b_chunk), st)
             return
         fkey, bkey = (a.module, a.chunk), (a.b_module, a.b_chunk)
         inputs0 = self._stage_inputs(st, fkey)
@@ -481,5 +542,25 @@ class ZeroBubble1P(Pipeline):
     schedule_name = "zb1p"
 
 
-# The pipeline class of every schedule name of dualpipe.schedule.SCHEDULES.
-PIPELINES: dict[str, type[Pipeline]] = {cls.schedule_name: cls for cls in (DualPipe, DualPipeV, OneFOneB, ZeroBubble1P)}
+class _Pipelines(Mapping[str, type[Pipeline]]):
+    """The pipeline class of every registered schedule: the named classes above, and for any other
+    schedule a subclass named after its spec (``spec.class_name``), made on first use."""
+
+    def __init__(self, named: Sequence[type[Pipeline]]) -> None:
+        self._classes = {cls.schedule_name: cls for cls in named}
+
+    def __getitem__(self, name: str) -> type[Pipeline]:
+        spec = SCHEDULES[name]  # KeyError for an unknown name, as a dict
+        if name not in self._classes:
+            self._classes[name] = type(spec.class_name, (Pipeline,), {"schedule_name": name, "__doc__": spec.summary})
+        return self._classes[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(SCHEDULES)
+
+    def __len__(self) -> int:
+        return len(SCHEDULES)
+
+
+PIPELINES: Mapping[str, type[Pipeline]] = _Pipelines((DualPipe, DualPipeV, OneFOneB, ZeroBubble1P))
+"""Schedule name -> :class:`Pipeline` subclass, for every schedule of :data:`dualpipe.schedule.SCHEDULES`."""

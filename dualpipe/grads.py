@@ -11,25 +11,27 @@ __all__ = ["sum_mirrored_grads"]
 
 
 def sum_mirrored_grads(pipe: Pipeline) -> None:
-    """DualPipe holds stage s on rank s (module 0) and on rank N-1-s (module 1): add the two copies'
-    gradients so both ranks see the full gradient of each stage, as one model would.
+    """Add the gradients of every stage held twice (DualPipe: stage s on rank s as module 0 and on rank N-1-s
+    as module 1), so both ranks see the full gradient of each stage, as one model would.
 
     Call after ``step`` (and before the optimizer). Both ranks compute ``a + b`` with the same operands, so
     the copies stay bitwise identical. A no-op for layouts without mirrored stages.
     """
-    if pipe.schedule_name != "dualpipe":
+    layout = pipe.layout
+    if not layout.mirrored:
         return
-    peer = pipe.num_ranks - 1 - pipe.rank
-    mine = [_flat_grads(pipe.module[0]), _flat_grads(pipe.module[1])]
-    theirs = [torch.empty_like(mine[1]), torch.empty_like(mine[0])]
+    mirrors = [layout.mirror(pipe.rank, m) for m in range(len(pipe.module))]
+    (peer,) = {rank for rank, _ in mirrors}  # one mirror rank holds all of this rank's stages
+    mine = [_flat_grads(pipe.module[m]) for m in range(len(pipe.module))]
+    theirs = [torch.empty_like(t) for t in mine]  # the peer's copy of the same stage
     group_peer = pipe.p2p.to_group_rank[peer]
-    # My module 0 is the peer's module 1 (the same stage), and vice versa.
-    ops = [
-        dist.P2POp(dist.isend, mine[0], group=pipe.group, group_peer=group_peer, tag=1),
-        dist.P2POp(dist.isend, mine[1], group=pipe.group, group_peer=group_peer, tag=2),
-        dist.P2POp(dist.irecv, theirs[0], group=pipe.group, group_peer=group_peer, tag=2),
-        dist.P2POp(dist.irecv, theirs[1], group=pipe.group, group_peer=group_peer, tag=1),
-    ]
+    # Both ranks hold the same stages: exchanging them in stage order matches on NCCL (issue order) and on
+    # gloo (the tag names the stage).
+    ops = []
+    for m in sorted(range(len(pipe.module)), key=lambda m: layout.stage_of(pipe.rank, m)):
+        tag = 1 + layout.stage_of(pipe.rank, m)
+        ops.append(dist.P2POp(dist.isend, mine[m], group=pipe.group, group_peer=group_peer, tag=tag))
+        ops.append(dist.P2POp(dist.irecv, theirs[m], group=pipe.group, group_peer=group_peer, tag=tag))
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     for m, (own, other) in enumerate(zip(mine, theirs)):

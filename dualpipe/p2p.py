@@ -57,17 +57,22 @@ class PipelineCommError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """Identity of one transfer: activation (``is_grad=False``) or gradient of ``chunk`` on ``path``."""
+    """Identity of one transfer: activation (``is_grad=False``) or gradient of ``chunk`` on ``path``, across
+    the boundary after stage ``boundary`` of that path (interleaved layouts send several stages' messages
+    between the same two ranks)."""
 
     path: int
     chunk: int
     is_grad: bool
+    boundary: int = 0
 
-    def tag(self, num_paths: int, slot: int) -> int:
-        return ((self.chunk * num_paths + self.path) * 2 + int(self.is_grad)) * _SLOTS + slot
+    def tag(self, num_paths: int, num_stages: int, slot: int) -> int:
+        link = self.path * num_stages + self.boundary
+        return ((self.chunk * num_paths * num_stages + link) * 2 + int(self.is_grad)) * _SLOTS + slot
 
     def describe(self) -> str:
-        return f"{'gradient' if self.is_grad else 'activation'} of micro-batch {self.chunk} on path {self.path}"
+        kind = "gradient" if self.is_grad else "activation"
+        return f"{kind} of micro-batch {self.chunk} on path {self.path} (after stage {self.boundary})"
 
 
 def encode_header(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -133,11 +138,13 @@ class P2P:
         device: torch.device,
         num_paths: int,
         timeout: datetime.timedelta | None = None,
+        num_stages: int = 1,
     ) -> None:
         self.group = group
         self.to_group_rank = list(to_group_rank)
         self.device = device
         self.num_paths = num_paths
+        self.num_stages = num_stages
         self.timeout = timeout
         self.use_tags = dist.get_backend(group) == dist.Backend.GLOO
         self.declared: _Declared | None = None
@@ -160,7 +167,7 @@ class P2P:
 
     # -- op construction -----------------------------------------------------------------------------
     def _op(self, fn, tensor: torch.Tensor, peer: int, message: Message, slot: int) -> dist.P2POp:
-        tag = message.tag(self.num_paths, slot) if self.use_tags else 0
+        tag = message.tag(self.num_paths, self.num_stages, slot) if self.use_tags else 0
         return dist.P2POp(fn, tensor, group=self.group, group_peer=self.to_group_rank[peer], tag=tag)
 
     def _grad_slots(self) -> list[bool]:

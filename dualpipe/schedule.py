@@ -34,9 +34,13 @@ __all__ = [
     "Layout",
     "Op",
     "Schedule",
+    "ScheduleSpec",
     "build_schedule",
     "compute_order",
     "post_receives_early",
+    "register_schedule",
+    "schedule_spec",
+    "unregister_schedule",
 ]
 
 
@@ -162,6 +166,40 @@ class Layout:
     def path_of(self, rank: int, module: int) -> int:
         return self.locate(rank, module)[0]
 
+    def stage_of(self, rank: int, module: int) -> int:
+        """The model stage local module ``module`` of ``rank`` runs: its position along its path."""
+        return self.locate(rank, module)[1]
+
+    @property
+    def num_stages(self) -> int:
+        """Distinct model stages (every path runs all of them, in order)."""
+        return len(self.paths[0])
+
+    @property
+    def mirrored(self) -> bool:
+        """Every stage is held once per path: with two paths (DualPipe) each stage's weights live twice."""
+        return len(self.paths) > 1
+
+    def mirror(self, rank: int, module: int) -> tuple[int, int] | None:
+        """The other (rank, module) holding the same stage as ``(rank, module)``, or None if it is held once."""
+        path, stage = self.locate(rank, module)
+        others = [p[stage] for q, p in enumerate(self.paths) if q != path]
+        return others[0] if others else None
+
+    def boundary(self, rank: int, module: int, towards_next: bool) -> int:
+        """The stage boundary a message of ``(rank, module)`` crosses, named by the stage before it: to or from
+        the next stage (activations out, gradients in) or the previous one. Both ends compute the same."""
+        stage = self.stage_of(rank, module)
+        return stage if towards_next else stage - 1
+
+    def entries(self, rank: int) -> list[int]:
+        """Local modules of ``rank`` that run a first stage: where micro-batch inputs enter."""
+        return [m for m in range(self.modules_per_rank) if self.is_first(rank, m)]
+
+    def exits(self, rank: int) -> list[int]:
+        """Local modules of ``rank`` that run a last stage: where the loss comes out."""
+        return [m for m in range(self.modules_per_rank) if self.is_last(rank, m)]
+
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
@@ -263,208 +301,155 @@ class _Emitter:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Generators. Each returns one rank's action list; ``build_schedule`` validates input and assembles.
+# The registry: one spec per schedule carries everything the rest of the code asks about it.
 # ---------------------------------------------------------------------------------------------------
 
+Generator = Callable[[Layout, int, int], list[Action]]
+"""``generate(layout, rank, num_chunks) -> actions``: one rank's action list."""
 
-def _dual_phases(e: _Emitter, n: int, r: int, c: int, turning: bool, module: Callable[[int], int]) -> None:
-    """The eight phases shared by DualPipe and DualPipeV.
 
-    ``n`` ranks per half (DualPipe: N/2; DualPipeV: N), ``r`` this rank's index within its half, ``c``
-    chunks per direction (DualPipe: chunks/2; DualPipeV: chunks), ``turning``: this rank is where the two
-    directions meet (DualPipe's middle ranks, DualPipeV's last rank). ``module(phase)`` maps the schedule's
-    phase (0 = the direction this half sees first) to the local module index.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleSpec:
+    """One schedule: how to generate it and every rule and fact about it the rest of the code needs.
+
+    Derived elsewhere from this alone: the pipeline class (:data:`dualpipe.PIPELINES`), training's
+    ``--schedule`` choices and checks, stage placement (:attr:`Layout.paths`), mirrored-gradient summing
+    (:meth:`Layout.mirror`), the benchmarks' mode lists and the tests' parameter lists.
     """
-    m0, m1 = module(0), module(1)
 
-    # step 1: nF0
-    for _ in range((n - r - 1) * 2):
-        e.forward_chunk(m0)
+    name: str
+    """Registry key, the ``--schedule`` value (``"dualpipev"``)."""
+    title: str
+    """The name in messages (``"DualPipeV"``)."""
+    class_name: str
+    """Name of the :class:`dualpipe.Pipeline` subclass that runs it (``"DualPipeV"``)."""
+    summary: str
+    """One line for ``--help`` and docs."""
+    generate: Generator
+    layout: Callable[[int, int], Layout]
+    """``layout(num_ranks, modules_per_rank) -> Layout``: where every stage lives."""
+    modules_per_rank: int = 1
+    """Local modules (model chunks) per rank; for ``flexible_modules`` the default."""
+    flexible_modules: bool = False
+    """The caller picks ``modules_per_rank >= 2`` (interleaved schedules' virtual stages)."""
+    even_ranks: bool = False
+    rank_hint: str = ""
+    """What to do instead when ``even_ranks`` is not met."""
+    chunks_per_rank: int = 0
+    """``num_chunks >= chunks_per_rank * ranks`` (0: at least one micro-batch)."""
+    even_chunks: bool = False
+    """``num_chunks`` must be even (DualPipe feeds half of them at each end)."""
+    chunks_multiple_of_ranks: bool = False
+    """``num_chunks`` must be a multiple of the rank count (micro-batches in groups of pp)."""
+    chunk_hint: str = ""
+    overlaps: bool = False
+    """The schedule emits overlapped forward/backward pairs (``FB``) for ``overlapped_forward_backward``."""
 
-    # step 2: nF0F1
-    step_2 = r + 1
-    e.recv_forward(m0)
-    for i in range(step_2):
-        e.forward_chunk(m0, recv=False, send=turning)
-        e.recv_forward(m0)
-        e.forward_chunk(m1, send=(not turning) or (i < step_2 - 1))
-        if not turning:
-            e.send_forward(m0)
+    def resolve_modules(self, modules_per_rank: int | None = None) -> int:
+        """Local modules per rank: ``modules_per_rank`` if this schedule lets the caller choose, else its own."""
+        if modules_per_rank is None or modules_per_rank == self.modules_per_rank:
+            return self.modules_per_rank
+        if not self.flexible_modules:
+            raise ValueError(f"{self.title} takes {self.modules_per_rank} module(s) per rank, got {modules_per_rank}")
+        if modules_per_rank < 2:
+            raise ValueError(f"{self.title} takes at least 2 modules per rank, got {modules_per_rank}")
+        return modules_per_rank
 
-    # step 3: nB1W1F1 (zero bubble: weight gradients deferred, run one W per B)
-    for _ in range(n - r - 1):
-        e.backward_chunk(m1, defer_weights=True)
-        e.recv_forward(m1)
-        e.weight()
-        e.forward_chunk(m1, recv=False)
+    def check_ranks(self, num_ranks: int) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"need at least one pipeline rank (got {num_ranks})")
+        if self.even_ranks and num_ranks % 2 != 0:
+            hint = f"; {self.rank_hint}" if self.rank_hint else ""
+            raise ValueError(f"{self.title} needs an even number of pipeline ranks (got {num_ranks}){hint}")
 
-    # step 4 (main): nF0B1F1B0
-    for i in range(c - 2 * n + r + 1):
-        if i == 0 and turning:
-            # Not overlapped: running this forward alone lets its output leave one chunk earlier.
-            e.forward_chunk(m0, recv=False, send=False)
-            e.send_forward(m1)
-            e.backward_chunk(m1, send=False)
-            e.send_forward(m0)
-            e.send_backward(m1)
-        else:
-            e.forward_backward_chunk(m0, m1, recv_f=i != 0)
-        e.forward_backward_chunk(m1, m0)
+    def min_chunks(self, num_ranks: int) -> int:
+        lowest = max(1, self.chunks_per_rank * num_ranks)
+        if self.chunks_multiple_of_ranks:
+            lowest = -(-lowest // num_ranks) * num_ranks
+        return lowest + (lowest % 2 if self.even_chunks else 0)
 
-    # step 5: nB1F1B0
-    for _ in range(n - r - 1):
-        e.backward_chunk(m1)
-        e.forward_backward_chunk(m1, m0)
+    def default_chunks(self, num_ranks: int) -> int:
+        """The fewest micro-batches this schedule accepts that also fill a DualPipe(V) (``2 x ranks``)."""
+        n = max(2 * num_ranks, 2, self.min_chunks(num_ranks))
+        while not self._chunks_ok(num_ranks, n):
+            n += 1
+        return n
 
-    # step 6: nB1B0 (the second half of these backwards defer their weight gradients)
-    step_6 = r + 1
-    defer = False
-    for i in range(step_6):
-        if i == step_6 // 2 and r % 2 == 1:
-            defer = True
-        e.backward_chunk(m1, defer_weights=defer)
-        if i == step_6 // 2 and r % 2 == 0:
-            defer = True
-        e.backward_chunk(m0, defer_weights=defer)
-
-    # step 7: nWB0 (zero bubble)
-    for _ in range(n - r - 1):
-        e.weight()
-        e.backward_chunk(m0, defer_weights=True)
-
-    # step 8: nW
-    for _ in range(r + 1):
-        e.weight()
-
-
-def _dualpipe(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
-    n = layout.num_ranks
-    second_half = rank >= n // 2
-    e = _Emitter(layout, rank)
-    turning = rank in (n // 2 - 1, n // 2)
-    # For the second half the direction seen first is path 1 (module 1): phase ^ second_half.
-    _dual_phases(e, n // 2, min(rank, n - 1 - rank), num_chunks // 2, turning, lambda ph: ph ^ second_half)
-    return e.actions
-
-
-def _dualpipev(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
-    n = layout.num_ranks
-    e = _Emitter(layout, rank)
-    _dual_phases(e, n, rank, num_chunks, rank == n - 1, lambda ph: ph)
-    return e.actions
-
-
-def _one_f_one_b(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
-    """Classic 1F1B: N-1-r warm-up forwards, steady forward/backward pairs, cool-down backwards."""
-    n = layout.num_ranks
-    e = _Emitter(layout, rank)
-    warmup = min(n - 1 - rank, num_chunks)
-    for _ in range(warmup):
-        e.forward_chunk(0)
-    for _ in range(num_chunks - warmup):
-        e.forward_chunk(0)
-        e.backward_chunk(0)
-    for _ in range(warmup):
-        e.backward_chunk(0)
-    return e.actions
-
-
-def _zb1p(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
-    """ZB-H1 (zero bubble, 1F1B memory): backward split into I (input grad) and W (weight grad).
-
-    Same F/I order as 1F1B, so the same activation memory. Rank r keeps r weight-gradient batches pending
-    and runs one W after each further I; the last r+1 W run at the end. The chain of input gradients down
-    the pipeline (I only, no W) then reaches rank 0 sooner, and each rank's cool-down wait is filled by
-    the W it deferred: bubble (N-1)(F+B-2W) instead of 1F1B's (N-1)(F+B) when F = I = W (the
-    zero-bubble paper's ZB-H1 costs; see dualpipe.simulate). Deferring on the *later* ranks is what
-    works: rank 0 finishes its last I last, so it must not be left with more than one W after it.
-    """
-    n = layout.num_ranks
-    e = _Emitter(layout, rank)
-    warmup = min(n - 1 - rank, num_chunks)
-    lag = rank
-    pending = 0
-    for _ in range(warmup):
-        e.forward_chunk(0)
-    for _ in range(num_chunks - warmup):
-        e.forward_chunk(0)
-        e.backward_chunk(0, defer_weights=True)
-        pending += 1
-        if pending > lag:
-            e.weight()
-            pending -= 1
-    for _ in range(warmup):
-        e.backward_chunk(0, defer_weights=True)
-        pending += 1
-        if pending > lag:
-            e.weight()
-            pending -= 1
-    for _ in range(pending):
-        e.weight()
-    return e.actions
-
-
-@dataclass(frozen=True, slots=True)
-class _Spec:
-    layout: Callable[[int], Layout]
-    generate: Callable[[Layout, int, int], list[Action]]
-    validate: Callable[[int, int], None]
-    chunks_per_path: Callable[[int], int]
-
-
-def _check_dualpipe(num_ranks: int, num_chunks: int) -> None:
-    if num_ranks % 2 != 0:
-        raise ValueError(
-            f"DualPipe needs an even number of pipeline ranks (got {num_ranks}); "
-            "use DualPipeV for an odd number of ranks"
-        )
-    if num_chunks % 2 != 0 or num_chunks < 2 * num_ranks:
-        raise ValueError(
-            f"DualPipe needs an even num_chunks >= 2 * ranks = {2 * num_ranks} (got {num_chunks}); "
-            f"half of the micro-batches enter at each end"
+    def _chunks_ok(self, num_ranks: int, num_chunks: int) -> bool:
+        return (
+            num_chunks >= self.min_chunks(num_ranks)
+            and not (self.even_chunks and num_chunks % 2)
+            and not (self.chunks_multiple_of_ranks and num_chunks % num_ranks)
         )
 
+    def validate(self, num_ranks: int, num_chunks: int, modules_per_rank: int | None = None) -> None:
+        """Raise ``ValueError`` (saying what to change) unless this schedule runs on these numbers."""
+        self.check_ranks(num_ranks)
+        self.resolve_modules(modules_per_rank)
+        if self._chunks_ok(num_ranks, num_chunks):
+            return
+        if not self.chunks_per_rank and not self.even_chunks and not self.chunks_multiple_of_ranks:
+            raise ValueError(f"num_chunks must be >= 1 (got {num_chunks})")
+        rule = "an even num_chunks" if self.even_chunks else "num_chunks"
+        bounds = []
+        if self.chunks_per_rank:
+            bounds.append(f">= {self.chunks_per_rank} * ranks = {self.chunks_per_rank * num_ranks}")
+        if self.chunks_multiple_of_ranks:
+            bounds.append(f"a multiple of ranks = {num_ranks}")
+        hint = f"; {self.chunk_hint}" if self.chunk_hint else ""
+        raise ValueError(f"{self.title} needs {rule} {' and '.join(bounds)} (got {num_chunks}){hint}")
 
-def _check_dualpipev(num_ranks: int, num_chunks: int) -> None:
-    if num_chunks < 2 * num_ranks:
-        raise ValueError(f"DualPipeV needs num_chunks >= 2 * ranks = {2 * num_ranks} (got {num_chunks})")
+    def stage_layout(self, num_ranks: int, modules_per_rank: int | None = None) -> Layout:
+        """Where the stages live at ``num_ranks`` pipeline ranks (validated)."""
+        self.check_ranks(num_ranks)
+        return self.layout(num_ranks, self.resolve_modules(modules_per_rank))
 
 
-def _check_linear(num_ranks: int, num_chunks: int) -> None:
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks must be >= 1 (got {num_chunks})")
+SCHEDULES: dict[str, ScheduleSpec] = {}
+"""Every schedule by name. Built-in ones register in :mod:`dualpipe.generators`."""
 
 
-SCHEDULES: dict[str, _Spec] = {
-    "dualpipe": _Spec(Layout.bidirectional, _dualpipe, _check_dualpipe, lambda c: c // 2),
-    "dualpipev": _Spec(Layout.v_shape, _dualpipev, _check_dualpipev, lambda c: c),
-    "1f1b": _Spec(Layout.linear, _one_f_one_b, _check_linear, lambda c: c),
-    "zb1p": _Spec(Layout.linear, _zb1p, _check_linear, lambda c: c),
-}
+def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
+    """Add ``spec`` to :data:`SCHEDULES`; the executor, trainer, benchmarks and tests pick it up from there."""
+    if spec.name in SCHEDULES:
+        raise ValueError(f"schedule {spec.name!r} is already registered")
+    SCHEDULES[spec.name] = spec
+    return spec
+
+
+def unregister_schedule(name: str) -> None:
+    """Remove a schedule (tests that register their own)."""
+    SCHEDULES.pop(name, None)
+    build_schedule.cache_clear()
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The spec of ``name``; an unknown name is a ``ValueError`` listing the registered ones."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name]
 
 
 @functools.lru_cache(maxsize=256)
-def build_schedule(name: str, num_ranks: int, num_chunks: int, early_receives: bool = False) -> Schedule:
+def build_schedule(
+    name: str, num_ranks: int, num_chunks: int, early_receives: bool = False, modules_per_rank: int | None = None
+) -> Schedule:
     """Per-rank action lists of schedule ``name`` for ``num_ranks`` pipeline ranks and ``num_chunks``
-    micro-batches in total.
+    micro-batches in total (``modules_per_rank`` only for schedules that let the caller choose it).
 
     With ``early_receives`` every receive is moved in front of the compute action that precedes its
     consumer (see :func:`post_receives_early`), so the transfer overlaps that compute.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    if num_ranks < 1:
-        raise ValueError(f"need at least one pipeline rank (got {num_ranks})")
-    spec = SCHEDULES[name]
-    spec.validate(num_ranks, num_chunks)
-    layout = spec.layout(num_ranks)
+    spec = schedule_spec(name)
+    spec.validate(num_ranks, num_chunks, modules_per_rank)
+    layout = spec.stage_layout(num_ranks, modules_per_rank)
     ranks = []
     for rank in range(num_ranks):
         actions = spec.generate(layout, rank, num_chunks)
         if early_receives:
             actions = post_receives_early(actions)
         ranks.append(tuple(actions))
-    return Schedule(name, layout, num_chunks, spec.chunks_per_path(num_chunks), tuple(ranks))
+    return Schedule(name, layout, num_chunks, num_chunks // len(layout.paths), tuple(ranks))
 
 
 def post_receives_early(actions: Sequence[Action]) -> list[Action]:
@@ -497,3 +482,7 @@ def post_receives_early(actions: Sequence[Action]) -> list[Action]:
 def compute_order(actions: Iterable[Action]) -> list[str]:
     """The compute actions of one rank in the reference fixtures' notation (communication dropped)."""
     return [str(a) for a in actions if a.op.is_compute]
+
+
+# The built-in schedules register themselves; imported last, once every name above exists.
+from dualpipe import generators as _generators  # noqa: E402, F401

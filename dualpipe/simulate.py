@@ -13,7 +13,7 @@ Units
 Costs are per action, in the paper's notation: ``F`` a forward chunk, ``B`` a *full* backward chunk (input
 and weight gradients), ``W`` its weight-gradient part, ``FB`` an overlapped forward/backward pair. So an ``I``
 action costs ``B - W``. A "chunk" is one local module for one micro-batch: a full stage for 1F1B, ZB1P and
-DualPipe, half a stage for DualPipeV (2N stages on N ranks).
+DualPipe, half a stage for DualPipeV (2N stages on N ranks), ``1/v`` of one for interleaved 1F1B.
 
 Activations are counted in *modules*: one module's stored activation for one micro-batch, measured after
 each compute action (``F`` adds one, ``B``/``I`` free one, ``FB`` adds one and frees one; what a pending
@@ -32,11 +32,16 @@ reproduces each one (``latency = 0``; "bubble" is a rank's idle time within one 
   and at most both), any chunk count the schedule accepts. The formula is then the largest idle time of any
   rank, reached on the ranks where the two directions meet (DualPipe's middle ranks, DualPipeV's last
   rank); with ``F&B = F+B`` every rank idles exactly that. Outside this regime it is only an estimate.
+- Interleaved 1F1B with ``v`` modules per rank (Megatron-LM's virtual stages), ``(PP-1)(F+B)/v`` on every
+  rank, ``F`` and ``B`` the costs of a full stage (a module costs ``F/v`` and ``B/v``): any costs (its
+  backwards are full, so ``W`` plays no part), chunks a multiple of PP.
+
 
 Activations (chunks >= PP): 1F1B and ZB1P peak at ``PP`` on rank 0 (``PP-r`` on rank r); DualPipe at
 ``PP+1`` on its middle ranks and ``PP`` elsewhere; DualPipeV at ``2 x ranks + 1`` modules on its last rank
-(``PP+1`` with PP its stage count, ``ranks + 1/2`` in stages) and ``2 x ranks`` elsewhere. Parameter copies:
-2 for DualPipe (every stage held twice), 1 otherwise.
+(``PP+1`` with PP its stage count, ``ranks + 1/2`` in stages) and ``2 x ranks`` elsewhere; interleaved 1F1B
+at ``PP + (PP-1)/v`` stages on rank 0 (chunks >= 2 PP). Parameter copies: 2 for DualPipe (every stage held
+twice), 1 otherwise.
 
 Sends are timed where the schedule issues them, right after the compute before them. That is the producing
 compute everywhere except at the turn (DualPipe's middle ranks, DualPipeV's last rank), where the reference
@@ -283,6 +288,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="dualpipev")
     p.add_argument("--ranks", type=int, default=4, help="pipeline ranks")
     p.add_argument("--chunks", type=int, default=10, help="micro-batches in total")
+    p.add_argument(
+        "--modules-per-rank",
+        type=int,
+        default=None,
+        help="model chunks per rank, for schedules that take any number (interleaved-1f1b's v; default 2)",
+    )
     p.add_argument("--F", type=float, default=1.0, help="forward of one chunk")
     p.add_argument("--B", type=float, default=2.0, help="full backward of one chunk (input + weight grad)")
     p.add_argument("--W", type=float, default=1.0, help="weight-grad part of B")
@@ -297,7 +308,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        schedule = build_schedule(args.schedule, args.ranks, args.chunks, args.early_receives)
+        schedule = build_schedule(args.schedule, args.ranks, args.chunks, args.early_receives, args.modules_per_rank)
         costs = Costs(F=args.F, B=args.B, W=args.W, FB=args.FB, latency=args.latency)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc

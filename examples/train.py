@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from dualpipe import PIPELINES, Pipeline
-from dualpipe.schedule import SCHEDULES
+from dualpipe.observer import ProfilerObserver
+from dualpipe.schedule import SCHEDULES, schedule_spec
 from moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moe.config import PRESETS, preset
 from moe.data import ByteCorpus
@@ -39,8 +40,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel (= data-parallel) ranks")
-    p.add_argument("--schedule", default="dualpipev", choices=sorted(PIPELINES))
-    p.add_argument("--num-chunks", type=int, default=0, help="micro-batches per step (default: 2*pp, min 2)")
+    p.add_argument(
+        "--schedule",
+        default="dualpipev",
+        choices=sorted(SCHEDULES),
+        help="; ".join(f"{name}: {spec.summary}" for name, spec in sorted(SCHEDULES.items())),
+    )
+    p.add_argument(
+        "--stages-per-rank",
+        type=int,
+        default=None,
+        metavar="V",
+        help="model chunks per pipeline rank, for schedules that take any number (interleaved-1f1b; default 2)",
+    )
+    p.add_argument(
+        "--num-chunks",
+        type=int,
+        default=0,
+        help="micro-batches per step (default: the fewest the schedule takes that is at least 2*pp)",
+    )
     p.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
@@ -85,8 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def num_chunks(args: argparse.Namespace) -> int:
-    """Micro-batches per step: ``--num-chunks``, or by default the fewest DualPipe(V) accepts."""
-    return args.num_chunks or max(2 * args.pp, 2)
+    """Micro-batches per step: ``--num-chunks``, or the schedule's default (at least ``2 x pp``)."""
+    return args.num_chunks or schedule_spec(args.schedule).default_chunks(args.pp)
 
 
 def check_args(args: argparse.Namespace, world: int) -> None:
@@ -96,11 +114,13 @@ def check_args(args: argparse.Namespace, world: int) -> None:
             f"error: --pp {args.pp} x --ep {args.ep} = {args.pp * args.ep}, but the world size is "
             f"{world}; launch pp x ep processes (torchrun --nproc-per-node ...)"
         )
+    spec = schedule_spec(args.schedule)
     try:  # the schedule's own rules (pipeline ranks = --pp, micro-batches = --num-chunks)
-        SCHEDULES[args.schedule].validate(args.pp, num_chunks(args))
+        spec.validate(args.pp, num_chunks(args), args.stages_per_rank)
     except ValueError as exc:
+        stages = f" --stages-per-rank {args.stages_per_rank}" if args.stages_per_rank else ""
         raise SystemExit(
-            f"error: --schedule {args.schedule} --pp {args.pp} --num-chunks {num_chunks(args)}: {exc}"
+            f"error: --schedule {args.schedule} --pp {args.pp}{stages} --num-chunks {num_chunks(args)}: {exc}"
         ) from None
     if args.ckpt_every and not args.ckpt_dir:
         raise SystemExit("error: --ckpt-every needs --ckpt-dir")
@@ -109,8 +129,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     for name in ("steps", "seq_len", "micro_batch_size"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be positive")
-    if args.overlap and args.schedule in ("1f1b", "zb1p"):
-        args.overlap = False  # nothing is paired in these schedules
+    if args.overlap and not spec.overlaps:
+        args.overlap = False  # nothing is paired in this schedule
 
 
 @dataclass(slots=True)
@@ -124,8 +144,6 @@ class Run:
     corpus: ByteCorpus
     device: torch.device
     num_chunks: int
-    first_modules: list[int]
-    last_modules: list[int]
     owns_process_group: bool
 
     @property
@@ -152,30 +170,27 @@ def setup(args: argparse.Namespace) -> Run:
     if args.bias_update_rate is not None:
         overrides["bias_update_rate"] = args.bias_update_rate
     cfg = preset(args.preset, **overrides)
-    stages_needed = 2 * args.pp if args.schedule == "dualpipev" else args.pp
-    if cfg.num_layers < stages_needed:
-        raise SystemExit(
-            f"error: {args.schedule} at pp={args.pp} has {stages_needed} stages but the model has "
-            f"{cfg.num_layers} layers; pass --layers {stages_needed} or more"
-        )
-    if cfg.num_experts % args.ep:
-        raise SystemExit(f"error: {cfg.num_experts} experts do not divide over --ep {args.ep}")
     pc = ParallelConfig(
         pp=args.pp,
         ep=args.ep,
         schedule=args.schedule,
+        modules_per_rank=args.stages_per_rank,
         dispatcher=args.dispatcher,
         comm_sms=args.comm_sms,
         recompute=args.recompute,
     )
+    if cfg.num_layers < pc.num_stages:
+        raise SystemExit(
+            f"error: {args.schedule} at pp={args.pp} has {pc.num_stages} stages but the model has "
+            f"{cfg.num_layers} layers; pass --layers {pc.num_stages} or more"
+        )
+    if cfg.num_experts % args.ep:
+        raise SystemExit(f"error: {cfg.num_experts} experts do not divide over --ep {args.ep}")
     layout = init_layout(pc, device.type)
     dtype = getattr(torch, args.dtype)
     stages = build_stages(cfg, layout, seed=args.seed, dtype=dtype, device=device)
     pipe = PIPELINES[args.schedule](
-        list(stages),
-        process_group=layout.pp_group,
-        timeout=args.timeout,
-        overlap=args.overlap and args.schedule.startswith("dualpipe"),
+        list(stages), process_group=layout.pp_group, timeout=args.timeout, overlap=args.overlap
     )
     # Every stage boundary carries one hidden-state tensor per micro-batch: declaring it lets receives be
     # posted ahead of the compute that consumes them (no per-message shape header to wait for).
@@ -189,9 +204,7 @@ def setup(args: argparse.Namespace) -> Run:
         # The step averages the LM loss over micro-batches (loss_reduction="mean"); the balance loss, added
         # inside each stage per micro-batch, must be averaged the same way.
         stage.aux_loss_scale = 1.0 / chunks
-    first = [m for m in range(len(pipe.module)) if pipe.layout.is_first(pipe.rank, m)]
-    last = [m for m in range(len(pipe.module)) if pipe.layout.is_last(pipe.rank, m)]
-    return Run(args, layout, pipe, optimizer, corpus, device, chunks, first, last, owns_pg)
+    return Run(args, layout, pipe, optimizer, corpus, device, chunks, owns_pg)
 
 
 def lr_at(args: argparse.Namespace, step: int) -> float:
@@ -204,22 +217,14 @@ def lr_at(args: argparse.Namespace, step: int) -> float:
 def step_inputs(run: Run, step: int, split: str) -> tuple[tuple, tuple]:
     """(inputs, labels) this pipeline rank feeds to ``pipe.step``.
 
-    The global batch of the step depends on (seed, step) only; each ep rank takes its slice. DualPipe feeds
-    half of the micro-batches at each end: rank 0's inputs are labelled at rank N-1 and vice versa.
+    The global batch of the step depends on (seed, step) only; each ep rank takes its slice, and the pipeline
+    cuts what this rank feeds from it (``Pipeline.split_batch``: DualPipe feeds half at each end).
     """
     args = run.args
     ids, labels = run.corpus.batch(
         step, run.global_batch, args.seq_len, seed=args.seed, dp_rank=run.layout.ep_rank, dp_size=args.ep, split=split
     )
-    ids, labels = ids.to(run.device), labels.to(run.device)
-    pipe = run.pipe
-    if args.schedule == "dualpipe":
-        half = ids.shape[0] // 2
-        halves = {0: (ids[:half], labels[:half]), 1: (ids[half:], labels[half:])}
-        inputs = (halves[run.pipe.layout.path_of(pipe.rank, run.first_modules[0])][0],) if run.first_modules else ()
-        tgt = (halves[run.pipe.layout.path_of(pipe.rank, run.last_modules[0])][1],) if run.last_modules else ()
-        return inputs, tgt
-    return ((ids,) if run.first_modules else ()), ((labels,) if run.last_modules else ())
+    return run.pipe.split_batch((ids.to(run.device),), (labels.to(run.device),))
 
 
 def global_mean_loss(run: Run, loss: torch.Tensor | None) -> float:
@@ -304,8 +309,13 @@ def timed_step(run: Run, step: int, profile: bool) -> tuple[float, float, float]
         return loss, imbalance, time.monotonic() - t0
     from torch.profiler import profile as torch_profile
 
-    with torch_profile() as prof:
-        loss, imbalance = train_step(run, step)
+    observer = ProfilerObserver()  # schedule actions and pipeline messages as named spans in the trace
+    run.pipe.add_observer(observer)
+    try:
+        with torch_profile() as prof:
+            loss, imbalance = train_step(run, step)
+    finally:
+        run.pipe.remove_observer(observer)
     dt = time.monotonic() - t0
     Path(run.args.trace_dir).mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(Path(run.args.trace_dir) / f"trace_rank{dist.get_rank()}.json"))

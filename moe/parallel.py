@@ -1,17 +1,21 @@
-"""Parallel layout: a (pp, ep) device mesh, stage partitioning for DualPipe/DualPipeV, gradient reduction.
+"""Parallel layout: a (pp, ep) device mesh, stage partitioning for any registered schedule, gradient reduction.
 
-Rank ``pp_rank * ep + ep_rank``: the expert-parallel ranks of a stage are contiguous, so with 8 GPUs per
-node an EP group of 8 stays on NVLink (what DeepEP's intranode kernels need). The ep group is also the
-data-parallel group: non-expert gradients are averaged over it; expert gradients stay local (each rank's
-experts already saw every rank's tokens through the all-to-all) and are only scaled by ``1/ep`` so that all
-gradients are those of the mean loss over the data-parallel ranks.
+Rank order: by default pp is the outer dimension, rank ``pp_rank * ep + ep_rank``: the expert-parallel ranks
+of a stage are contiguous, so with 8 GPUs per node an EP group of 8 stays on NVLink (what DeepEP's intranode
+kernels need). ``ParallelConfig.rank_order = ("ep", "pp")`` puts ep outside instead (rank
+``ep_rank * pp + pp_rank``: a pipeline stays on one node, every expert group spans nodes). The ep group is
+also the data-parallel group: non-expert gradients are averaged over it; expert gradients stay local (each
+rank's experts already saw every rank's tokens through the all-to-all) and are only scaled by ``1/ep`` so
+that all gradients are those of the mean loss over the data-parallel ranks.
 
-DualPipe keeps stages r and N-1-r on pipeline rank r: each stage lives on two ranks, and the two copies'
-gradients (and expert-load counts) are summed over a two-rank "mirror" group before anything else.
+The schedule's layout places the stages. Where it holds a stage twice (DualPipe: stages r and N-1-r on
+pipeline rank r), the two copies' gradients (and expert-load counts) are summed over a two-rank "mirror"
+group before anything else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,25 +23,24 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from dualpipe.schedule import SCHEDULES as PIPELINE_SCHEDULES
-from dualpipe.schedule import Layout
+from dualpipe.schedule import Layout, schedule_spec
 from moe.block import Block
 from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
 from moe.stage import MoEStage
 
 __all__ = [
-    "SCHEDULES",
     "ParallelConfig",
     "ParallelLayout",
     "balance_routers",
     "build_stages",
     "init_layout",
+    "mirror_pairs",
+    "rank_grid",
     "reduce_gradients",
     "split_layers",
+    "with_schedule",
 ]
-
-SCHEDULES = tuple(PIPELINE_SCHEDULES)  # the pipeline's schedule names; their layouts place the stages
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,8 +52,15 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel ranks (also the data-parallel ranks of the non-expert weights)."""
     schedule: str = "dualpipev"
-    """``dualpipev`` (2*pp stages, two per rank), ``dualpipe`` (pp stages, two mirrored copies per rank), or
-    the single-module baselines ``1f1b`` / ``zb1p`` (pp stages, one per rank)."""
+    """A schedule of :data:`dualpipe.schedule.SCHEDULES`; its layout says how many stages there are and where
+    each lives (``dualpipev``: 2*pp stages, two per rank; ``dualpipe``: pp stages, two mirrored copies per
+    rank; ``1f1b`` / ``zb1p``: pp stages, one per rank)."""
+    modules_per_rank: int | None = None
+    """Stage modules per pipeline rank, for schedules that take any number (``interleaved-1f1b``'s virtual
+    stages); ``None`` takes the schedule's own. Resolved to a number in ``__post_init__``."""
+    rank_order: tuple[str, str] = ("pp", "ep")
+    """Mesh dimensions, outermost first: ``("pp", "ep")`` keeps each ep group on consecutive ranks (one
+    node), ``("ep", "pp")`` each pipeline."""
     dispatcher: str = "alltoall"
     """Token dispatcher for ep > 1: ``alltoall`` or ``deepep`` (``local`` is forced at ep == 1)."""
     comm_sms: int = DEFAULT_COMM_SMS
@@ -63,27 +73,24 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.pp < 1 or self.ep < 1:
             raise ValueError(f"pp and ep must be >= 1, got pp={self.pp} ep={self.ep}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
+        spec = schedule_spec(self.schedule)
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"unknown dispatcher {self.dispatcher!r}; choose one of {DISPATCHERS}")
-        if self.schedule == "dualpipe" and self.pp % 2:
-            raise ValueError(f"DualPipe needs an even number of pipeline ranks, got pp={self.pp}")
+        spec.check_ranks(self.pp)
+        self.modules_per_rank = spec.resolve_modules(self.modules_per_rank)
+        if sorted(self.rank_order) != ["ep", "pp"]:
+            raise ValueError(f"rank_order must order the dimensions 'pp' and 'ep', got {self.rank_order}")
         if self.comm_sms < 0:
             raise ValueError(f"comm_sms must be >= 0, got {self.comm_sms}")
 
     @property
     def stage_layout(self) -> Layout:
-        """Where the schedule puts each stage: ``stage_layout.locate(pp_rank, module)[1]`` is its index."""
-        return PIPELINE_SCHEDULES[self.schedule].layout(self.pp)
+        """Where the schedule puts each stage: ``stage_layout.stage_of(pp_rank, module)`` is its index."""
+        return schedule_spec(self.schedule).stage_layout(self.pp, self.modules_per_rank)
 
     @property
     def num_stages(self) -> int:
-        return len(self.stage_layout.paths[0])
-
-    @property
-    def modules_per_rank(self) -> int:
-        return self.stage_layout.modules_per_rank
+        return self.stage_layout.num_stages
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,7 +103,8 @@ class ParallelLayout:
     pp_group: dist.ProcessGroup
     ep_group: dist.ProcessGroup
     mirror_group: dist.ProcessGroup | None
-    """DualPipe only: this rank and pipeline rank pp-1-pp_rank (same ep rank)."""
+    """Layouts that hold each stage twice (DualPipe): this rank and the pipeline rank holding the same stages
+    (same ep rank)."""
     mesh: object | None
     """A ``DeviceMesh`` over (pp, ep) when torch can build one from the groups, else None."""
 
@@ -111,17 +119,33 @@ def _nccl_options(comm_sms: int) -> object | None:
     return opts
 
 
-def init_layout(config: ParallelConfig, device_type: str = "cpu") -> ParallelLayout:
-    """Create the pp, ep (and DualPipe mirror) groups; every rank of the default group must call it."""
-    if not dist.is_initialized():
-        raise RuntimeError("init_layout needs torch.distributed initialised (torchrun / init_process_group)")
-    world, rank = dist.get_world_size(), dist.get_rank()
+def rank_grid(config: ParallelConfig, world: int) -> torch.Tensor:
+    """``grid[pp_rank, ep_rank]`` is the global rank, laid out in ``config.rank_order``."""
     pp, ep = config.pp, config.ep
     if pp * ep != world:
         raise ValueError(f"pp x ep = {pp} x {ep} = {pp * ep} does not equal the world size {world}")
+    sizes = {"pp": pp, "ep": ep}
+    grid = torch.arange(world).view(*(sizes[d] for d in config.rank_order))
+    return grid if config.rank_order == ("pp", "ep") else grid.t()
+
+
+def mirror_pairs(layout: Layout) -> list[tuple[int, int]]:
+    """Pairs of pipeline ranks holding the same stages (DualPipe: r and N-1-r); empty if each stage is held
+    once."""
+    if not layout.mirrored:
+        return []
+    return sorted({tuple(sorted((r, layout.mirror(r, 0)[0]))) for r in range(layout.num_ranks)})
+
+
+def init_layout(config: ParallelConfig, device_type: str = "cpu") -> ParallelLayout:
+    """Create the pp, ep (and mirror) groups; every rank of the default group must call it."""
+    if not dist.is_initialized():
+        raise RuntimeError("init_layout needs torch.distributed initialised (torchrun / init_process_group)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid = rank_grid(config, world)
+    pp, ep = config.pp, config.ep
     ep_options = _nccl_options(config.comm_sms) if "nccl" in str(dist.get_backend()) else None
-    grid = torch.arange(world).view(pp, ep)
-    pp_group = ep_group = mirror_group = None
+    pp_group = ep_group = None
     # new_group is collective over the default group: every rank creates every group, in the same order.
     for e in range(ep):
         g = dist.new_group(grid[:, e].tolist())
@@ -131,15 +155,9 @@ def init_layout(config: ParallelConfig, device_type: str = "cpu") -> ParallelLay
         g = dist.new_group(grid[p].tolist(), pg_options=ep_options)
         if rank in grid[p].tolist():
             ep_group = g
-    if config.schedule == "dualpipe":
-        for e in range(ep):
-            for p in range(pp // 2):
-                members = [int(grid[p, e]), int(grid[pp - 1 - p, e])]
-                g = dist.new_group(members)
-                if rank in members:
-                    mirror_group = g
+    mirror_group = _mirror_group(config, grid)
     assert pp_group is not None and ep_group is not None
-    pp_rank, ep_rank = divmod(rank, ep)
+    pp_rank, ep_rank = (int(i) for i in (grid == rank).nonzero()[0])
     return ParallelLayout(
         config=config,
         pp_rank=pp_rank,
@@ -149,6 +167,29 @@ def init_layout(config: ParallelConfig, device_type: str = "cpu") -> ParallelLay
         mirror_group=mirror_group,
         mesh=_device_mesh(device_type, grid, pp_group, ep_group),
     )
+
+
+def _mirror_group(config: ParallelConfig, grid: torch.Tensor) -> dist.ProcessGroup | None:
+    """Create every mirror group of ``config``'s layout (collective); return this rank's, if any."""
+    rank, mine = dist.get_rank(), None
+    for e in range(config.ep):
+        for a, b in mirror_pairs(config.stage_layout):
+            members = [int(grid[a, e]), int(grid[b, e])]
+            g = dist.new_group(members)
+            if rank in members:
+                mine = g
+    return mine
+
+
+def with_schedule(base: ParallelLayout, schedule: str) -> ParallelLayout:
+    """``base``'s groups configured for another schedule (one set of groups, several pipelines: the overlap
+    benchmark). Creates the mirror groups if the new schedule needs them: collective, like
+    :func:`init_layout`."""
+    config = dataclasses.replace(base.config, schedule=schedule, modules_per_rank=None)
+    mirror_group = None
+    if config.stage_layout.mirrored:
+        mirror_group = base.mirror_group or _mirror_group(config, rank_grid(config, dist.get_world_size()))
+    return dataclasses.replace(base, config=config, mirror_group=mirror_group)
 
 
 def _device_mesh(device_type: str, grid: torch.Tensor, pp_group, ep_group) -> object | None:
@@ -180,13 +221,17 @@ def build_stages(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    piecewise: bool = True,
 ) -> tuple[MoEStage, ...]:
-    """The stage modules of this pipeline rank, ready for ``DualPipeV``/``DualPipe((a, b), ...)``.
+    """The stage modules of this pipeline rank, in local module order, ready for the schedule's pipeline.
 
-    DualPipeV: stages ``pp_rank`` and ``2*pp - 1 - pp_rank`` of 2*pp. DualPipe: stages ``pp_rank`` and
-    ``pp - 1 - pp_rank`` of pp (each stage then exists on two ranks; see :func:`reduce_gradients`).
-    1F1B / ZB1P: the single stage ``pp_rank`` of pp.
+    The schedule's layout says which stages they are (``Layout.stage_of``): DualPipeV stages ``pp_rank``
+    and ``2*pp - 1 - pp_rank`` of 2*pp; DualPipe stages ``pp_rank`` and ``pp - 1 - pp_rank`` of pp (each
+    stage then exists on two ranks; see :func:`reduce_gradients`); 1F1B / ZB1P the single stage
+    ``pp_rank`` of pp; interleaved 1F1B stages ``pp_rank + m * pp``.
     Weights come from :meth:`MoEStage.reset_parameters` (``seed``), so they equal :class:`MoEModel`'s.
+    ``piecewise=False`` builds plain-graph stages (blocking all-to-all autograd nodes) for baselines that
+    schedule an ordinary graph.
     """
     pc = layout.config
     if cfg.num_experts % pc.ep:
@@ -197,7 +242,7 @@ def build_stages(
     )
     ranges = split_layers(cfg.num_layers, pc.num_stages)
     stage_layout = pc.stage_layout
-    ids = [stage_layout.locate(layout.pp_rank, m)[1] for m in range(stage_layout.modules_per_rank)]
+    ids = [stage_layout.stage_of(layout.pp_rank, m) for m in range(stage_layout.modules_per_rank)]
     stages = []
     for sid in ids:
         stage = MoEStage(
@@ -209,6 +254,7 @@ def build_stages(
             recompute=pc.recompute,
             comm_sms=pc.comm_sms if torch.device(device).type == "cuda" else 0,
             stage_index=sid,
+            piecewise=piecewise,
         )
         stage.reset_parameters(seed)
         stages.append(stage.to(device=device, dtype=dtype))

@@ -15,11 +15,14 @@ import torch.distributed as dist
 
 from dualpipe import (
     PIPELINES,
+    SCHEDULES,
     DualPipeV,
     set_p2p_tensor_dtype,
     set_p2p_tensor_shapes,
     sum_mirrored_grads,
 )
+from dualpipe.observer import PipelineObserver
+from dualpipe.schedule import compute_order
 from tests.distributed import run_ranks
 from tests.dualpipe.toy import ToyStage, ToyStageOverlap, criterion, make_stages, reference_step, rel_diff
 
@@ -38,27 +41,47 @@ class Case:
     reduction: str = "sum"
     seq: int = SEQ
     early_receives: bool | None = None  # None: the backend's default (on for gloo)
+    modules: int | None = None  # modules per rank, for schedules that take any number (None: theirs)
 
     def __str__(self) -> str:
         return (
             f"{self.schedule} chunks={self.chunks} overlap={self.overlap} declared={self.declared} "
-            f"{self.reduction} seq={self.seq} early_receives={self.early_receives}"
+            f"{self.reduction} seq={self.seq} early_receives={self.early_receives} modules={self.modules}"
         )
 
 
-def _stage_ids(schedule: str, rank: int, world: int) -> list[int]:
-    if schedule == "dualpipev":
-        return [rank, 2 * world - 1 - rank]
-    if schedule == "dualpipe":
-        return [rank, world - 1 - rank]
-    return [rank]
+class _Spans(PipelineObserver):
+    """Checks what the executor reports: spans nest, and the top-level actions are the schedule's."""
+
+    def __init__(self) -> None:
+        self.open: list[str] = []
+        self.top_actions: list[str] = []
+        self.kinds: dict[str, int] = {}
+        self.recv_outside_actions = 0
+
+    def begin(self, kind, subject) -> None:
+        if kind == "action" and not self.open:
+            self.top_actions.append(str(subject))
+        if kind == "recv" and "action" not in self.open:
+            self.recv_outside_actions += 1
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        self.open.append(kind)
+
+    def end(self, kind, subject) -> None:
+        assert self.open.pop() == kind
+
+
+def _stage_ids(schedule: str, rank: int, world: int, modules: int | None = None) -> list[int]:
+    """The stages this rank's local modules run, from the schedule's layout."""
+    layout = SCHEDULES[schedule].stage_layout(world, modules)
+    return [layout.stage_of(rank, m) for m in range(layout.modules_per_rank)]
 
 
 def _run_case(rank: int, world: int, case: Case) -> dict:
-    num_stages = 2 * world if case.schedule == "dualpipev" else world
+    layout = SCHEDULES[case.schedule].stage_layout(world, case.modules)
     cls = ToyStageOverlap if case.overlap else ToyStage
-    full = make_stages(num_stages, HIDDEN, seed=1234, cls=cls)
-    ids = _stage_ids(case.schedule, rank, world)
+    full = make_stages(layout.num_stages, HIDDEN, seed=1234, cls=cls)
+    ids = _stage_ids(case.schedule, rank, world, case.modules)
     local = make_stages(len(ids), HIDDEN, seed=99, cls=cls)
     for mod, i in zip(local, ids):
         mod.load_state_dict(full[i].state_dict())
@@ -79,26 +102,28 @@ def _run_case(rank: int, world: int, case: Case) -> dict:
     y2 = torch.randn(n, case.seq, HIDDEN, generator=g, dtype=torch.float64)
     scale = 1.0 / case.chunks if case.reduction == "mean" else 1.0
 
-    if case.schedule == "dualpipe":
-        half = case.chunks // 2
-        x, y, x2, y2 = x[: n // 2], y[: n // 2], x2[: n // 2], y2[: n // 2]
-        loss_fwd, out_fwd = reference_step(full, x, y, half, scale)  # enters at rank 0, loss at rank N-1
-        loss_bwd, out_bwd = reference_step(full, x2, y2, half, scale)  # enters at rank N-1, loss at rank 0
-        inputs = (x,) if rank == 0 else (x2,) if rank == world - 1 else ()
-        labels = (y2,) if rank == 0 else (y,) if rank == world - 1 else ()
-        expect = {0: (loss_bwd, out_bwd), world - 1: (loss_fwd, out_fwd)}
-    else:
-        loss_ref, out_ref = reference_step(full, x, y, case.chunks, scale)
-        loss_rank = 0 if case.schedule == "dualpipev" else world - 1
-        inputs = (x,) if rank == 0 else ()
-        labels = (y,) if rank == loss_rank else ()
-        expect = {loss_rank: (loss_ref, out_ref)}
+    # One share of the batch per path (DualPipe: one entering at each end), each its own reference run;
+    # a path's loss comes out where its last stage lives.
+    paths = len(layout.paths)
+    xs, ys = [x[: n // paths], x2[: n // paths]][:paths], [y[: n // paths], y2[: n // paths]][:paths]
+    expect = {}
+    for path, (xp, yp) in enumerate(zip(xs, ys)):
+        exit_rank = layout.paths[path][-1][0]
+        expect[exit_rank] = reference_step(full, xp, yp, case.chunks // paths, scale)
+    inputs, labels = pipe.split_batch((torch.cat(xs),), (torch.cat(ys),))
 
     ToyStageOverlap.calls = 0
+    spans = _Spans()
+    pipe.add_observer(spans)
     loss, outputs = pipe.step(
         *inputs, num_chunks=case.chunks, criterion=criterion, labels=labels, loss_reduction=case.reduction
     )
+    pipe.remove_observer(spans)
     overlapped_calls = ToyStageOverlap.calls
+    assert spans.open == [] and spans.recv_outside_actions == 0
+    assert spans.top_actions == compute_order(pipe.schedule(case.chunks).ranks[rank])
+    if world > 1:
+        assert spans.kinds["recv"] > 0 and spans.kinds["post"] > 0 and spans.kinds["drain"] == 1
     sum_mirrored_grads(pipe)
     if rank in expect:
         assert torch.equal(loss, expect[rank][0]), f"{case}: loss {loss} != {expect[rank][0]}"
@@ -165,7 +190,7 @@ def test_schedules_match_single_process(world: int) -> None:
     # The hook ran wherever a schedule pairs a forward with a backward on this rank count.
     for case, per_rank in zip(cases, zip(*results)):
         calls = sum(r["overlapped_calls"] for r in per_rank)
-        if case.overlap and case.schedule in ("dualpipev", "dualpipe") and case.chunks > 2 * world:
+        if case.overlap and SCHEDULES[case.schedule].overlaps and case.chunks > 2 * world:
             assert calls > 0, f"{case}: overlapped_forward_backward never called"
         if not case.overlap:
             assert calls == 0

@@ -16,7 +16,20 @@ from dualpipe.checks import (
     check_schedule,
     simulate_progress,
 )
-from dualpipe.schedule import Action, Layout, Op, Schedule, build_schedule, compute_order, post_receives_early
+from dualpipe.schedule import (
+    SCHEDULES,
+    Action,
+    Layout,
+    Op,
+    Schedule,
+    ScheduleSpec,
+    _Emitter,
+    build_schedule,
+    compute_order,
+    post_receives_early,
+    register_schedule,
+    unregister_schedule,
+)
 
 ORDERS = json.loads((Path(__file__).parent.parent / "fixtures" / "orders.json").read_text())
 
@@ -34,28 +47,33 @@ def test_compute_order_matches_reference(key: str) -> None:
 
 
 def _all_cases(max_ranks: int = 8):
-    for name in ("1f1b", "zb1p", "dualpipe", "dualpipev"):
-        for ranks in range(1, max_ranks + 1):
-            for chunks in range(1, 4 * ranks + 3):
-                try:
-                    yield build_schedule(name, ranks, chunks)
-                except ValueError:
-                    continue
+    for name, spec in SCHEDULES.items():  # every registered schedule (and more than one v where it takes any)
+        for modules in (None, 3) if spec.flexible_modules else (None,):
+            for ranks in range(1, max_ranks + 1):
+                for chunks in range(1, 4 * ranks + 3):
+                    try:
+                        yield build_schedule(name, ranks, chunks, False, modules)
+                    except ValueError:
+                        continue
 
 
 def test_every_schedule_passes_static_checks_under_both_models() -> None:
     count = 0
+    names = set()
     for schedule in _all_cases():
         check_schedule(schedule, ("async", "grouped"))
         count += 1
-    assert count > 400  # all four schedules over many (ranks, chunks) were really checked
+        names.add(schedule.name)
+    assert count > 400  # all schedules over many (ranks, chunks) were really checked
+    assert names == set(SCHEDULES)
 
 
 def test_early_receives_are_safe_for_gloo_but_not_for_in_order_nccl() -> None:
     # Early receives keep every schedule deadlock-free when operations progress independently (gloo)...
     grouped_failures = 0
     for schedule in _all_cases(6):
-        early = build_schedule(schedule.name, schedule.layout.num_ranks, schedule.num_chunks, True)
+        layout = schedule.layout
+        early = build_schedule(schedule.name, layout.num_ranks, schedule.num_chunks, True, layout.modules_per_rank)
         check_complete(early)
         check_matching(early)
         simulate_progress(early, "async")
@@ -149,3 +167,60 @@ def test_layouts() -> None:
 def test_bad_schedule_arguments(name: str, ranks: int, chunks: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_schedule(name, ranks, chunks)
+
+
+def test_mirrored_layout() -> None:
+    d = Layout.bidirectional(4)
+    assert d.mirrored and d.mirror(0, 0) == (3, 1) and d.mirror(1, 1) == (2, 0)
+    assert d.entries(3) == [1] and d.exits(3) == [0]
+    assert all(d.stage_of(*d.mirror(r, m)) == d.stage_of(r, m) for r in range(4) for m in range(2))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_spec_gives_a_valid_default(name: str) -> None:
+    spec = SCHEDULES[name]
+    for ranks in (2, 4, 8):
+        chunks = spec.default_chunks(ranks)
+        assert chunks >= 2 * ranks
+        spec.validate(ranks, chunks)
+        with pytest.raises(ValueError):
+            spec.validate(ranks, spec.min_chunks(ranks) - 1)
+
+
+def _gpipe(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
+    """GPipe: every forward, then every backward (a schedule written only here)."""
+    e = _Emitter(layout, rank)
+    for _ in range(num_chunks):
+        e.forward_chunk(0)
+    for _ in range(num_chunks):
+        e.backward_chunk(0)
+    return e.actions
+
+
+def test_a_schedule_is_one_generator_and_one_registry_entry() -> None:
+    from dualpipe import PIPELINES
+    from examples.train import parse_args
+
+    spec = ScheduleSpec(
+        name="gpipe",
+        title="GPipe",
+        class_name="GPipe",
+        summary="all forwards, then all backwards",
+        generate=_gpipe,
+        layout=lambda ranks, modules: Layout.linear(ranks),
+    )
+    register_schedule(spec)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_schedule(spec)
+        s = build_schedule("gpipe", 3, 4)
+        check_schedule(s, ("async", "grouped"))
+        assert compute_order(s.ranks[2]) == ["F0.0", "F0.1", "F0.2", "F0.3", "B0.0", "B0.1", "B0.2", "B0.3"]
+        cls = PIPELINES["gpipe"]  # a pipeline class exists for it, and train.py offers it
+        assert cls.__name__ == "GPipe" and cls.schedule_name == "gpipe" and "gpipe" in list(PIPELINES)
+        assert parse_args(["--schedule", "gpipe"]).schedule == "gpipe"
+    finally:
+        unregister_schedule("gpipe")
+    assert "gpipe" not in SCHEDULES
+    with pytest.raises(ValueError, match="unknown schedule"):
+        build_schedule("gpipe", 3, 4)

@@ -1,0 +1,209 @@
+"""The built-in schedules: one generator each, plus its registry entry.
+
+A generator is a pure function ``(layout, rank, num_chunks) -> [Action]`` written with
+:class:`dualpipe.schedule._Emitter`'s helpers, so it reads like the paper's pseudo-code. Adding a schedule is a
+generator here plus a :func:`~dualpipe.schedule.register_schedule` call; everything else (the pipeline class,
+training's ``--schedule`` choices and checks, stage placement, the benchmarks, the tests' parameter lists)
+reads the registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dualpipe.schedule import Action, Layout, ScheduleSpec, _Emitter, register_schedule
+
+__all__: list[str] = []  # nothing to import from here: use dualpipe.schedule.SCHEDULES / build_schedule
+
+
+def _dual_phases(e: _Emitter, n: int, r: int, c: int, turning: bool, module: Callable[[int], int]) -> None:
+    """The eight phases shared by DualPipe and DualPipeV.
+
+    ``n`` ranks per half (DualPipe: N/2; DualPipeV: N), ``r`` this rank's index within its half, ``c``
+    chunks per direction (DualPipe: chunks/2; DualPipeV: chunks), ``turning``: this rank is where the two
+    directions meet (DualPipe's middle ranks, DualPipeV's last rank). ``module(phase)`` maps the schedule's
+    phase (0 = the direction this half sees first) to the local module index.
+    """
+    m0, m1 = module(0), module(1)
+
+    # step 1: nF0
+    for _ in range((n - r - 1) * 2):
+        e.forward_chunk(m0)
+
+    # step 2: nF0F1
+    step_2 = r + 1
+    e.recv_forward(m0)
+    for i in range(step_2):
+        e.forward_chunk(m0, recv=False, send=turning)
+        e.recv_forward(m0)
+        e.forward_chunk(m1, send=(not turning) or (i < step_2 - 1))
+        if not turning:
+            e.send_forward(m0)
+
+    # step 3: nB1W1F1 (zero bubble: weight gradients deferred, run one W per B)
+    for _ in range(n - r - 1):
+        e.backward_chunk(m1, defer_weights=True)
+        e.recv_forward(m1)
+        e.weight()
+        e.forward_chunk(m1, recv=False)
+
+    # step 4 (main): nF0B1F1B0
+    for i in range(c - 2 * n + r + 1):
+        if i == 0 and turning:
+            # Not overlapped: running this forward alone lets its output leave one chunk earlier.
+            e.forward_chunk(m0, recv=False, send=False)
+            e.send_forward(m1)
+            e.backward_chunk(m1, send=False)
+            e.send_forward(m0)
+            e.send_backward(m1)
+        else:
+            e.forward_backward_chunk(m0, m1, recv_f=i != 0)
+        e.forward_backward_chunk(m1, m0)
+
+    # step 5: nB1F1B0
+    for _ in range(n - r - 1):
+        e.backward_chunk(m1)
+        e.forward_backward_chunk(m1, m0)
+
+    # step 6: nB1B0 (the second half of these backwards defer their weight gradients)
+    step_6 = r + 1
+    defer = False
+    for i in range(step_6):
+        if i == step_6 // 2 and r % 2 == 1:
+            defer = True
+        e.backward_chunk(m1, defer_weights=defer)
+        if i == step_6 // 2 and r % 2 == 0:
+            defer = True
+        e.backward_chunk(m0, defer_weights=defer)
+
+    # step 7: nWB0 (zero bubble)
+    for _ in range(n - r - 1):
+        e.weight()
+        e.backward_chunk(m0, defer_weights=True)
+
+    # step 8: nW
+    for _ in range(r + 1):
+        e.weight()
+
+
+def _dualpipe(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
+    n = layout.num_ranks
+    second_half = rank >= n // 2
+    e = _Emitter(layout, rank)
+    turning = rank in (n // 2 - 1, n // 2)
+    # For the second half the direction seen first is path 1 (module 1): phase ^ second_half.
+    _dual_phases(e, n // 2, min(rank, n - 1 - rank), num_chunks // 2, turning, lambda ph: ph ^ second_half)
+    return e.actions
+
+
+def _dualpipev(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
+    n = layout.num_ranks
+    e = _Emitter(layout, rank)
+    _dual_phases(e, n, rank, num_chunks, rank == n - 1, lambda ph: ph)
+    return e.actions
+
+
+def _one_f_one_b(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
+    """Classic 1F1B: N-1-r warm-up forwards, steady forward/backward pairs, cool-down backwards."""
+    n = layout.num_ranks
+    e = _Emitter(layout, rank)
+    warmup = min(n - 1 - rank, num_chunks)
+    for _ in range(warmup):
+        e.forward_chunk(0)
+    for _ in range(num_chunks - warmup):
+        e.forward_chunk(0)
+        e.backward_chunk(0)
+    for _ in range(warmup):
+        e.backward_chunk(0)
+    return e.actions
+
+
+def _zb1p(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
+    """ZB-H1 (zero bubble, 1F1B memory): backward split into I (input grad) and W (weight grad).
+
+    Same F/I order as 1F1B, so the same activation memory. Rank r keeps r weight-gradient batches pending
+    and runs one W after each further I; the last r+1 W run at the end. The chain of input gradients down
+    the pipeline (I only, no W) then reaches rank 0 sooner, and each rank's cool-down wait is filled by
+    the W it deferred: bubble (N-1)(F+B-2W) instead of 1F1B's (N-1)(F+B) when F = I = W (the
+    zero-bubble paper's ZB-H1 costs; see dualpipe.simulate). Deferring on the *later* ranks is what
+    works: rank 0 finishes its last I last, so it must not be left with more than one W after it.
+    """
+    n = layout.num_ranks
+    e = _Emitter(layout, rank)
+    warmup = min(n - 1 - rank, num_chunks)
+    lag = rank
+    pending = 0
+    for _ in range(warmup):
+        e.forward_chunk(0)
+    for _ in range(num_chunks - warmup):
+        e.forward_chunk(0)
+        e.backward_chunk(0, defer_weights=True)
+        pending += 1
+        if pending > lag:
+            e.weight()
+            pending -= 1
+    for _ in range(warmup):
+        e.backward_chunk(0, defer_weights=True)
+        pending += 1
+        if pending > lag:
+            e.weight()
+            pending -= 1
+    for _ in range(pending):
+        e.weight()
+    return e.actions
+
+
+def _fixed(layout: Callable[[int], Layout]) -> Callable[[int, int], Layout]:
+    return lambda num_ranks, modules_per_rank: layout(num_ranks)
+
+
+register_schedule(
+    ScheduleSpec(
+        name="dualpipe",
+        title="DualPipe",
+        class_name="DualPipe",
+        summary="bidirectional DualPipe: every stage twice (one copy per direction), half the batch at each end",
+        generate=_dualpipe,
+        layout=_fixed(Layout.bidirectional),
+        modules_per_rank=2,
+        even_ranks=True,
+        rank_hint="use DualPipeV for an odd number of ranks",
+        chunks_per_rank=2,
+        even_chunks=True,
+        chunk_hint="half of the micro-batches enter at each end",
+        overlaps=True,
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        name="dualpipev",
+        title="DualPipeV",
+        class_name="DualPipeV",
+        summary="V-shaped DualPipe: stages r and 2N-1-r on rank r, inputs and loss at rank 0",
+        generate=_dualpipev,
+        layout=_fixed(Layout.v_shape),
+        modules_per_rank=2,
+        chunks_per_rank=2,
+        overlaps=True,
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        name="1f1b",
+        title="1F1B",
+        class_name="OneFOneB",
+        summary="classic 1F1B: stage r on rank r",
+        generate=_one_f_one_b,
+        layout=_fixed(Layout.linear),
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        name="zb1p",
+        title="ZB1P",
+        class_name="ZeroBubble1P",
+        summary="ZB-H1: 1F1B order with weight gradients deferred into the cool-down bubbles",
+        generate=_zb1p,
+        layout=_fixed(Layout.linear),
+    )
+)
