@@ -153,6 +153,60 @@ def _zb1p(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
     return e.actions
 
 
+def _interleaved_layout(num_ranks: int, modules_per_rank: int) -> Layout:
+    """Virtual pipeline stages: stage s on rank s % N as local module s // N (one path, v loops over ranks)."""
+    n, v = num_ranks, modules_per_rank
+    return Layout("interleaved", n, v, (tuple((s % n, s // n) for s in range(n * v)),))
+
+
+def _interleaved_1f1b(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
+    """Interleaved 1F1B (Megatron's virtual pipeline stages): ``v`` modules per rank, micro-batches in groups
+    of N.
+
+    The rank runs ``num_chunks * v`` module-chunks. The k-th forward goes to module ``(k // N) % v``, the k-th
+    backward to module ``v - 1 - (k // N) % v``: N micro-batches pass through one module before the rank
+    turns to its next module. Warm-up is ``2(N-1-r) + (v-1)N`` forwards (all of them when that is more);
+    then one forward, one backward; then the remaining backwards. Bubble ``(N-1)(F+B)/v`` in full-stage
+    costs (see :mod:`dualpipe.simulate`).
+    """
+    n, v = layout.num_ranks, layout.modules_per_rank
+    total = num_chunks * v
+
+    def f_module(k: int) -> int:
+        return (k // n) % v
+
+    def b_module(k: int) -> int:
+        return v - 1 - (k // n) % v
+
+    e = _Emitter(layout, rank)
+    warmup = min(2 * (n - 1 - rank) + (v - 1) * n, total)
+    steady = total - warmup
+    # Each step's sends and the next step's receives form one batch, as Megatron's combined send-and-receive
+    # calls do: issued one by one, NCCL's in-order matching deadlocks (dualpipe.checks' "grouped" model).
+    e.recv_forward(f_module(0))
+    for k in range(warmup):  # nF: warm-up
+        e.forward_chunk(f_module(k), recv=False)
+        if k + 1 < total:
+            e.recv_forward(f_module(k + 1))
+    if steady:
+        e.recv_backward(b_module(0))
+    for k in range(steady):  # nFB: steady 1F1B
+        e.forward(f_module(warmup + k))
+        e.backward(b_module(k))
+        e.send_forward(f_module(warmup + k))
+        e.send_backward(b_module(k))
+        if warmup + k + 1 < total:
+            e.recv_forward(f_module(warmup + k + 1))
+        e.recv_backward(b_module(k + 1))
+    for k in range(steady, total):  # nB: cool-down
+        if k == 0:
+            e.recv_backward(b_module(0))
+        e.backward_chunk(b_module(k), recv=False)
+        if k + 1 < total:
+            e.recv_backward(b_module(k + 1))
+    return e.actions
+
+
 def _fixed(layout: Callable[[int], Layout]) -> Callable[[int, int], Layout]:
     return lambda num_ranks, modules_per_rank: layout(num_ranks)
 
@@ -205,5 +259,19 @@ register_schedule(
         summary="ZB-H1: 1F1B order with weight gradients deferred into the cool-down bubbles",
         generate=_zb1p,
         layout=_fixed(Layout.linear),
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        name="interleaved-1f1b",
+        title="interleaved 1F1B",
+        class_name="InterleavedOneFOneB",
+        summary="interleaved 1F1B: v virtual stages per rank (stage s on rank s % N), micro-batches in groups of N",
+        generate=_interleaved_1f1b,
+        layout=_interleaved_layout,
+        modules_per_rank=2,
+        flexible_modules=True,
+        chunks_multiple_of_ranks=True,
+        chunk_hint="micro-batches go through each rank's modules in groups of ranks",
     )
 )

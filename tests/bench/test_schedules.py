@@ -20,6 +20,9 @@ def test_published_bubbles_without_communication(pp: int) -> None:
     assert rows["dualpipe"].bubble == pytest.approx((pp / 2 - 1) * ((f + b) + b - 3 * w))
     assert rows["dualpipe"].parameter_copies == 2 and rows["dualpipev"].parameter_copies == 1
     assert rows["dualpipe"].peak_activations == pp + 1 and rows["1f1b"].peak_activations == pp
+    # interleaved 1F1B, v = 2 virtual stages per rank: Megatron's (PP-1)(F+B)/v, PP + (PP-1)/v activations
+    assert rows["interleaved-1f1b"].bubble == pytest.approx((pp - 1) * (f + b) / 2)
+    assert rows["interleaved-1f1b"].peak_activations == pp + (pp - 1) / 2
 
 
 def test_hidden_communication_shortens_the_dualpipe_family() -> None:

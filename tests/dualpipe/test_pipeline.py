@@ -172,6 +172,10 @@ def _cases(world: int) -> list[Case]:
     for sched in ("1f1b", "zb1p"):
         cases.append(Case(sched, world + 1))
         cases.append(Case(sched, 2 * world, reduction="mean", declared="instance"))
+    # interleaved 1F1B with v = 2 virtual stages per rank (micro-batches in groups of world), and v = 3
+    cases.append(Case("interleaved-1f1b", 2 * world, modules=2))
+    cases.append(Case("interleaved-1f1b", 3 * world, reduction="mean", declared="instance", modules=2))
+    cases.append(Case("interleaved-1f1b", world, modules=3, early_receives=False))
     cases.append(Case("dualpipev", 2 * world, seq=SEQ + 2))  # the sequence length changes between steps
     # The reference's receive placement (what NCCL uses), declared and inferred.
     cases.append(Case("dualpipev", 2 * world + 1, overlap=True, early_receives=False))

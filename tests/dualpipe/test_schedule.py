@@ -161,12 +161,33 @@ def test_layouts() -> None:
         ("dualpipe", 2, 5, "even num_chunks"),
         ("dualpipev", 3, 5, "num_chunks >= 2 \\* ranks = 6"),
         ("1f1b", 2, 0, "num_chunks must be >= 1"),
+        ("interleaved-1f1b", 4, 6, "num_chunks a multiple of ranks = 4 \\(got 6\\)"),
         ("gpipe", 2, 4, "unknown schedule"),
     ],
 )
 def test_bad_schedule_arguments(name: str, ranks: int, chunks: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_schedule(name, ranks, chunks)
+
+
+def test_interleaved_1f1b_runs_megatrons_order() -> None:
+    # 2 ranks, v = 2 (stage s on rank s % 2), 4 micro-batches: rank 0 warms up with 2(N-1-r) + (v-1)N = 4
+    # forwards, N micro-batches through one module before the next; backwards visit the modules in reverse.
+    s = build_schedule("interleaved-1f1b", 2, 4)
+    rank0 = "F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 B1.2 B1.3 B0.2 B0.3"
+    rank1 = "F0.0 F0.1 F1.0 B1.0 F1.1 B1.1 F0.2 B0.0 F0.3 B0.1 F1.2 B1.2 F1.3 B1.3 B0.2 B0.3"
+    assert [" ".join(compute_order(actions)) for actions in s.ranks] == [rank0, rank1]
+    assert s.layout.paths == (((0, 0), (1, 0), (0, 1), (1, 1)),)
+    assert build_schedule("interleaved-1f1b", 2, 4, False, 3).layout.modules_per_rank == 3
+
+
+def test_interleaved_layout_names_every_stage_boundary() -> None:
+    # Ranks 0 and 1 exchange two stages' messages (0->1 and 2->3): the boundary tells them apart.
+    layout = build_schedule("interleaved-1f1b", 2, 4).layout
+    assert [layout.boundary(0, m, towards_next=True) for m in (0, 1)] == [0, 2]
+    assert [layout.boundary(1, m, towards_next=False) for m in (0, 1)] == [0, 2]
+    assert layout.entries(0) == [0] and layout.exits(1) == [1] and layout.exits(0) == []
+    assert not layout.mirrored and layout.mirror(0, 0) is None
 
 
 def test_mirrored_layout() -> None:

@@ -109,6 +109,25 @@ def test_dualpipev_activations_are_stages_plus_1_on_the_last_rank(ranks: int) ->
     assert result.parameter_copies == 1
 
 
+@pytest.mark.parametrize(("ranks", "v"), [(2, 2), (4, 2), (4, 3), (8, 4)])
+@pytest.mark.parametrize(("F", "B"), [(1.0, 2.0), (1.0, 1.0), (0.5, 3.0)])
+def test_interleaved_1f1b_bubble_is_pp_minus_1_times_f_plus_b_over_v(ranks: int, v: int, F: float, B: float) -> None:
+    # F and B are one full stage's costs; each of the v modules per rank holds 1/v of a stage.
+    for chunks in (ranks, 2 * ranks, 4 * ranks):
+        r = simulate(build_schedule("interleaved-1f1b", ranks, chunks, False, v), Costs(F=F / v, B=B / v, W=0.0))
+        assert r.idle == pytest.approx([(ranks - 1) * (F + B) / v] * ranks)
+        assert r.parameter_copies == 1
+        if chunks >= 2 * ranks:  # Megatron's interleaved activations: PP + (PP-1)/v stages on rank 0
+            assert r.peak_activation_stages[0] == pytest.approx(ranks + (ranks - 1) / v)
+
+
+def test_cli_takes_modules_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--schedule", "interleaved-1f1b", "--ranks", "4", "--chunks", "8", "--modules-per-rank", "4", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["peak_activation_stages"][0] == 4 + 3 / 4
+
+
 def test_one_rank_has_no_bubble() -> None:
     for name, chunks in (("1f1b", 5), ("zb1p", 5), ("dualpipev", 4)):
         result = simulate(build_schedule(name, 1, chunks), Costs(F=1, B=2, W=1, FB=2.5, latency=7))
