@@ -28,6 +28,8 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from dualpipe.registry import Registry
+
 __all__ = [
     "SCHEDULES",
     "Action",
@@ -405,29 +407,24 @@ class ScheduleSpec:
         return self.layout(num_ranks, self.resolve_modules(modules_per_rank))
 
 
-SCHEDULES: dict[str, ScheduleSpec] = {}
+SCHEDULES: Registry[ScheduleSpec] = Registry("schedule")
 """Every schedule by name. Built-in ones register in :mod:`dualpipe.generators`."""
 
 
 def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
     """Add ``spec`` to :data:`SCHEDULES`; the executor, trainer, benchmarks and tests pick it up from there."""
-    if spec.name in SCHEDULES:
-        raise ValueError(f"schedule {spec.name!r} is already registered")
-    SCHEDULES[spec.name] = spec
-    return spec
+    return SCHEDULES.register(spec)
 
 
-def unregister_schedule(name: str) -> None:
-    """Remove a schedule (tests that register their own)."""
-    SCHEDULES.pop(name, None)
+def unregister_schedule(name: str) -> ScheduleSpec:
+    """Remove a schedule (tests that register their own), and every schedule built from it."""
     build_schedule.cache_clear()
+    return SCHEDULES.unregister(name)
 
 
 def schedule_spec(name: str) -> ScheduleSpec:
     """The spec of ``name``; an unknown name is a ``ValueError`` listing the registered ones."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    return SCHEDULES[name]
+    return SCHEDULES.lookup(name)
 
 
 @functools.lru_cache(maxsize=256)

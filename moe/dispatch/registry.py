@@ -9,13 +9,13 @@ without a list of their own.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from dualpipe.registry import Registry
 from moe.dispatch.base import DEFAULT_COMM_SMS, TokenDispatcher
 
 __all__ = [
@@ -105,49 +105,18 @@ def _importable(module: str) -> bool:
         return False
 
 
-class _Registry(Mapping[str, DispatcherSpec]):
-    """Read-only live view of the registered specs by name, in registration order.
-
-    Prints as the tuple of names, so messages read ``choose one of ('alltoall', ...)``.
-    """
-
-    __slots__ = ("_specs",)
-
-    def __init__(self, specs: dict[str, DispatcherSpec]) -> None:
-        self._specs = specs
-
-    def __getitem__(self, name: str) -> DispatcherSpec:
-        return self._specs[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._specs)
-
-    def __len__(self) -> int:
-        return len(self._specs)
-
-    def __str__(self) -> str:
-        return str(tuple(self._specs))
-
-    def __repr__(self) -> str:
-        return f"DISPATCHERS{tuple(self._specs)}"
-
-
-_SPECS: dict[str, DispatcherSpec] = {}
-DISPATCHERS: Mapping[str, DispatcherSpec] = _Registry(_SPECS)
+DISPATCHERS: Registry[DispatcherSpec] = Registry("dispatcher")
 """Registered backends by name; ``name in DISPATCHERS`` tells whether ``make_dispatcher(name, ...)`` knows it."""
 
 
 def register_dispatcher(spec: DispatcherSpec) -> DispatcherSpec:
     """Make ``spec.name`` selectable; a name is registered once (a clash is a bug, not an override)."""
-    if spec.name in _SPECS:
-        raise ValueError(f"dispatcher {spec.name!r} is already registered")
-    _SPECS[spec.name] = spec
-    return spec
+    return DISPATCHERS.register(spec)
 
 
 def unregister_dispatcher(name: str) -> DispatcherSpec:
     """Remove a backend registered with :func:`register_dispatcher` and return its spec."""
-    return _SPECS.pop(name)
+    return DISPATCHERS.unregister(name)
 
 
 def make_dispatcher(
@@ -164,9 +133,7 @@ def make_dispatcher(
     ``hidden_size`` and ``dtype`` describe the rows sent (DeepEP sizes its buffers from them); ``comm_sms`` is
     the SM budget of the communication kernels.
     """
-    spec = _SPECS.get(kind)
-    if spec is None:
-        raise ValueError(f"unknown dispatcher {kind!r}; choose one of {DISPATCHERS}")
+    spec = DISPATCHERS.lookup(kind)
     if spec.needs_group and group is None:
         raise ValueError(f"the {kind!r} dispatcher needs an expert-parallel process group")
     return spec.factory(num_experts, group, hidden_size=hidden_size, dtype=dtype, comm_sms=comm_sms)
