@@ -25,10 +25,7 @@ import torch
 
 from bench.harness import Bench, Row
 from kernels import ops, reference
-
-# Reserved for communication while the grouped GEMM runs: DeepSeek-V3 gives 20 of the H800's 132 SMs
-# to all-to-all (technical report, section 3.2.2).
-DEFAULT_COMM_SMS = 20
+from moe.dispatch import DEFAULT_COMM_SMS
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from bench.overlap_report import collect, cpu_floor, loss_check, rows_json, summarise, table, targets
+from bench.overlap_report import breakdown, collect, cpu_floor, loss_check, rows_json, summarise, table, targets
 from bench.overlap_run import MODES, WorkerOptions
 
 __all__ = ["main"]
@@ -199,6 +199,7 @@ def _report(args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict
     print(f"\n{device}: pp={opts.pp} ep={opts.ep} chunks={opts.chunks} tokens/step={opts.tokens_per_step} "
           f"steps={opts.steps} (+{opts.warmup} warm-up), medians over steps\n")  # fmt: skip
     print(table(rows))
+    print(breakdown(rows))
     if not args.cluster:
         print("\nnote: loopback run: all-to-all moves at memory speed and all ranks share the cores, so this is "
               "compute-bound and overlap has little to hide (use --cluster for a network-bound run)")  # fmt: skip

@@ -43,6 +43,7 @@ __all__ = [
     "KindExposure",
     "ModeRow",
     "Target",
+    "breakdown",
     "collect",
     "cpu_floor",
     "kind_table",
@@ -419,6 +420,16 @@ def skew_table(rows: list[ModeRow]) -> str:
     return _markdown(header, cells)
 
 
+def breakdown(rows: list[ModeRow]) -> str:
+    """What exposes the all-to-all: the per-kind table and the peer-skew table, titled."""
+    return (
+        "\nexposed all-to-all by kind (means per rank and timed step):\n\n"
+        + kind_table(rows)
+        + "\n\nexpert-parallel peer skew (every all-to-all of the timed steps, matched across its group):\n\n"
+        + skew_table(rows)
+    )
+
+
 def load_rank_files(folder: Path) -> list[dict]:
     """The ``rank<R>.json`` files in ``folder``, in rank order."""
     files = [json.loads(p.read_text()) for p in folder.glob("rank*.json")]
@@ -438,10 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.events}: pp={o['pp']} ep={o['ep']} chunks={o['chunks']} steps={o['steps']} "
           f"(+{o['warmup']} warm-up), medians over steps\n")  # fmt: skip
     print(table(rows))
-    print("\nexposed all-to-all by kind (means per rank and timed step):\n")
-    print(kind_table(rows))
-    print("\nexpert-parallel peer skew (every all-to-all of the timed steps, matched across its group):\n")
-    print(skew_table(rows))
+    print(breakdown(rows))
     if args.json is not None:
         args.json.write_text(json.dumps({"events": str(args.events), "rows": rows_json(rows)}, indent=1) + "\n")
     return 0
