@@ -18,6 +18,7 @@ from torch import nn
 
 from dualpipe.weight_grad import WeightGradStore
 from kernels import functional
+from kernels.functional import accumulate_grad
 
 __all__ = ["Attention", "DenseMLP", "Linear", "RMSNorm", "WgradSink", "accumulate_grad", "defer_wgrad"]
 
@@ -70,14 +71,6 @@ def defer_wgrad(sink: WgradSink | None, fn: Callable[[], None]) -> None:
         WeightGradStore.put(_without_grad(fn))
     else:
         _without_grad(fn)()
-
-
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """``param.grad += grad`` the way autograd's AccumulateGrad would (first write takes the tensor)."""
-    if param.grad is None:
-        param.grad = grad.to(param.dtype)
-    else:
-        param.grad += grad
 
 
 class _LinearFn(torch.autograd.Function):

@@ -118,6 +118,15 @@ def _bad_flags(rank: int, world: int, argv: list[str]) -> str:
         ),
         (["--pp", "2", "--ep", "1", "--ckpt-every", "2"], "--ckpt-every needs --ckpt-dir"),
         (["--pp", "2", "--ep", "1", "--layers", "3"], "pass --layers 4 or more"),
+        (
+            ["--pp", "2", "--ep", "1", "--schedule", "interleaved-1f1b", "--num-chunks", "3"],
+            "--num-chunks 3: interleaved 1F1B needs num_chunks a multiple of ranks = 2",
+        ),
+        (["--pp", "2", "--ep", "1", "--stages-per-rank", "3"], "DualPipeV takes 2 module(s) per rank, got 3"),
+        (
+            ["--pp", "2", "--ep", "1", "--schedule", "interleaved-1f1b", "--stages-per-rank", "3"],
+            "has 6 stages but the model has 4 layers; pass --layers 6",
+        ),
     ],
 )
 def test_bad_flags_fail_clearly(argv: list[str], message: str) -> None:
