@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from bench.overlap_report import breakdown, collect, cpu_floor, loss_check, rows_json, summarise, table, targets
-from bench.overlap_run import MODES, WorkerOptions
+from bench.overlap_run import CALIBRATION_MODE, MODES, WorkerOptions
 
 __all__ = ["main"]
 
@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace, run_dir: str) -> WorkerOptions:
-    modes = ["dualpipev"] if args.calibrate else args.modes
+    modes = [CALIBRATION_MODE] if args.calibrate else args.modes
     steps = 2 if args.calibrate else args.steps
     return WorkerOptions(
         pp=args.pp, ep=args.ep, chunks=args.chunks, micro_batch=args.micro_batch, seq_len=args.seq_len,
@@ -156,7 +156,7 @@ def _launch_cluster(opts: WorkerOptions, args: argparse.Namespace) -> dict:
 
 def _calibration(rank_files: list[dict]) -> dict | None:
     """Compute sub-stage time vs blocking all-to-all time per rank and step, in the no-overlap DualPipeV."""
-    steps = collect(rank_files).get("dualpipev")
+    steps = collect(rank_files).get(CALIBRATION_MODE)
     if not steps:
         return None
     compute = [sum(c.end - c.start for c in r.compute) for _, ranks in steps for r in ranks.values()]

@@ -51,10 +51,12 @@ from moe.events import EventRecorder
 from moe.model import lm_loss
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout, with_schedule
 
-__all__ = ["MODES", "TORCH_MODE", "WorkerOptions", "model_config", "worker_main"]
+__all__ = ["CALIBRATION_MODE", "MODES", "TORCH_MODE", "WorkerOptions", "model_config", "worker_main"]
 
 TORCH_MODE = "torch-dualpipev"
 """torch.distributed.pipelining's ScheduleDualPipeV on our DualPipeV's stage split."""
+CALIBRATION_MODE = "dualpipev"
+"""The mode ``--calibrate`` times: the schedule torch's runs, without overlap (every all-to-all blocks)."""
 
 
 def _modes() -> dict[str, tuple[str, bool]]:
@@ -64,7 +66,7 @@ def _modes() -> dict[str, tuple[str, bool]]:
         if spec.overlaps:
             modes[f"{name}-overlap"] = (name, True)
         modes[name] = (name, False)
-    modes[TORCH_MODE] = ("dualpipev", False)
+    modes[TORCH_MODE] = (CALIBRATION_MODE, False)
     return modes
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from dualpipe.registry import Registry
 
 __all__ = [
+    "DEFAULT_SCHEDULE",
     "SCHEDULES",
     "Action",
     "Layout",
@@ -409,6 +410,9 @@ class ScheduleSpec:
 
 SCHEDULES: Registry[ScheduleSpec] = Registry("schedule")
 """Every schedule by name. Built-in ones register in :mod:`dualpipe.generators`."""
+
+DEFAULT_SCHEDULE = "dualpipev"
+"""What the trainer, the layout and the simulator run unless told otherwise: the product's schedule."""
 
 
 def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:

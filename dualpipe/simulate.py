@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 from dualpipe.checks import DeadlockError, message_key, needed_receives
-from dualpipe.schedule import SCHEDULES, Action, Op, Schedule, build_schedule
+from dualpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, Action, Op, Schedule, build_schedule
 
 __all__ = ["Costs", "SimResult", "Span", "main", "render_png", "simulate"]
 
@@ -285,7 +285,7 @@ def _summary(result: SimResult) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dualpipe.simulate", description=__doc__.split("\n")[0])
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="dualpipev")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default=DEFAULT_SCHEDULE)
     p.add_argument("--ranks", type=int, default=4, help="pipeline ranks")
     p.add_argument("--chunks", type=int, default=10, help="micro-batches in total")
     p.add_argument(

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from dualpipe import PIPELINES, Pipeline
 from dualpipe.observer import ProfilerObserver
-from dualpipe.schedule import SCHEDULES, schedule_spec
+from dualpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, schedule_spec
 from moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moe.config import PRESETS, preset
 from moe.data import ByteCorpus
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel (= data-parallel) ranks")
     p.add_argument(
         "--schedule",
-        default="dualpipev",
+        default=DEFAULT_SCHEDULE,
         choices=sorted(SCHEDULES),
         help="; ".join(f"{name}: {spec.summary}" for name, spec in sorted(SCHEDULES.items())),
     )

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from dualpipe.schedule import Layout, schedule_spec
+from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, schedule_spec
 from moe.block import Block
 from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
@@ -51,7 +51,7 @@ class ParallelConfig:
     """Pipeline-parallel ranks."""
     ep: int = 1
     """Expert-parallel ranks (also the data-parallel ranks of the non-expert weights)."""
-    schedule: str = "dualpipev"
+    schedule: str = DEFAULT_SCHEDULE
     """A schedule of :data:`dualpipe.schedule.SCHEDULES`; its layout says how many stages there are and where
     each lives (``dualpipev``: 2*pp stages, two per rank; ``dualpipe``: pp stages, two mirrored copies per
     rank; ``1f1b`` / ``zb1p``: pp stages, one per rank)."""
