@@ -125,7 +125,7 @@ def _bad_flags(rank: int, world: int, argv: list[str]) -> str:
         (["--pp", "2", "--ep", "1", "--stages-per-rank", "3"], "DualPipeV takes 2 module(s) per rank, got 3"),
         (
             ["--pp", "2", "--ep", "1", "--schedule", "interleaved-1f1b", "--stages-per-rank", "3"],
-            "has 6 stages but the model has 4 layers; pass --layers 6",
+            "has 6 stages but the model has 2 layers; pass --layers 6",
         ),
     ],
 )
