@@ -295,14 +295,7 @@ class Pipeline(nn.Module):
             raise RuntimeError(f"pipeline rank {self.rank}: step finished with unconsumed state {leftover}")
 
     def _compute(self, a: Action, st: _StepState) -> None:
-        handler = {
-            Op.F: self._forward,
-            Op.B: self._backward,
-            Op.I: self._backward,
-            Op.W: self._weight,
-            Op.FB: self._forward_backward,
-        }[a.op]
-        self._observed("action", a, handler, a, st)
+        self._observed("action", a, getattr(self, _HANDLERS[a.op]), a, st)
 
     def _results(self, st: _StepState, last: list[int], per_path: int):
         loss = outputs = None
@@ -495,6 +488,10 @@ class Pipeline(nn.Module):
     def _weight(self, a: Action, st: _StepState) -> None:
         if not st.forward_only:
             self.grad_store.pop()
+
+
+_HANDLERS = {Op.F: "_forward", Op.B: "_backward", Op.I: "_backward", Op.W: "_weight", Op.FB: "_forward_backward"}
+"""The executor method that runs each compute op (looked up per action; no table is built per call)."""
 
 
 @functools.lru_cache(maxsize=256)

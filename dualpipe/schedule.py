@@ -442,8 +442,8 @@ def build_schedule(
     consumer (see :func:`post_receives_early`), so the transfer overlaps that compute.
     """
     spec = schedule_spec(name)
-    spec.validate(num_ranks, num_chunks, modules_per_rank)
-    layout = spec.stage_layout(num_ranks, modules_per_rank)
+    spec.validate(num_ranks, num_chunks, modules_per_rank)  # ranks and modules included
+    layout = spec.layout(num_ranks, spec.resolve_modules(modules_per_rank))
     ranks = []
     for rank in range(num_ranks):
         actions = spec.generate(layout, rank, num_chunks)
