@@ -15,7 +15,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,5 +374,16 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
+def cli() -> None:
+    """``main`` as a command: every rank checks the flags alike, so only global rank 0 prints what to change;
+    the others exit with the same failure, silently."""
+    try:
+        main()
+    except SystemExit as exc:
+        if isinstance(exc.code, str) and os.environ.get("RANK", "0") != "0":
+            raise SystemExit(1) from None
+        raise
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -146,3 +146,12 @@ def test_the_minimal_dualpipev_example_learns() -> None:
     log = _run([*torchrun, str(ROOT / "examples/toy_dualpipev.py"), "--steps", "30"])
     losses = [float(line.split("loss")[1].split()[0]) for line in log.splitlines() if line.startswith("step")]
     assert len(losses) == 4 and losses[-1] < 0.5 * losses[0]  # steps 1, 10, 20, 30
+
+
+def test_a_bad_flag_is_reported_once_not_per_rank() -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    argv = [*torchrun, str(ROOT / "examples/train.py"), "--pp", "2", "--ep", "1", "--num-chunks", "3"]
+    done = subprocess.run(argv, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    log = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert log.count("DualPipeV needs num_chunks >= 2 * ranks = 4 (got 3)") == 1, log[-3000:]
