@@ -16,11 +16,12 @@ where the result is consumed. A backend with nothing to send returns an already-
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar
 
 import torch
+
+from dualpipe.collectives import Pending
 
 __all__ = ["DEFAULT_COMM_SMS", "Dispatched", "Pending", "Route", "TokenDispatcher"]
 
@@ -28,30 +29,6 @@ __all__ = ["DEFAULT_COMM_SMS", "Dispatched", "Pending", "Route", "TokenDispatche
 # GEMM runs on the rest: DeepSeek-V3 gives 20 of the H800's 132 SMs to all-to-all, enough to saturate IB
 # and NVLink (technical report, section 3.2.2).
 DEFAULT_COMM_SMS = 20
-
-T = TypeVar("T")
-
-
-class Pending(Generic[T]):
-    """A result that may still be in flight. ``wait()`` finishes it once and returns it (idempotent)."""
-
-    __slots__ = ("_finish", "_value")
-
-    def __init__(self, finish: Callable[[], T]) -> None:
-        self._finish: Callable[[], T] | None = finish
-        self._value: T | None = None
-
-    @classmethod
-    def done(cls, value: T) -> Pending[T]:
-        pending: Pending[T] = cls(lambda: value)
-        pending.wait()
-        return pending
-
-    def wait(self) -> T:
-        if self._finish is not None:
-            self._value = self._finish()
-            self._finish = None
-        return self._value  # type: ignore[return-value]
 
 
 @dataclass(slots=True)
