@@ -1,0 +1,427 @@
+"""A block declared as pieces, and one micro-batch's run through it.
+
+A block is an ordered list of pieces over named values (each name assigned once):
+
+- :class:`Compute` runs ``fn(ctx, *inputs)`` under autograd on detached leaves of its inputs. Its backward
+  is split: *dX* back-propagates from its outputs to its input leaves, with every weight-gradient closure
+  that layers hand to ``WeightGradStore`` held back; *dW* runs those closures.
+- :class:`Comm` starts a communication, ``forward(ctx, *inputs) -> Pending``, whose result is waited where
+  it is consumed; its backward, ``backward(ctx, *output_grads) -> Pending``, is the opposite transfer. An
+  optional ``prepare(ctx, *inputs)`` starts a small exchange the transfer needs first (row counts).
+
+The block's output is the sum of the values its ``output`` names (the residual stream), its input the value
+named ``input``. ``ctx`` is one :class:`Context` per block and micro-batch, shared by the block's pieces
+(stash what a backward or a later piece needs there, as in an autograd function).
+
+A weight gradient is deferred the way DualPipe's layers do it: inside a custom autograd function's backward,
+``if WeightGradStore.enabled: WeightGradStore.put(closure)`` else compute it at once. During a dX the runtime
+enables a store of its own (unless the pipeline's zero-bubble ``I`` action already enabled the pipeline's),
+so the closures run in the dW that follows. Layers that compute weight gradients in autograd are fine too:
+their weight gradients are simply part of dX.
+
+:class:`BlockRun` keeps the per-value bookkeeping: leaves, gradients accumulated from every consumer, which
+communication results are still in flight. :mod:`dualpipe.overlap` drives it, alone or interleaved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from dualpipe.collectives import Pending
+from dualpipe.utils import run_backward
+from dualpipe.weight_grad import GradStore, active_store
+
+__all__ = ["BlockRun", "Comm", "Compute", "Context", "Pieces", "Recorder"]
+
+
+def _names(value: str | Sequence[str]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A compute piece: ``fn(ctx, *inputs)`` returns one value per name in ``outputs`` (a tuple, or the
+    value itself for one output). ``recompute`` (None: the stage's setting) runs it without a graph in
+    forward and again under autograd right before its backward, with ``ctx.recomputing`` set."""
+
+    name: str
+    fn: Callable[..., Any]
+    inputs: tuple[str, ...] | str
+    outputs: tuple[str, ...] | str
+    recompute: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", _names(self.inputs))
+        object.__setattr__(self, "outputs", _names(self.outputs))
+
+
+@dataclass(frozen=True)
+class Comm:
+    """A communication piece. ``forward(ctx, *inputs)`` starts the transfer and returns a ``Pending`` of one
+    value per name in ``outputs`` (a tuple, or the value itself for one output); ``backward(ctx,
+    *output_grads)`` starts the gradient's transfer and returns a ``Pending`` of one gradient (or None) per
+    input. ``prepare(ctx, *inputs)``, when given, is called as soon as the inputs exist and may return a
+    ``Pending`` that ``forward`` needs finished first (e.g. a row-count exchange): the runtime then starts
+    ``forward`` one compute piece of the other micro-batch later, so that wait is hidden. ``communicates``
+    False (nothing to send, e.g. one rank) records no events."""
+
+    name: str
+    forward: Callable[..., Pending[Any]]
+    backward: Callable[..., Pending[Any]]
+    inputs: tuple[str, ...] | str
+    outputs: tuple[str, ...] | str
+    prepare: Callable[..., Pending[Any] | None] | None = None
+    prepare_name: str = "counts"
+    communicates: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", _names(self.inputs))
+        object.__setattr__(self, "outputs", _names(self.outputs))
+
+
+Piece = Compute | Comm
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """One block: its pieces in forward order, the names of its input and of the values summed into its
+    output, the ``layer`` recorded in events, and whether overlapped pairs interleave it (``paired``; the
+    embedding and head of a stage are not: they run alone at the ends of a pair's sequence)."""
+
+    pieces: tuple[Piece, ...]
+    input: str = "x"
+    output: tuple[str, ...] | str = "out"
+    layer: int = -1
+    paired: bool = True
+    consumers: dict[str, list[int]] = field(init=False, repr=False, compare=False)
+    """Value name -> indices of the pieces reading it (the block output counts as ``len(pieces)``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pieces", tuple(self.pieces))
+        object.__setattr__(self, "output", _names(self.output))
+        where = f"block {self.layer}"
+        if not self.pieces or not any(isinstance(p, Compute) for p in self.pieces):
+            raise ValueError(f"{where}: a block needs at least one Compute piece")
+        defined = {self.input}
+        consumers: dict[str, list[int]] = {self.input: []}
+        for i, piece in enumerate(self.pieces):
+            if not isinstance(piece, (Compute, Comm)):
+                raise TypeError(f"{where}: piece {i} is a {type(piece).__name__}, not a Compute or a Comm")
+            for name in piece.inputs:
+                if name not in defined:
+                    raise ValueError(f"{where}: piece {piece.name!r} reads {name!r} before any piece produces it")
+                consumers[name].append(i)
+            for name in piece.outputs:
+                if name in defined:
+                    raise ValueError(f"{where}: piece {piece.name!r} produces {name!r} again (assign each once)")
+                defined.add(name)
+                consumers[name] = []
+        for name in self.output:
+            if name not in defined:
+                raise ValueError(f"{where}: the output names {name!r}, which no piece produces")
+            consumers[name].append(len(self.pieces))
+        object.__setattr__(self, "consumers", consumers)
+
+
+class Context:
+    """Scratch space of one block for one micro-batch, shared by its pieces (set any attribute)."""
+
+    recomputing: bool = False
+    """True while a compute piece runs again before its backward (activation recompute)."""
+
+
+class Recorder(Protocol):
+    """Where piece events go (``moe.EventRecorder`` is one): ``edge`` is begin/end or start/wait."""
+
+    def record(self, name: str, direction: str, layer: int, edge: str) -> None: ...
+
+
+def _leaf(value: Any) -> Any:
+    # A piece boundary: the piece's backward stops here and leaves the gradient in .grad.
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().requires_grad_(value.is_floating_point() and torch.is_grad_enabled())
+
+
+def _tuple(value: Any, n: int, what: str) -> tuple[Any, ...]:
+    if n == 1 and not (isinstance(value, tuple) and len(value) == 1):
+        return (value,)
+    if not isinstance(value, tuple) or len(value) != n:
+        raise ValueError(f"{what} returned {type(value).__name__}, expected a tuple of {n} values")
+    return value
+
+
+def _wants_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+class BlockRun:
+    """One micro-batch through one block (:class:`Pieces`), piece by piece, forward then backward.
+
+    Forward: :meth:`begin` with the block input, then each compute with :meth:`compute` and each
+    communication with :meth:`start` (when :meth:`startable`); results are waited lazily, when a compute
+    or the :meth:`output` reads them. Backward: :meth:`begin_backward` with the output gradient, then
+    :meth:`compute_dx` / :meth:`compute_dw` and :meth:`start_backward` in reverse order; the input gradient
+    is :meth:`grad_in` once :meth:`input_grad_final`.
+    """
+
+    def __init__(
+        self, decl: Pieces, *, recompute: bool = False, recorder: Recorder | None = None, grad: bool = True
+    ) -> None:
+        self.decl = decl
+        self.ctx = Context()
+        self.recompute = recompute
+        self.recorder = recorder
+        self.grad = grad
+        self.values: dict[str, Any] = {}
+        self._in_flight: dict[int, Pending[Any]] = {}  # comm index -> its forward result
+        self._prepared: dict[int, Pending[Any] | None] = {}  # comm index -> its prepare exchange, if any
+        self._leaves: dict[int, tuple[Any, ...]] = {}  # compute index -> its input leaves
+        self._outs: dict[int, tuple[Any, ...]] = {}  # compute index -> its outputs (graph roots)
+        self._stores: dict[int, GradStore] = {}  # compute index -> held-back weight gradients
+        self.started: set[int] = set()
+        self.done: set[int] = set()
+        # backward
+        self.grads: dict[str, torch.Tensor] = {}
+        self._waiting: dict[str, int] = {}  # value name -> consumers that have not given their gradient yet
+        self._bwd_in_flight: dict[int, Pending[Any]] = {}
+        self.bwd_started: set[int] = set()
+        self.bwd_done: set[int] = set()
+
+    # ---- events ------------------------------------------------------------------------------------------
+    def _edge(self, piece: Comm, name: str, direction: str, edge: str) -> None:
+        if self.recorder is not None and piece.communicates:
+            self.recorder.record(name, direction, self.decl.layer, edge)
+
+    @contextlib.contextmanager
+    def span(self, name: str, direction: str) -> Iterator[None]:
+        if self.recorder is None:
+            yield
+            return
+        self.recorder.record(name, direction, self.decl.layer, "begin")
+        yield
+        self.recorder.record(name, direction, self.decl.layer, "end")
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def begin(self, x: Any) -> None:
+        self.values[self.decl.input] = x
+
+    def available(self, name: str) -> bool:
+        return name in self.values
+
+    def value(self, name: str) -> Any:
+        """A value, waiting for the communication that produces it if it is still in flight."""
+        if name not in self.values:
+            i = next(i for i, p in enumerate(self.decl.pieces) if name in p.outputs)
+            self.wait(i)
+        return self.values[name]
+
+    def startable(self, i: int) -> bool:
+        piece = self.decl.pieces[i]
+        return i not in self.started and all(self.available(n) for n in piece.inputs)
+
+    def prepare(self, i: int) -> bool:
+        """Call comm ``i``'s ``prepare``; True when it left an exchange in flight that ``start`` must wait."""
+        piece = self.decl.pieces[i]
+        assert isinstance(piece, Comm)
+        if i not in self._prepared:
+            pending = None
+            if piece.prepare is not None:
+                pending = piece.prepare(self.ctx, *(self._plain(n) for n in piece.inputs))
+            if pending is not None:
+                self._edge(piece, piece.prepare_name, "fwd", "start")
+            self._prepared[i] = pending
+        return self._prepared[i] is not None
+
+    def start(self, i: int) -> None:
+        piece = self.decl.pieces[i]
+        assert isinstance(piece, Comm) and i not in self.started
+        self.prepare(i)
+        prepared = self._prepared.pop(i, None)
+        if prepared is not None:
+            prepared.wait()
+            self._edge(piece, piece.prepare_name, "fwd", "wait")
+        self.started.add(i)
+        self._edge(piece, piece.name, "fwd", "start")
+        self._in_flight[i] = piece.forward(self.ctx, *(self._plain(n) for n in piece.inputs))
+
+    def wait(self, i: int) -> None:
+        piece = self.decl.pieces[i]
+        assert isinstance(piece, Comm)
+        if i not in self.started:
+            self.start(i)
+        result = _tuple(self._in_flight.pop(i).wait(), len(piece.outputs), f"Comm {piece.name!r}")
+        self._edge(piece, piece.name, "fwd", "wait")
+        self.values.update(zip(piece.outputs, result))
+        self.done.add(i)
+
+    def _plain(self, name: str) -> Any:
+        v = self.value(name)
+        return v.detach() if isinstance(v, torch.Tensor) else v
+
+    def _recomputes(self, piece: Compute) -> bool:
+        return self.grad and (self.recompute if piece.recompute is None else piece.recompute)
+
+    def _run(self, i: int, leaves: tuple[Any, ...], grad: bool) -> tuple[Any, ...]:
+        piece = self.decl.pieces[i]
+        assert isinstance(piece, Compute)
+        with torch.set_grad_enabled(grad):
+            out = piece.fn(self.ctx, *leaves)
+        return _tuple(out, len(piece.outputs), f"Compute {piece.name!r}")
+
+    def compute(self, i: int) -> None:
+        piece = self.decl.pieces[i]
+        assert isinstance(piece, Compute)
+        leaves = tuple(_leaf(self.value(n)) for n in piece.inputs)
+        with self.span(piece.name, "fwd"):
+            recompute = self._recomputes(piece)
+            outs = self._run(i, leaves, self.grad and not recompute)
+        if self.grad:
+            self._leaves[i] = leaves
+            if not recompute:
+                self._outs[i] = outs
+        self.values.update(zip(piece.outputs, outs))
+        self.done.add(i)
+
+    def output(self) -> Any:
+        """The block output: the sum of the ``output`` values (no graph: the backward starts from it)."""
+        names = self.decl.output
+        values = [self.value(n) for n in names]
+        if len(values) == 1:
+            out = values[0]
+            out = out.detach() if isinstance(out, torch.Tensor) else out
+        else:
+            with self.span("residual", "fwd"), torch.no_grad():
+                out = values[0].detach()
+                for v in values[1:]:
+                    out = out + v.detach()
+        self._drop_recomputed()
+        return out
+
+    def _drop_recomputed(self) -> None:
+        # Keep only what backward needs: piece inputs (leaves), and outputs of pieces not recomputed.
+        for piece in self.decl.pieces:
+            if isinstance(piece, Compute) and self._recomputes(piece):
+                for name in piece.outputs:
+                    self.values.pop(name, None)
+
+    @property
+    def holds_graph(self) -> bool:
+        """Whether any compute piece's autograd graph is kept for backward (False when all recompute)."""
+        return bool(self._outs)
+
+    # ---- backward ----------------------------------------------------------------------------------------
+    def begin_backward(self, grad_out: torch.Tensor | None) -> None:
+        """Every output value receives the output gradient (the output is their sum)."""
+        self._waiting = {name: len(c) for name, c in self.decl.consumers.items()}
+        for name in self.decl.output:
+            self._give(name, grad_out)
+
+    def _give(self, name: str, grad: torch.Tensor | None) -> None:
+        if grad is not None:
+            have = self.grads.get(name)
+            self.grads[name] = grad if have is None else have + grad
+        self._waiting[name] -= 1
+
+    def grads_final(self, names: Sequence[str]) -> bool:
+        return all(self._waiting[n] == 0 for n in names)
+
+    def finish_input_grad(self) -> None:
+        """Wait for whatever gradient of the block input is still in flight."""
+        self._finish_grads([self.decl.input])
+
+    def input_grad_final(self) -> bool:
+        return self._waiting.get(self.decl.input, 1) == 0
+
+    def grad_in(self) -> torch.Tensor | None:
+        return self.grads.get(self.decl.input)
+
+    def startable_backward(self, i: int) -> bool:
+        piece = self.decl.pieces[i]
+        return i not in self.bwd_started and self.grads_final(piece.outputs)
+
+    def _finish_grads(self, names: Sequence[str]) -> None:
+        # Wait for the in-flight gradients of later communications that feed these values.
+        for name in names:
+            for j in self.decl.consumers[name]:
+                if j < len(self.decl.pieces) and isinstance(self.decl.pieces[j], Comm) and j not in self.bwd_done:
+                    self.wait_backward(j)
+        if not self.grads_final(names):
+            missing = [n for n in names if self._waiting[n]]
+            raise RuntimeError(f"block {self.decl.layer}: gradients of {missing} are not complete")
+
+    def start_backward(self, i: int) -> None:
+        piece = self.decl.pieces[i]
+        assert isinstance(piece, Comm) and i not in self.bwd_started
+        self._finish_grads(piece.outputs)
+        grads = []
+        for name in piece.outputs:
+            g = self.grads.pop(name, None)
+            if g is None and _wants_grad(self.values.get(name)):
+                g = torch.zeros_like(self.values[name])
+            grads.append(g)
+        self.bwd_started.add(i)
+        self._edge(piece, piece.name, "bwd", "start")
+        self._bwd_in_flight[i] = piece.backward(self.ctx, *grads)
+        for name in piece.outputs:
+            self.values.pop(name, None)
+
+    def wait_backward(self, i: int) -> None:
+        piece = self.decl.pieces[i]
+        assert isinstance(piece, Comm)
+        if i not in self.bwd_started:
+            self.start_backward(i)
+        result = _tuple(self._bwd_in_flight.pop(i).wait(), len(piece.inputs), f"Comm {piece.name!r} backward")
+        self._edge(piece, piece.name, "bwd", "wait")
+        self.bwd_done.add(i)
+        for name, g in zip(piece.inputs, result):
+            self._give(name, g)
+
+    def compute_dx(self, i: int, record: bool = True) -> None:
+        """Input gradients of compute ``i``; its weight gradients are held for :meth:`compute_dw`."""
+        piece = self.decl.pieces[i]
+        assert isinstance(piece, Compute)
+        self._finish_grads(piece.outputs)
+        with self.span(f"{piece.name}.dx", "bwd") if record else contextlib.nullcontext():
+            leaves = self._leaves.pop(i)
+            if i in self._outs:
+                outs = self._outs.pop(i)
+            else:  # recomputed: run it again under autograd, replaying what ctx recorded
+                self.ctx.recomputing = True
+                try:
+                    outs = self._run(i, leaves, True)
+                finally:
+                    self.ctx.recomputing = False
+            roots, grads = [], []
+            for name, out in zip(piece.outputs, outs):
+                g = self.grads.pop(name, None)
+                self.values.pop(name, None)
+                if g is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+                    roots.append(out)
+                    grads.append(g)
+            del outs
+            outer = active_store()
+            if outer.enabled:  # the pipeline defers weight gradients to its own W action
+                run_backward(roots, grads)
+            else:
+                store = GradStore()
+                with store.activate(enabled=True):
+                    run_backward(roots, grads)
+                store.flush()
+                self._stores[i] = store
+        for name, leaf in zip(piece.inputs, leaves):
+            self._give(name, leaf.grad if isinstance(leaf, torch.Tensor) else None)
+        self.bwd_done.add(i)
+
+    def compute_dw(self, i: int, record: bool = True) -> None:
+        store = self._stores.pop(i, None)
+        if store is None:
+            return
+        piece = self.decl.pieces[i]
+        with self.span(f"{piece.name}.dw", "bwd") if record else contextlib.nullcontext(), torch.no_grad():
+            store.pop()
