@@ -24,7 +24,7 @@ from moe.parallel import (
     init_layout,
     reduce_gradients,
 )
-from moe.stage import MoEStage, StageRun
+from moe.stage import MoEStage
 
 __all__ = [
     "PRESETS",
@@ -35,7 +35,6 @@ __all__ = [
     "MoEStage",
     "ParallelConfig",
     "ParallelLayout",
-    "StageRun",
     "balance_routers",
     "build_stages",
     "init_layout",

@@ -4,19 +4,17 @@ Legend for shape suffixes: M routed rows (sorted by local expert), R received to
 D hidden, F expert intermediate width, E local experts.
 
 The kernel computes the input gradient in backward and hands the weight gradient, as a closure, to
-:func:`moe.layers.defer_wgrad`: the sub-stage's sink runs it after the dispatch-direction all-to-all has
-been started, or parks it in ``WeightGradStore`` for a zero-bubble ``W`` slot.
+:func:`moe.layers.defer_wgrad`: the MLP piece's dW runs it after the dispatch-direction all-to-all has
+been started, or a zero-bubble ``W`` slot does.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import nn
 
 from kernels import functional
-from moe.layers import WgradSink, defer_wgrad
+from moe.layers import defer_wgrad
 
 __all__ = ["GroupedExperts"]
 
@@ -39,14 +37,13 @@ class GroupedExperts(nn.Module):
         x_RD: torch.Tensor,
         local_idx_RK: torch.Tensor,
         weights_RK: torch.Tensor,
-        sink: WgradSink | None = None,
         comm_sms: int = 0,
     ) -> torch.Tensor:
         """Expert outputs of received rows, weighted and summed over this rank's slots of each row.
 
         x: ``[R, D]`` rows as received; local_idx: ``[R, K]`` local expert ids, -1 for slots served by other
         ranks; weights: ``[R, K]`` fp32 routing weights. Returns ``[R, D]`` in x's dtype. The weight
-        gradients never reach autograd: they go to ``sink`` (see :func:`moe.layers.defer_wgrad`).
+        gradients never reach autograd: they go through :func:`moe.layers.defer_wgrad`.
         """
         x_MD, row_id_M, tokens_per_expert_E = functional.permute_tokens(x_RD, local_idx_RK, self.num_local_experts)
         y_MD = functional.grouped_experts(
@@ -55,6 +52,6 @@ class GroupedExperts(nn.Module):
             self.w2,
             tokens_per_expert_E,
             comm_sms=comm_sms,
-            defer_weight_grad=functools.partial(defer_wgrad, sink),
+            defer_weight_grad=defer_wgrad,
         )
         return functional.unpermute_tokens(y_MD, row_id_M, weights_RK)

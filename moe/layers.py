@@ -4,8 +4,8 @@ Legend for shape suffixes: B batch, S sequence, D hidden, H query heads, G key/v
 F intermediate width, T tokens (B*S).
 
 Every matrix multiply goes through :class:`Linear`, whose backward computes the input gradient at once and
-hands the weight gradient to a :class:`WgradSink` (or to ``WeightGradStore`` when a zero-bubble schedule
-asked for deferral). That is what lets a sub-stage's backward run as "dX now, dW later".
+hands the weight gradient to ``WeightGradStore`` when it is enabled (:func:`defer_wgrad`, DualPipe's
+protocol). That is what lets a compute piece's backward run as "dX now, dW later" (:mod:`dualpipe.pieces`).
 """
 
 from __future__ import annotations
@@ -20,37 +20,7 @@ from dualpipe.weight_grad import WeightGradStore
 from kernels import functional
 from kernels.functional import accumulate_grad
 
-__all__ = ["Attention", "DenseMLP", "Linear", "RMSNorm", "WgradSink", "accumulate_grad", "defer_wgrad"]
-
-
-class WgradSink:
-    """Collects the weight-gradient closures of one sub-stage backward so they can run after its dX.
-
-    ``collect`` False (the default) runs closures at once; True queues them until :meth:`run`. Either way,
-    when the pipeline has enabled ``WeightGradStore`` the closure goes there instead (the pipeline runs it
-    in a later ``W`` slot). One sink belongs to one micro-batch's sub-stage: nothing is shared.
-    """
-
-    __slots__ = ("_pending", "collect")
-
-    def __init__(self) -> None:
-        self.collect = False
-        self._pending: list[Callable[[], None]] = []
-
-    def put(self, fn: Callable[[], None]) -> None:
-        fn = _without_grad(fn)
-        if WeightGradStore.enabled:
-            WeightGradStore.put(fn)
-        elif self.collect:
-            self._pending.append(fn)
-        else:
-            fn()
-
-    def run(self) -> None:
-        """Run the queued closures (FIFO) and empty the queue."""
-        pending, self._pending = self._pending, []
-        for fn in pending:
-            fn()
+__all__ = ["Attention", "DenseMLP", "Linear", "RMSNorm", "accumulate_grad", "defer_wgrad"]
 
 
 def _without_grad(fn: Callable[[], None]) -> Callable[[], None]:
@@ -63,11 +33,10 @@ def _without_grad(fn: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
-def defer_wgrad(sink: WgradSink | None, fn: Callable[[], None]) -> None:
-    """Route a weight-gradient closure: the pipeline's store, the sink, or run now."""
-    if sink is not None:
-        sink.put(fn)
-    elif WeightGradStore.enabled:
+def defer_wgrad(fn: Callable[[], None]) -> None:
+    """DualPipe's protocol for a weight gradient: hand the closure to ``WeightGradStore`` when it is enabled
+    (the piece runtime's dW, or a zero-bubble ``W`` slot), else compute it now."""
+    if WeightGradStore.enabled:
         WeightGradStore.put(_without_grad(fn))
     else:
         _without_grad(fn)()
@@ -75,13 +44,12 @@ def defer_wgrad(sink: WgradSink | None, fn: Callable[[], None]) -> None:
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, sink: WgradSink | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.sink = sink
         return F.linear(x, weight)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
         dx = dy @ weight if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
@@ -90,8 +58,8 @@ class _LinearFn(torch.autograd.Function):
             def wgrad() -> None:
                 accumulate_grad(weight, dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
 
-            defer_wgrad(ctx.sink, wgrad)
-        return dx, None, None
+            defer_wgrad(wgrad)
+        return dx, None
 
 
 class Linear(nn.Module):
@@ -101,8 +69,8 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
-    def forward(self, x: torch.Tensor, sink: WgradSink | None = None) -> torch.Tensor:
-        return _LinearFn.apply(x, self.weight, sink)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearFn.apply(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -140,11 +108,11 @@ class Attention(nn.Module):
         inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x_BSD: torch.Tensor, sink: WgradSink | None = None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         b, s, _ = x_BSD.shape
-        q_BSHC = self.wq(x_BSD, sink).view(b, s, self.num_heads, self.head_dim)
-        k_BSGC = self.wk(x_BSD, sink).view(b, s, self.num_kv_heads, self.head_dim)
-        v_BSGC = self.wv(x_BSD, sink).view(b, s, self.num_kv_heads, self.head_dim)
+        q_BSHC = self.wq(x_BSD).view(b, s, self.num_heads, self.head_dim)
+        k_BSGC = self.wk(x_BSD).view(b, s, self.num_kv_heads, self.head_dim)
+        v_BSGC = self.wv(x_BSD).view(b, s, self.num_kv_heads, self.head_dim)
         angles_SC = torch.arange(s, device=x_BSD.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         cos_SC, sin_SC = angles_SC.cos(), angles_SC.sin()
         q_BSHC, k_BSGC = _rotate(q_BSHC, cos_SC, sin_SC), _rotate(k_BSGC, cos_SC, sin_SC)
@@ -155,7 +123,7 @@ class Attention(nn.Module):
             is_causal=True,
             enable_gqa=self.num_kv_heads != self.num_heads,
         )
-        return self.wo(o_BHSC.transpose(1, 2).reshape(b, s, -1), sink)
+        return self.wo(o_BHSC.transpose(1, 2).reshape(b, s, -1))
 
 
 class DenseMLP(nn.Module):
@@ -166,5 +134,5 @@ class DenseMLP(nn.Module):
         self.gate_up = Linear(hidden, 2 * intermediate)
         self.down = Linear(intermediate, hidden)
 
-    def forward(self, x: torch.Tensor, sink: WgradSink | None = None) -> torch.Tensor:
-        return self.down(functional.swiglu(self.gate_up(x, sink)), sink)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(functional.swiglu(self.gate_up(x)))

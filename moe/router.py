@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels import ops
 from moe.config import MoEConfig
-from moe.layers import Linear, WgradSink
+from moe.layers import Linear
 
 __all__ = ["Router", "Routing"]
 
@@ -60,7 +60,6 @@ class Router(nn.Module):
     def forward(
         self,
         z_BSD: torch.Tensor,
-        sink: WgradSink | None = None,
         topk_idx_TK: torch.Tensor | None = None,
     ) -> Routing:
         """Route ``z``; pass ``topk_idx_TK`` to replay an earlier decision (activation recomputation).
@@ -68,7 +67,7 @@ class Router(nn.Module):
         A fresh decision in training mode adds its per-expert counts to ``expert_load``.
         """
         b, s, d = z_BSD.shape
-        logits_TE = self.gate(z_BSD.reshape(b * s, d), sink)
+        logits_TE = self.gate(z_BSD.reshape(b * s, d))
         if topk_idx_TK is None:
             _, topk_idx_TK, _ = ops.router_topk(
                 logits_TE.detach(), self.expert_bias, self.top_k, self.n_group, self.topk_group, self.route_scale
