@@ -482,8 +482,21 @@ class Pipeline(nn.Module):
             )
         if is_last0 and loss0 is None:
             raise RuntimeError("overlapped_forward_backward returned no loss for a last stage with a criterion")
+        self._check_delivered(type(module1), bkey, st)
         self._after_forward(a.module, a.chunk, outputs0, st, loss=loss0)
         self._after_backward(bkey, loss1, st)
+
+    def _check_delivered(self, cls: type, key: Key, st: _StepState) -> None:
+        """The hook must leave the backward micro-batch's input gradient in ``.grad``: fail here, on this
+        rank, before that gradient's send leaves a peer waiting for a tensor that never comes."""
+        wanting = [t for t in st.inputs[key] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if wanting and all(t.grad is None for t in wanting):
+            raise RuntimeError(
+                f"{cls.__qualname__}.overlapped_forward_backward returned without delivering the input gradient "
+                f"of micro-batch {key[1]} of module {key[0]} (pipeline rank {self.rank}): after the backward of "
+                "module1, accumulate the gradient into the .grad of that micro-batch's inputs, as a plain "
+                "backward would (dualpipe.overlap.deliver_input_grad does it)"
+            )
 
     def _weight(self, a: Action, st: _StepState) -> None:
         if not st.forward_only:
