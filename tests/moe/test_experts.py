@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dualpipe.weight_grad import GradStore
 from kernels import functional
 from moe.experts import GroupedExperts
-from dualpipe.weight_grad import GradStore
 
 
 def test_weight_grads_wait_in_weight_grad_store_and_equal_autograds():

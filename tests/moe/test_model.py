@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from dualpipe.pieces import Compute
-
 from dualpipe.weight_grad import GradStore
 from moe import MoEConfig, MoEModel, lm_loss, preset
 from moe.layers import Linear
