@@ -412,17 +412,7 @@ class OverlapStage(nn.Module):
         return stage_output(run, out, run.inputs)
 
     @classmethod
-    def overlapped_forward_backward(
-        cls,
-        module0: OverlapStage,
-        inputs0: Sequence[torch.Tensor],
-        criterion0: Callable[..., torch.Tensor] | None,
-        labels0: Sequence[torch.Tensor],
-        module1: OverlapStage,
-        loss1: torch.Tensor | None,
-        outputs1: Sequence[torch.Tensor] | None,
-        output_grads1: Sequence[torch.Tensor] | None,
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        return overlapped_forward_backward(
-            module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
-        )
+    def overlapped_forward_backward(cls, *args: Any) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """DualPipe's hook (contract: :mod:`dualpipe.hooks`), built from the stages' pieces by
+        :func:`overlapped_forward_backward`."""
+        return overlapped_forward_backward(*args)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dualpipe.overlap import OverlapStage, overlapped_forward_backward
+from dualpipe.overlap import OverlapStage
 from dualpipe.pieces import Compute, Context, Pieces
 from moe.block import Block
 from moe.config import MoEConfig
@@ -143,21 +143,11 @@ class MoEStage(OverlapStage):
 
     @classmethod
     def overlapped_forward_backward(
-        cls,
-        module0: MoEStage,
-        inputs0: Sequence[torch.Tensor],
-        criterion0,
-        labels0: Sequence[torch.Tensor],
-        module1: MoEStage,
-        loss1: torch.Tensor | None,
-        outputs1: Sequence[torch.Tensor] | None,
-        output_grads1: Sequence[torch.Tensor] | None,
+        cls, module0: MoEStage, inputs0, criterion0, labels0, module1: MoEStage, *backward
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The runtime's hook (:func:`dualpipe.overlap.overlapped_forward_backward`) for piecewise stages."""
         if not (module0.piecewise and module1.piecewise):
             raise ValueError(
                 "overlapped_forward_backward needs piecewise=True stages; run piecewise=False ones with overlap=False"
             )
-        return overlapped_forward_backward(
-            module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
-        )
+        return super().overlapped_forward_backward(module0, inputs0, criterion0, labels0, module1, *backward)

@@ -9,7 +9,7 @@ from torch import nn
 
 from dualpipe import DualPipe, DualPipeV, OneFOneB, PipelineCommError, set_p2p_tensor_shapes
 from tests.distributed import run_ranks
-from tests.dualpipe.toy import ToyStage, criterion, make_stages
+from tests.dualpipe.toy import NoInputGrad, ToyStage, criterion, make_stages
 
 H = 4
 
@@ -139,24 +139,8 @@ def test_two_pipelines_in_one_process_do_not_interfere() -> None:
     assert all(run_ranks(_two_pipelines, 2, timeout=120))
 
 
-class _ForgetsInputGrad(ToyStage):
-    """A hook that backpropagates into the parameters only: the input gradient never reaches ``.grad``."""
-
-    @classmethod
-    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, grads1):
-        outputs0 = [module0(*inputs0)]
-        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
-        params = list(module1.parameters())
-        if loss1 is not None:
-            torch.autograd.backward(loss1, inputs=params)
-            loss1.detach_()
-        else:
-            torch.autograd.backward(outputs1, grads1, inputs=params)
-        return outputs0, loss0
-
-
 def _hook_forgets_input_grad(rank: int, world: int) -> tuple[str, str]:
-    stages = make_stages(2, H, seed=0, cls=_ForgetsInputGrad)
+    stages = make_stages(2, H, seed=0, cls=NoInputGrad)
     pipe = DualPipeV(stages, timeout=5)
     x = torch.randn(8, 3, H, dtype=torch.float64)
     try:
@@ -170,6 +154,6 @@ def test_a_hook_that_does_not_deliver_the_input_gradient_is_named_on_its_rank() 
     results = run_ranks(_hook_forgets_input_grad, 2, timeout=90)
     named = [msg for kind, msg in results if kind == "RuntimeError"]
     assert named, results
-    assert "_ForgetsInputGrad.overlapped_forward_backward returned without delivering the input gradient" in named[0]
+    assert "NoInputGrad.overlapped_forward_backward returned without delivering the input gradient" in named[0]
     # No rank hangs or dies with an unrelated error: the other one names the hook too or loses its peer.
     assert all(kind in ("RuntimeError", "PipelineCommError") for kind, _ in results), results

@@ -7,11 +7,10 @@ import re
 
 import pytest
 import torch
-from torch.autograd import Variable
 
 from dualpipe.testing import OverlapReport, check_overlap
 from dualpipe.utils import run_backward
-from tests.dualpipe.toy import ToyStage, ToyStageOverlap, criterion
+from tests.dualpipe.toy import NoInputGrad, ToyStage, ToyStageOverlap, criterion
 
 HIDDEN = 8
 
@@ -81,26 +80,6 @@ def test_toy_pair_with_a_shared_layer():
 
 
 # -- broken hooks ---------------------------------------------------------------------------------------
-class NoInputGrad(ToyStageOverlap):
-    """Backpropagates into the parameters only: the input gradient never reaches ``.grad``."""
-
-    @classmethod
-    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, grads1):
-        outputs0 = [module0(*inputs0)]
-        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
-        params = list(module1.parameters())
-        if loss1 is not None:
-            loss1.backward(inputs=params)
-            loss1.detach_()
-        else:
-            # dualpipe.utils.run_backward's engine call, restricted to the parameters (torch.autograd.backward
-            # would check the shapes of outputs1, which the pipeline has freed).
-            Variable._execution_engine.run_backward(
-                tuple(outputs1), tuple(grads1), False, False, tuple(params), True, True
-            )
-        return outputs0, loss0
-
-
 class NoDetach(ToyStageOverlap):
     """Forgets ``loss1.detach_()``."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import Variable
 
 from dualpipe import WeightGradStore
 from dualpipe.utils import run_backward
@@ -71,6 +72,26 @@ class ToyStageOverlap(ToyStage):
             loss1.detach_()
         else:
             run_backward(outputs1, output_grads1)
+        return outputs0, loss0
+
+
+class NoInputGrad(ToyStageOverlap):
+    """Backpropagates into the parameters only: the input gradient never reaches ``.grad``."""
+
+    @classmethod
+    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, grads1):
+        outputs0 = [module0(*inputs0)]
+        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+        params = list(module1.parameters())
+        if loss1 is not None:
+            loss1.backward(inputs=params)
+            loss1.detach_()
+        else:
+            # dualpipe.utils.run_backward's engine call, restricted to the parameters (torch.autograd.backward
+            # would check the shapes of outputs1, which the pipeline has freed).
+            Variable._execution_engine.run_backward(
+                tuple(outputs1), tuple(grads1), False, False, tuple(params), True, True
+            )
         return outputs0, loss0
 
 
