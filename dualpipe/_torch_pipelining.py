@@ -89,11 +89,15 @@ def _torch_minor() -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def _tested() -> str:
+    return ".".join(map(str, TESTED_TORCH))
+
+
 def _mismatch(what: str) -> TorchPipeliningMismatch:
-    tested = ".".join(map(str, TESTED_TORCH))
     return TorchPipeliningMismatch(
-        f"dualpipe's torch bridge needs {what} (torch.distributed.pipelining internals, written against torch "
-        f"{tested}); torch {torch.__version__} differs. Use torch {tested}.x, or run without the bridge."
+        f"dualpipe's torch bridge needs {what}, a torch.distributed.pipelining internal as of torch {_tested()}; "
+        f"torch {torch.__version__} lacks it or changed it. Use torch {_tested()}.x, or run the schedule "
+        "without the bridge."
     )
 
 
@@ -110,7 +114,11 @@ def check_torch(allow_untested: bool = False) -> None:
     """Raise :class:`TorchPipeliningMismatch` naming the first missing or reshaped private name, or the torch
     version when it is not :data:`TESTED_TORCH` (unless ``allow_untested``)."""
     if not allow_untested and _torch_minor() != TESTED_TORCH:
-        raise _mismatch(f"torch {'.'.join(map(str, TESTED_TORCH))}")
+        raise TorchPipeliningMismatch(
+            f"dualpipe's torch bridge uses torch.distributed.pipelining internals as of torch {_tested()} and "
+            f"was tested there only; this is torch {torch.__version__}. Use torch {_tested()}.x, or pass "
+            "allow_untested_torch=True to try (every private name it needs is still checked)."
+        )
     where = "torch.distributed.pipelining.schedules"
     for name in _MODULE_NAMES:
         if not hasattr(_schedules, name):

@@ -39,9 +39,11 @@ from dualpipe.observer import PipelineObserver
 from dualpipe.schedule import Action, Op
 from dualpipe.weight_grad import GradStore, active_store
 
-__all__ = ["TESTED_TORCH", "GradStoreStage", "overlap_torch_schedule"]
+__all__ = ["TESTED_TORCH", "GradStoreStage", "TorchPipeliningMismatch", "overlap_torch_schedule"]
 
 TESTED_TORCH = tp.TESTED_TORCH
+"""The torch (major, minor) the bridge was written against and tested with."""
+TorchPipeliningMismatch = tp.TorchPipeliningMismatch
 
 
 def _close_store_batch() -> Callable[[], None]:
@@ -205,7 +207,7 @@ def overlap_torch_schedule(
     whose layers defer weight gradients through ``WeightGradStore`` should be :class:`GradStoreStage` s.
     Checked here, before any communication: a ``TypeError`` for a schedule that is not a torch
     ``_PipelineScheduleRuntime``, a ``ValueError`` for the stages, and
-    :class:`dualpipe._torch_pipelining.TorchPipeliningMismatch` naming the private torch name or the torch
+    :class:`TorchPipeliningMismatch` naming the private torch name or the torch
     version that differs from the ones the bridge was written against (torch 2.13;
     ``allow_untested_torch=True`` skips only the version check).
 

@@ -18,7 +18,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from dualpipe import DualPipeV, GradStoreStage, PipelineObserver, overlap_torch_schedule
-from dualpipe._torch_pipelining import TorchPipeliningMismatch
+from dualpipe.torch_bridge import TorchPipeliningMismatch
 from moe import EventRecorder, lm_loss
 from moe.parallel import ParallelConfig, build_stages, init_layout
 from tests.distributed import run_ranks
@@ -198,7 +198,7 @@ def test_a_reshaped_private_method_is_named(monkeypatch):
 
 def test_an_untested_torch_version_is_named(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.14.0")
-    with pytest.raises(TorchPipeliningMismatch, match=r"needs torch 2\.13 .*torch 2\.14\.0 differs"):
+    with pytest.raises(TorchPipeliningMismatch, match=r"as of torch 2\.13 .*this is torch 2\.14\.0"):
         overlap_torch_schedule(object())
     with pytest.raises(TypeError):  # past the version check, the next one
         overlap_torch_schedule(object(), allow_untested_torch=True)
