@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.overlap_run import MODES
+from bench.overlap_run import MODES, TORCH_MODE, TORCH_MODES
 from bench.overlap_stats import (
     COMM_KINDS,
     PeerSkew,
@@ -57,7 +57,7 @@ __all__ = [
     "targets",
 ]
 
-BASELINE = "torch-dualpipev"
+BASELINE = TORCH_MODE
 
 
 @dataclass(kw_only=True, slots=True)
@@ -250,7 +250,7 @@ def _row(
         mean_predicted = predicted_bubble(schedule, num_ranks, opts["chunks"], costs)
         pipelines = _pipelines(ranks, num_ranks)
         # torch runs its own action order, which our schedule's replay does not describe
-        replayed = math.nan if mode == BASELINE else replayed_bubble(schedule, pipelines, opts["chunks"])
+        replayed = math.nan if mode in TORCH_MODES else replayed_bubble(schedule, pipelines, opts["chunks"])
         paired = comm_totals(list(ranks.values()), within="FB")[2]
         use = cpu.get((mode, step), math.nan) / (cores * (t1 - t0))
         bubble = measured_bubble(list(ranks.values()))

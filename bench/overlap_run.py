@@ -26,7 +26,8 @@ spans the nodes: the all-to-all crosses the shaped links. (The default, pp-major
 inside a node.)
 
 Modes: every registered schedule (:data:`dualpipe.schedule.SCHEDULES`) without overlap, those that pair
-forward and backward chunks also with overlap (``<name>-overlap``), and ``torch-dualpipev``.
+forward and backward chunks also with overlap (``<name>-overlap``), and torch's ScheduleDualPipeV as users
+get it (``torch-dualpipev``) and with our overlapped pairs bridged in (``torch-dualpipev-overlap``).
 """
 
 from __future__ import annotations
@@ -51,10 +52,12 @@ from moe.events import EventRecorder
 from moe.model import lm_loss
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout, with_schedule
 
-__all__ = ["CALIBRATION_MODE", "MODES", "TORCH_MODE", "WorkerOptions", "model_config", "worker_main"]
+__all__ = ["CALIBRATION_MODE", "MODES", "TORCH_MODE", "TORCH_MODES", "WorkerOptions", "model_config", "worker_main"]
 
 TORCH_MODE = "torch-dualpipev"
-"""torch.distributed.pipelining's ScheduleDualPipeV on our DualPipeV's stage split."""
+"""torch.distributed.pipelining's ScheduleDualPipeV on our DualPipeV's stage split: the baseline."""
+TORCH_MODES: dict[str, bool] = {TORCH_MODE: False, f"{TORCH_MODE}-overlap": True}
+"""torch's schedule -> whether its paired actions run our overlapped pairs (:mod:`dualpipe.torch_bridge`)."""
 CALIBRATION_MODE = "dualpipev"
 """The mode ``--calibrate`` times: the schedule torch's runs, without overlap (every all-to-all blocks)."""
 
@@ -66,7 +69,8 @@ def _modes() -> dict[str, tuple[str, bool]]:
         if spec.overlaps:
             modes[f"{name}-overlap"] = (name, True)
         modes[name] = (name, False)
-    modes[TORCH_MODE] = (CALIBRATION_MODE, False)
+    for name, overlap in TORCH_MODES.items():
+        modes[name] = (CALIBRATION_MODE, overlap)
     return modes
 
 
@@ -229,11 +233,12 @@ def _build_ours(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLay
 
 def _build(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLayout, device: torch.device) -> _Mode:
     recorder = EventRecorder(device)
-    if name == TORCH_MODE:
+    if name in TORCH_MODES:
         from bench.overlap_torch import build_torch_dualpipev
 
         layout = with_schedule(layout, MODES[name][0])
-        step, params = build_torch_dualpipev(cfg, layout, o.chunks, o.seed, recorder, _ActionRecorder(recorder))
+        actions = _ActionRecorder(recorder)
+        step, params = build_torch_dualpipev(cfg, layout, o.chunks, o.seed, recorder, actions, TORCH_MODES[name])
         return _Mode(name, step, params, recorder)
     return _build_ours(name, o, cfg, layout, recorder)
 

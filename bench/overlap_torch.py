@@ -1,23 +1,28 @@
-"""The peer: torch.distributed.pipelining's ``ScheduleDualPipeV`` on our model, as users get it.
+"""The peer: torch.distributed.pipelining's ``ScheduleDualPipeV`` on our model, as users get it, and the
+same schedule running our overlapped pairs through :func:`dualpipe.overlap_torch_schedule`.
 
 Same stage split as our DualPipeV (rank r holds stages r and 2N-1-r of 2N), same weights
-(:meth:`MoEStage.reset_parameters` with the same seed), same micro-batches. The stages are built with
-``piecewise=False``: one plain autograd graph per stage whose all-to-alls are blocking autograd nodes
-(:class:`moe.block.Block` with a communicating dispatcher). No ``OVERLAP_F_B`` callback is registered,
-so its paired actions run the forward, then the backward, and every all-to-all is exposed.
-``scale_grads=True`` averages gradients over micro-batches, as our ``loss_reduction="mean"`` does.
+(:meth:`MoEStage.reset_parameters` with the same seed), same micro-batches. ``torch-dualpipev`` builds the
+stages with ``piecewise=False``: one plain autograd graph per stage whose all-to-alls are blocking autograd
+nodes (:class:`moe.block.Block` with a communicating dispatcher). No ``OVERLAP_F_B`` callback is
+registered, so its paired actions run the forward, then the backward, and every all-to-all is exposed.
+``torch-dualpipev-overlap`` builds piecewise stages and registers the bridge: each paired action is one
+call of :meth:`MoEStage.overlapped_forward_backward`, inside torch's own bookkeeping. ``scale_grads=True``
+averages gradients over micro-batches, as our ``loss_reduction="mean"`` does.
 
 Weight gradients: our layers compute them inside their own autograd functions (``moe.layers.Linear``,
 the grouped experts) and hand them to ``WeightGradStore`` when it is enabled, so torch's default split
-backward, which asks autograd for gradient edges to the parameters, finds none. The stages therefore get
-the ``dw_builder`` that ``PipelineStage`` documents for this case: every backward runs with a fresh
-:class:`dualpipe.weight_grad.GradStore` enabled, the builder closes that store's batch and its runner (the
-``W`` action, or at once for a full backward) runs exactly those closures. This is configuration torch
-asks of any model with custom weight gradients; it overlaps nothing.
+backward, which asks autograd for gradient edges to the parameters, finds none. The stages are therefore
+:class:`dualpipe.GradStoreStage` s: the ``dw_builder`` that ``PipelineStage`` documents for this case,
+running exactly each backward's closures in its ``W`` action (or at once for a full backward). This is
+configuration torch asks of any model with custom weight gradients; it overlaps nothing.
 
 Pipeline messages: torch's runtime posts them with ``schedules._batch_p2p`` and waits for them with
 ``schedules._wait_batch_p2p``, between compute actions. During a step both are wrapped to record
 ``"post"`` and ``"p2p"`` spans, as our executor's are, so both runtimes' bubbles are measured alike.
+Compute actions are recorded around the stages' ``forward_one_chunk`` / ``backward_one_chunk`` /
+``backward_weight_one_chunk``, and the bridge reports each overlapped pair (``(F0.3&B3.1)``, torch's stage
+indices), inside which the stage calls it makes are parts of the pair, not actions.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import torch
 from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from dualpipe.weight_grad import GradStore, active_store
+from dualpipe.observer import PipelineObserver, span_label
+from dualpipe.torch_bridge import GradStoreStage, overlap_torch_schedule
 from moe.config import MoEConfig
 from moe.events import EventRecorder
 from moe.model import lm_loss
@@ -38,21 +44,14 @@ from moe.parallel import ParallelLayout, build_stages
 __all__ = ["build_torch_dualpipev"]
 
 
-def _dw_builder() -> Callable[[], None]:
-    """Called by torch right after a backward: close the active store's batch; the runner runs it."""
-    store = active_store()
-    store.flush()
-    return store.pop
+def _top_level(actions, fn: Callable, label_of: Callable[..., str]) -> Callable:
+    """``fn`` recorded as an action when called between actions; inside an overlapped pair it is a part."""
+    recorded = actions.wrap(fn, label_of)
 
+    def call(*args, **kwargs):
+        return recorded(*args, **kwargs) if actions.depth == 0 else fn(*args, **kwargs)
 
-def _own_store_per_backward(stage: PipelineStage) -> None:
-    backward = stage.backward_one_chunk
-
-    def with_store(*args, **kwargs):
-        with GradStore().activate(enabled=True):
-            return backward(*args, **kwargs)
-
-    stage.backward_one_chunk = with_store
+    return call
 
 
 def _instrument(stage: PipelineStage, actions) -> None:
@@ -62,9 +61,22 @@ def _instrument(stage: PipelineStage, actions) -> None:
     def backward_label(mb: int, *args, full_backward: bool = True, **kwargs) -> str:
         return f"{'B' if full_backward else 'I'}{sid}.{mb}"
 
-    stage.forward_one_chunk = actions.wrap(stage.forward_one_chunk, lambda mb, *a, **k: f"F{sid}.{mb}")
-    stage.backward_one_chunk = actions.wrap(stage.backward_one_chunk, backward_label)
-    stage.backward_weight_one_chunk = actions.wrap(stage.backward_weight_one_chunk, lambda mb, *a, **k: "W")
+    stage.forward_one_chunk = _top_level(actions, stage.forward_one_chunk, lambda mb, *a, **k: f"F{sid}.{mb}")
+    stage.backward_one_chunk = _top_level(actions, stage.backward_one_chunk, backward_label)
+    stage.backward_weight_one_chunk = _top_level(actions, stage.backward_weight_one_chunk, lambda mb, *a, **k: "W")
+
+
+class _Pairs(PipelineObserver):
+    """The bridge's overlapped pairs as top-level compute actions."""
+
+    def __init__(self, actions) -> None:
+        self.actions = actions
+
+    def begin(self, kind, subject) -> None:
+        self.actions.begin(span_label(kind, subject), "action")
+
+    def end(self, kind, subject) -> None:
+        self.actions.end(span_label(kind, subject), "action")
 
 
 @contextlib.contextmanager
@@ -86,15 +98,17 @@ def build_torch_dualpipev(
     seed: int,
     recorder: EventRecorder,
     actions,
+    overlap: bool = False,
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], list[float]], list[torch.nn.Parameter]]:
-    """``(step(ids, labels) -> this rank's micro-batch losses, parameters)`` for torch's ScheduleDualPipeV.
+    """``(step(ids, labels) -> this rank's micro-batch losses, parameters)`` for torch's ScheduleDualPipeV,
+    with the bridge to our overlapped pairs when ``overlap``.
 
     ``actions`` records compute actions (``bench.overlap_run._ActionRecorder``); the stages' all-to-alls
-    go to ``recorder``.
+    (and, piecewise, their sub-stages) go to ``recorder``.
     """
     device = recorder.device
-    # our DualPipeV's stage split (rank r: stages r and 2N-1-r), one plain autograd graph per stage
-    modules = build_stages(cfg, layout, seed=seed, device=device, piecewise=False)
+    # our DualPipeV's stage split (rank r: stages r and 2N-1-r); plain autograd graphs unless overlapping
+    modules = build_stages(cfg, layout, seed=seed, device=device, piecewise=overlap)
     num_stages = layout.config.num_stages
     stages = []
     for m in modules:
@@ -102,11 +116,12 @@ def build_torch_dualpipev(
         assert m.stage_index is not None
         # Shapes are inferred on the first step (torch's dynamic mode; that step leaves non-finite gradients
         # in the middle stages, observed with torch 2.13: it is a warm-up step here).
-        stage = PipelineStage(m, m.stage_index, num_stages, device, group=layout.pp_group, dw_builder=_dw_builder)
-        _own_store_per_backward(stage)
+        stage = GradStoreStage(m, m.stage_index, num_stages, device, group=layout.pp_group)
         _instrument(stage, actions)
         stages.append(stage)
     schedule = ScheduleDualPipeV(stages, n_microbatches=chunks, loss_fn=lm_loss, scale_grads=True)
+    if overlap:
+        overlap_torch_schedule(schedule, observer=_Pairs(actions))
     # stage 0 (inputs) and the last stage (loss) both live on pipeline rank 0
     feeds = bool(layout.config.stage_layout.entries(layout.pp_rank))
 

@@ -11,12 +11,25 @@ from dualpipe.weight_grad import WeightGradStore
 
 __version__ = "0.1.0"
 
+# The torch bridge imports torch.distributed.pipelining (about a second): loaded on first use only.
+_LAZY = {"GradStoreStage": "dualpipe.torch_bridge", "overlap_torch_schedule": "dualpipe.torch_bridge"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dualpipe' has no attribute {name!r}")
+
+
 __all__ = [
     "PIPELINES",
     "SCHEDULES",
     "Action",
     "DualPipe",
     "DualPipeV",
+    "GradStoreStage",
     "Layout",
     "OneFOneB",
     "Op",
@@ -29,6 +42,7 @@ __all__ = [
     "WeightGradStore",
     "ZeroBubble1P",
     "build_schedule",
+    "overlap_torch_schedule",
     "register_schedule",
     "set_p2p_tensor_dtype",
     "set_p2p_tensor_shapes",

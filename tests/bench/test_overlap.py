@@ -14,6 +14,7 @@ import pytest
 
 from bench import overlap
 from bench.overlap_report import ModeRow, cpu_floor, table, targets
+from bench.overlap_run import TORCH_MODES
 from bench.overlap_stats import (
     ActionSpan,
     HostSpan,
@@ -280,7 +281,7 @@ def _check_outputs(out_dir, modes: list[str]) -> dict:
 
 
 def test_smoke_run_on_loopback(tmp_path, capsys):
-    modes = ["dualpipev-overlap", "dualpipev", "dualpipe-overlap", "1f1b", "torch-dualpipev"]
+    modes = ["dualpipev-overlap", "dualpipev", "dualpipe-overlap", "1f1b", "torch-dualpipev", "torch-dualpipev-overlap"]
     argv = [*TINY, "--steps", "1", "--modes", *modes, "--out", str(tmp_path), "--timeout", "120", "--keep-events"]
     assert overlap.main(argv) == 0
     printed = capsys.readouterr().out
@@ -288,9 +289,12 @@ def test_smoke_run_on_loopback(tmp_path, capsys):
     record = _check_outputs(tmp_path, modes)
     assert record["device"].endswith("-loopback") and record["cluster"] is None
     rows = {r["mode"]: r for r in record["rows"]}
-    for mode in modes[:-1]:  # our executor: the replay matches the recorded actions to the schedule
+    for mode in modes[:-2]:  # our executor: the replay matches the recorded actions to the schedule
         assert 0 <= rows[mode]["bubble_predicted"] < 1 and 0 <= rows[mode]["bubble_predicted_mean"] < 1
-    assert math.isnan(rows["torch-dualpipev"]["bubble_predicted"])
+    for mode in TORCH_MODES:  # torch's own action order: no replay
+        assert math.isnan(rows[mode]["bubble_predicted"])
+    # torch's schedule with the bridge hides all-to-alls in its overlapped pairs; without, nothing
+    assert rows["torch-dualpipev-overlap"]["hidden_in_pairs"] > 0 and rows["torch-dualpipev"]["hidden"] == 0
     events = sorted(p.name for p in (tmp_path / "events").glob("rank*.json"))
     assert events == [f"rank{r}.json" for r in range(4)]
     # modes interleaved step by step, in a rotating order (warm-up step 0, then step 1)

@@ -1,0 +1,277 @@
+"""Every private part of ``torch.distributed.pipelining`` that :mod:`dualpipe.torch_bridge` touches.
+
+torch runs a registered function for each ``OVERLAP_F_B`` action of a ``_PipelineScheduleRuntime``, but
+that function's arguments (``_Action``, ``_PipelineContext``) and the runtime state it has to keep up (the
+receives it waits for, the stored losses, the backward counter, the stage's compute entry points) are
+underscore names or undocumented contracts. This module is the only place that uses them: :func:`check_torch`
+resolves every one (and checks the torch version) before the bridge registers anything, so a torch that
+renamed or reshaped one fails with that name, not inside a step.
+
+Written against torch 2.13 (``schedules.py``: ``_PipelineScheduleRuntime._step_microbatches`` and its nested
+``_perform_action``; ``stage.py``: ``_PipelineStageBase``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import schedules as _schedules
+from torch.distributed.pipelining import stage as _stage
+
+__all__ = [
+    "TESTED_TORCH",
+    "Pair",
+    "StepInputs",
+    "TorchPipeliningMismatch",
+    "check_schedule",
+    "check_torch",
+    "count_backward",
+    "intercept_compute",
+    "local_stages",
+    "pair_of",
+    "record_loss",
+    "register_overlap",
+    "runtime_class",
+    "step_inputs",
+    "stored_loss",
+    "wait_receives",
+]
+
+TESTED_TORCH = (2, 13)
+"""The torch (major, minor) this module was written against and tested with."""
+
+
+class TorchPipeliningMismatch(RuntimeError):
+    """This torch's pipelining internals are not the ones the bridge was written against."""
+
+
+# What check_torch resolves. Parameter names are checked because the bridge passes them by keyword or relies
+# on their order; they are torch 2.13's.
+_MODULE_NAMES = (
+    "_PipelineScheduleRuntime",
+    "_PipelineContext",
+    "_Action",
+    "_wait_batch_p2p",
+    "OVERLAP_F_B",
+    "FORWARD",
+    "FULL_BACKWARD",
+)
+_RUNTIME_METHODS: dict[str, tuple[str, ...]] = {
+    "register_custom_function": ("computation_type", "custom_function"),
+    "_maybe_compute_loss": ("stage", "output", "target_mbs", "mb_index", "loss_kwargs"),
+    "_maybe_get_loss": ("stage", "mb_index"),
+}
+_STAGE_METHODS: dict[str, tuple[str, ...]] = {
+    "forward_one_chunk": ("fwd_chunk_id", "args", "kwargs", "save_forward_output"),
+    "backward_one_chunk": ("bwd_chunk_id", "loss", "full_backward", "last_backward"),
+    "forward_maybe_with_nosync": ("args", "kwargs"),
+    "backward_maybe_with_nosync": ("backward_type", "bwd_kwargs", "last_backward"),
+    "set_local_fwd_input": ("prev_stage_outputs", "mb_index"),
+    "set_local_bwd_input": ("next_stage_bwd_outputs", "mb_index"),
+    "get_local_bwd_output": ("mb_index",),
+}
+_ACTION_FIELDS = ("stage_index", "computation_type", "microbatch_index", "sub_actions")
+_CONTEXT_FIELDS = ("schedule_ref", "arg_mbs", "kwarg_mbs", "target_mbs")
+_RUNTIME_STATE = ("_stages", "_n_microbatches", "fwd_recv_ops", "bwd_recv_ops", "backward_counter")
+_STAGE_STATE = ("submod", "stage_index", "is_first", "is_last", "has_backward")
+# the keys torch's backward_one_chunk hands to backward_maybe_with_nosync
+_BACKWARD_KWARGS = ("stage_output", "output_grads", "input_values")
+
+
+def _torch_minor() -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _tested() -> str:
+    return ".".join(map(str, TESTED_TORCH))
+
+
+def _mismatch(what: str) -> TorchPipeliningMismatch:
+    return TorchPipeliningMismatch(
+        f"dualpipe's torch bridge needs {what}, a torch.distributed.pipelining internal as of torch {_tested()}; "
+        f"torch {torch.__version__} lacks it or changed it. Use torch {_tested()}.x, or run the schedule "
+        "without the bridge."
+    )
+
+
+def _check_params(owner: str, fn: Any, names: Sequence[str]) -> None:
+    try:
+        params = [p for p in inspect.signature(fn).parameters if p != "self"]
+    except (TypeError, ValueError):  # not introspectable: trust the name
+        return
+    if list(params[: len(names)]) != list(names):
+        raise _mismatch(f"{owner}({', '.join(names)}, ...), found ({', '.join(params)})")
+
+
+def check_torch(allow_untested: bool = False) -> None:
+    """Raise :class:`TorchPipeliningMismatch` naming the first missing or reshaped private name, or the torch
+    version when it is not :data:`TESTED_TORCH` (unless ``allow_untested``)."""
+    if not allow_untested and _torch_minor() != TESTED_TORCH:
+        raise TorchPipeliningMismatch(
+            f"dualpipe's torch bridge uses torch.distributed.pipelining internals as of torch {_tested()} and "
+            f"was tested there only; this is torch {torch.__version__}. Use torch {_tested()}.x, or pass "
+            "allow_untested_torch=True to try (every private name it needs is still checked)."
+        )
+    where = "torch.distributed.pipelining.schedules"
+    for name in _MODULE_NAMES:
+        if not hasattr(_schedules, name):
+            raise _mismatch(f"{where}.{name}")
+    runtime = _schedules._PipelineScheduleRuntime
+    for name, params in _RUNTIME_METHODS.items():
+        if not callable(getattr(runtime, name, None)):
+            raise _mismatch(f"{where}._PipelineScheduleRuntime.{name}")
+        _check_params(f"{where}._PipelineScheduleRuntime.{name}", getattr(runtime, name), params)
+    stage_base = getattr(_stage, "_PipelineStageBase", None)
+    if stage_base is None:
+        raise _mismatch("torch.distributed.pipelining.stage._PipelineStageBase")
+    for name, params in _STAGE_METHODS.items():
+        if not callable(getattr(stage_base, name, None)):
+            raise _mismatch(f"torch.distributed.pipelining.stage._PipelineStageBase.{name}")
+        _check_params(f"_PipelineStageBase.{name}", getattr(stage_base, name), params)
+    action_fields = getattr(_schedules._Action, "_fields", ())
+    for name in _ACTION_FIELDS:
+        if name not in action_fields:
+            raise _mismatch(f"{where}._Action.{name}")
+    context = _schedules._PipelineContext
+    context_fields = {f.name for f in fields(context)} if is_dataclass(context) else set()
+    for name in _CONTEXT_FIELDS:
+        if name not in context_fields:
+            raise _mismatch(f"{where}._PipelineContext.{name}")
+
+
+def runtime_class() -> type:
+    """torch's ``_PipelineScheduleRuntime``: the schedules that run ``OVERLAP_F_B`` actions."""
+    return _schedules._PipelineScheduleRuntime
+
+
+def check_schedule(schedule: Any) -> None:
+    """The runtime state the bridge reads and updates, on this schedule and its local stages."""
+    for name in _RUNTIME_STATE:
+        if not hasattr(schedule, name):
+            raise _mismatch(f"the schedule's {name} attribute")
+    for stage in schedule._stages:
+        for name in _STAGE_STATE:
+            if not hasattr(stage, name):
+                raise _mismatch(f"the pipeline stage's {name} attribute")
+
+
+def local_stages(schedule: Any) -> dict[int, Any]:
+    """This rank's pipeline stages by stage index."""
+    return {s.stage_index: s for s in schedule._stages}
+
+
+def register_overlap(schedule: Any, fn: Callable[[Any, Any], None]) -> None:
+    schedule.register_custom_function(_schedules.OVERLAP_F_B, fn)
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One ``OVERLAP_F_B`` action: the forward of one local stage and the full backward of another."""
+
+    forward_stage: int
+    forward_chunk: int
+    backward_stage: int
+    backward_chunk: int
+
+
+def pair_of(action: Any) -> Pair:
+    sub = action.sub_actions
+    kinds = tuple(a.computation_type for a in sub or ())
+    if kinds != (_schedules.FORWARD, _schedules.FULL_BACKWARD):
+        raise _mismatch(f"OVERLAP_F_B actions made of a forward and a full backward, got {action}")
+    f, b = sub
+    return Pair(f.stage_index, f.microbatch_index, b.stage_index, b.microbatch_index)
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """What the running step hands a custom function: its schedule and the micro-batches."""
+
+    schedule: Any
+    arg_mbs: Sequence[tuple]
+    kwarg_mbs: Sequence[dict]
+    target_mbs: Sequence[Any] | None
+
+
+def step_inputs(ctx: Any) -> StepInputs:
+    return StepInputs(ctx.schedule_ref, ctx.arg_mbs, ctx.kwarg_mbs, ctx.target_mbs)
+
+
+def wait_receives(schedule: Any, direction: str, stage_index: int, chunk: int) -> None:
+    """Wait for the activations (``"F"``) or gradients (``"B"``) torch received for ``(stage, chunk)``."""
+    pending = schedule.fwd_recv_ops if direction == "F" else schedule.bwd_recv_ops
+    works = pending.pop((stage_index, chunk), None)
+    if works is None:
+        raise RuntimeError(f"stage {stage_index} micro-batch {chunk}: no receive posted for its {direction} input")
+    # looked up per call, as torch's runtime does, so a wrapper installed on the module sees these waits too
+    _schedules._wait_batch_p2p(works)
+
+
+def stored_loss(schedule: Any, stage: Any, chunk: int) -> torch.Tensor | None:
+    """The loss torch stored for ``chunk`` when ``stage`` is the last one (else None)."""
+    return schedule._maybe_get_loss(stage, chunk)
+
+
+def record_loss(schedule: Any, stage: Any, output: Any, target_mbs: Any, chunk: int, loss_kwargs: Any) -> None:
+    """Compute and store ``chunk``'s loss when ``stage`` is the last one, as torch's forward action does."""
+    schedule._maybe_compute_loss(stage, output, target_mbs, chunk, loss_kwargs)
+
+
+def count_backward(schedule: Any, stage_index: int) -> bool:
+    """Count one more backward of the stage; True for its last one in the step (torch syncs DP grads then)."""
+    schedule.backward_counter[stage_index] += 1
+    return schedule.backward_counter[stage_index] == schedule._n_microbatches
+
+
+@contextlib.contextmanager
+def _replaced(obj: Any, name: str, fn: Callable[..., Any]) -> Iterator[None]:
+    missing = object()
+    previous = obj.__dict__.get(name, missing)
+    setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        if previous is missing:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, previous)
+
+
+@contextlib.contextmanager
+def intercept_compute(
+    forward_stage: Any,
+    forward: Callable[..., Any],
+    backward_stage: Any,
+    backward: Callable[[Any, Any, Sequence[Any]], None],
+) -> Iterator[None]:
+    """While open, torch's own ``forward_one_chunk`` of ``forward_stage`` computes with ``forward(*args,
+    **kwargs) -> output`` instead of calling the module, and ``backward_one_chunk`` of ``backward_stage``
+    with ``backward(stage_output, output_grads, input_values)``, which must leave the input gradients in
+    ``.grad`` of ``input_values`` as ``torch.autograd.backward`` would. torch's bookkeeping around both
+    (received inputs, caches, weight-gradient runners, local hand-over) stays torch's."""
+
+    def backward_maybe_with_nosync(backward_type: str, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full" or any(k not in bwd_kwargs for k in _BACKWARD_KWARGS):
+            raise _mismatch(f"a 'full' backward with {_BACKWARD_KWARGS}, got {backward_type!r} {sorted(bwd_kwargs)}")
+        values = bwd_kwargs["input_values"]
+        backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], values)
+        # what torch's stage_backward returns: each input's gradient, taken off the input
+        grads = []
+        for v in values:
+            grads.append(v.grad if isinstance(v, torch.Tensor) else None)
+            if isinstance(v, torch.Tensor):
+                v.grad = None
+        return tuple(grads), None
+
+    with (
+        _replaced(forward_stage, "forward_maybe_with_nosync", forward),
+        _replaced(backward_stage, "backward_maybe_with_nosync", backward_maybe_with_nosync),
+    ):
+        yield

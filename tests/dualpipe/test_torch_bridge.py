@@ -1,0 +1,233 @@
+"""torch's ScheduleDualPipeV running our overlapped forward-and-backward (:mod:`dualpipe.torch_bridge`).
+
+On the same weights and micro-batches, three runs per case: torch's schedule without the bridge, with it,
+and our DualPipeV. Losses and gradients must agree: the toy (float64) exactly between torch's two runs and
+within 1e-12 of ours; the MoE stages (float32, the hook computes in another order) within 1e-5. And the
+hook must have run: the toy counts its calls (as many as our DualPipeV makes), the MoE stages record
+all-to-alls hidden behind the other micro-batch's compute, which only overlapped pairs do.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from dualpipe import DualPipeV, GradStoreStage, PipelineObserver, overlap_torch_schedule
+from dualpipe.torch_bridge import TorchPipeliningMismatch
+from moe import EventRecorder, lm_loss
+from moe.parallel import ParallelConfig, build_stages, init_layout
+from tests.distributed import run_ranks
+from tests.dualpipe.toy import ToyStage, ToyStageOverlap, criterion, make_stages, rel_diff
+from tests.moe.helpers import SEED, assert_rel_close, batch, tiny_config
+from tests.moe.test_pipeline import _hidden_all_to_alls
+
+HIDDEN, SEQ, MICRO_BATCH, CHUNKS = 8, 3, 2, 4
+
+
+def _example(*shape: int, dtype: torch.dtype = torch.float32, grad: bool = True) -> torch.Tensor:
+    """A stage boundary's shape for torch's static mode (no shape-inference pass through the modules)."""
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+
+
+def _torch_step(schedule: ScheduleDualPipeV, first: bool, *inputs: torch.Tensor, target=None) -> torch.Tensor | None:
+    """One step; rank 0 (stage 0 and the last stage) feeds the batch and gets the micro-batch losses."""
+    if not first:
+        schedule.step()
+        return None
+    losses: list[torch.Tensor] = []
+    schedule.step(*inputs, target=target, losses=losses)
+    return torch.stack([x.detach() for x in losses])
+
+
+# ------------------------------------------------------------------------------------------------ toy
+
+
+class _Pairs(PipelineObserver):
+    """The overlapped pairs the bridge reports, by label."""
+
+    def __init__(self) -> None:
+        self.labels: list[str] = []
+        self.open = 0
+
+    def begin(self, kind, subject) -> None:
+        assert kind == "action" and self.open == 0
+        self.labels.append(str(subject))
+        self.open += 1
+
+    def end(self, kind, subject) -> None:
+        self.open -= 1
+
+
+def _toy_rank(rank: int, world: int) -> dict:
+    torch.use_deterministic_algorithms(True)
+    num_stages = 2 * world
+    ids = [rank, num_stages - 1 - rank]  # the V: stages r and 2N-1-r
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(CHUNKS * MICRO_BATCH, SEQ, HIDDEN, generator=g, dtype=torch.float64)
+    y = torch.randn(CHUNKS * MICRO_BATCH, SEQ, HIDDEN, generator=g, dtype=torch.float64)
+    boundary = _example(MICRO_BATCH, SEQ, HIDDEN, dtype=torch.float64)
+    out: dict = {"pairs": _Pairs()}
+    for run in ("torch", "torch-overlap", "dualpipev"):
+        full = make_stages(num_stages, HIDDEN, seed=1234, cls=ToyStageOverlap)
+        mods = [full[i] for i in ids]
+        ToyStageOverlap.calls = 0
+        if run == "dualpipev":
+            pipe = DualPipeV(mods, timeout=60)
+            args = dict(criterion=criterion, labels=(y,)) if rank == 0 else {}
+            loss, _ = pipe.step(*((x,) if rank == 0 else ()), num_chunks=CHUNKS, loss_reduction="mean", **args)
+        else:
+            stages = [
+                GradStoreStage(m, i, num_stages, torch.device("cpu"), input_args=boundary, output_args=boundary)
+                for m, i in zip(mods, ids)
+            ]
+            # scale_grads averages gradients over micro-batches: our loss_reduction="mean"
+            schedule = ScheduleDualPipeV(stages, n_microbatches=CHUNKS, loss_fn=criterion, scale_grads=True)
+            if run == "torch-overlap":
+                overlap_torch_schedule(schedule, observer=out["pairs"])
+            loss = _torch_step(schedule, rank == 0, x, target=y)
+        out[run] = {
+            "loss": loss,
+            "calls": ToyStageOverlap.calls,
+            "grads": [p.grad for m in mods for p in m.parameters()],
+        }
+        dist.barrier()
+    return out
+
+
+def test_toy_stages_pp2_match_without_bridge_and_dualpipev():
+    results = run_ranks(_toy_rank, world_size=2, timeout=60)
+    for rank, r in enumerate(results):
+        plain, bridged, ours = r["torch"], r["torch-overlap"], r["dualpipev"]
+        assert plain["calls"] == 0
+        assert bridged["calls"] == ours["calls"] > 0, (rank, bridged["calls"], ours["calls"])
+        # one reported span per pair: the forward of one local stage and the backward of the other
+        assert len(r["pairs"].labels) == bridged["calls"] and r["pairs"].open == 0
+        for label in r["pairs"].labels:
+            f, b = map(int, re.fullmatch(r"\(F(\d+)\.\d+&B(\d+)\.\d+\)", label).groups())
+            assert {f, b} == {rank, 3 - rank}, label
+        if rank == 0:
+            assert torch.equal(bridged["loss"], plain["loss"])
+            assert torch.equal(bridged["loss"], ours["loss"])
+        for got, same, want in zip(bridged["grads"], plain["grads"], ours["grads"]):
+            assert torch.equal(got, same)
+            assert rel_diff(got, want) < 1e-12
+
+
+# ------------------------------------------------------------------------------------------------ MoE
+
+PP, EP, PER_REPLICA = 2, 2, 4
+
+
+def _moe_rank(rank: int, world: int) -> dict:
+    cfg = tiny_config()
+    layout = init_layout(ParallelConfig(pp=PP, ep=EP, schedule="dualpipev"))
+    ids, labels = batch(cfg, EP * PER_REPLICA, 16)
+    mine = slice(layout.ep_rank * PER_REPLICA, (layout.ep_rank + 1) * PER_REPLICA)
+    ids, labels = ids[mine], labels[mine]
+    mb, seq = PER_REPLICA // CHUNKS, ids.shape[1]
+    num_stages = 2 * PP
+    first = layout.pp_rank == 0
+    out = {}
+    for run in ("torch", "torch-overlap", "dualpipev"):
+        stages = build_stages(cfg, layout, seed=SEED, piecewise=True)
+        recorder = EventRecorder()
+        for s in stages:
+            s.recorder = recorder
+        if run == "dualpipev":
+            pipe = DualPipeV(stages, process_group=layout.pp_group, overlap=True, timeout=60)
+            args = dict(criterion=lm_loss, labels=(labels,)) if first else {}
+            loss, _ = pipe.step(*((ids,) if first else ()), num_chunks=CHUNKS, **args)
+        else:
+            torch_stages = []
+            for s in stages:
+                sid = s.stage_index
+                inputs = (
+                    _example(mb, seq, dtype=torch.long, grad=False) if sid == 0 else _example(mb, seq, cfg.hidden_size)
+                )
+                width = cfg.vocab_size if sid == num_stages - 1 else cfg.hidden_size
+                stage = GradStoreStage(
+                    s, sid, num_stages, torch.device("cpu"), group=layout.pp_group,
+                    input_args=inputs, output_args=_example(mb, seq, width),
+                )  # fmt: skip
+                torch_stages.append(stage)
+            # summed over micro-batches, as our DualPipeV's default
+            schedule = ScheduleDualPipeV(torch_stages, n_microbatches=CHUNKS, loss_fn=lm_loss, scale_grads=False)
+            if run == "torch-overlap":
+                overlap_torch_schedule(schedule)
+            loss = _torch_step(schedule, first, ids, target=labels)
+        grads = {n: p.grad.clone() for m in stages for n, p in m.named_parameters()}
+        out[run] = {"loss": loss, "grads": grads, "hidden": _hidden_all_to_alls(recorder.order())}
+        dist.barrier()
+    return out
+
+
+def test_moe_stages_pp2_ep2_match_without_bridge_and_dualpipev():
+    results = run_ranks(_moe_rank, world_size=PP * EP, timeout=120)
+    for rank, r in enumerate(results):
+        plain, bridged, ours = r["torch"], r["torch-overlap"], r["dualpipev"]
+        # all-to-alls hidden behind the other micro-batch: only in overlapped pairs
+        # (the same pairs in both pipelines: as many hidden in torch's schedule with the bridge as in ours)
+        assert plain["hidden"] == 0 and bridged["hidden"] == ours["hidden"] > 0, rank
+        if plain["loss"] is not None:  # the forward computes in the same order in every run
+            assert torch.equal(bridged["loss"], plain["loss"]) and torch.equal(ours["loss"], plain["loss"]), rank
+        assert set(bridged["grads"]) == set(plain["grads"]) == set(ours["grads"])
+        for name, want in plain["grads"].items():
+            assert_rel_close(bridged["grads"][name], want, 1e-5, f"rank {rank} {name} (bridge vs torch)")
+            assert_rel_close(ours["grads"][name], want, 1e-5, f"rank {rank} {name} (dualpipev vs torch)")
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_a_missing_private_name_is_named(monkeypatch):
+    monkeypatch.delattr(torch_schedules, "_wait_batch_p2p")
+    with pytest.raises(TorchPipeliningMismatch, match=r"schedules\._wait_batch_p2p.*torch 2\.13"):
+        overlap_torch_schedule(object())
+
+
+def test_a_reshaped_private_method_is_named(monkeypatch):
+    monkeypatch.setattr(torch_schedules._PipelineScheduleRuntime, "_maybe_get_loss", lambda self, mb_index: None)
+    with pytest.raises(TorchPipeliningMismatch, match=r"_PipelineScheduleRuntime\._maybe_get_loss\(stage, mb_index"):
+        overlap_torch_schedule(object())
+
+
+def test_an_untested_torch_version_is_named(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    with pytest.raises(TorchPipeliningMismatch, match=r"as of torch 2\.13 .*this is torch 2\.14\.0"):
+        overlap_torch_schedule(object())
+    with pytest.raises(TypeError):  # past the version check, the next one
+        overlap_torch_schedule(object(), allow_untested_torch=True)
+
+
+def test_a_schedule_that_runs_no_overlapped_pairs_is_refused():
+    with pytest.raises(TypeError, match=r"ScheduleDualPipeV .*got object"):
+        overlap_torch_schedule(object())
+
+
+def _stage_errors(rank: int, world: int) -> dict[str, str]:
+    boundary = _example(MICRO_BATCH, SEQ, HIDDEN, dtype=torch.float64)
+    msgs = {}
+    for cls in (ToyStage, ToyStageOverlap):
+        mods = make_stages(2, HIDDEN, seed=0, cls=cls)
+        stages = [
+            PipelineStage(m, i, 2, torch.device("cpu"), input_args=boundary, output_args=boundary)
+            for i, m in enumerate(mods)
+        ]
+        schedule = ScheduleDualPipeV(stages, n_microbatches=2, loss_fn=criterion)
+        try:
+            overlap_torch_schedule(schedule)
+            overlap_torch_schedule(schedule)
+        except ValueError as exc:
+            msgs[cls.__name__] = str(exc)
+    return msgs
+
+
+def test_stages_without_the_hook_are_refused_before_any_step():
+    (msgs,) = run_ranks(_stage_errors, world_size=1, timeout=60)
+    assert "stage 0's module class ToyStage defines no overlapped_forward_backward" in msgs["ToyStage"]
+    assert "already runs its pairs through the hook" in msgs["ToyStageOverlap"]
