@@ -6,7 +6,7 @@ step, the step window and every recorded event with an absolute time in seconds 
 one system-wide monotonic clock, so ranks on one machine share a time base; on CUDA the events are resolved
 against a host time taken right after a synchronise at the step start).
 
-Events per rank (one :class:`moe.events.EventRecorder` shared by the rank's stages):
+Events per rank (one :class:`dualpipe.events.EventRecorder` shared by the rank's stages):
 
 - sub-stages from the piecewise MoE path: compute ``begin``/``end`` and all-to-all ``start``/``wait``;
 - pipeline compute actions (direction ``"action"``, name the action as printed by the schedule, layer its
@@ -44,11 +44,11 @@ import torch
 import torch.distributed as dist
 
 from dualpipe import PIPELINES
+from dualpipe.events import EventRecorder
 from dualpipe.observer import PipelineObserver, SpanKind, span_label
 from dualpipe.schedule import SCHEDULES, schedule_spec
 from moe.config import MoEConfig
 from moe.data import ByteCorpus
-from moe.events import EventRecorder
 from moe.model import lm_loss
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout, with_schedule
 

@@ -34,10 +34,10 @@ import torch
 from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from dualpipe.events import EventRecorder
 from dualpipe.observer import PipelineObserver, span_label
 from dualpipe.torch_bridge import GradStoreStage, overlap_torch_schedule
 from moe.config import MoEConfig
-from moe.events import EventRecorder
 from moe.model import lm_loss
 from moe.parallel import ParallelLayout, build_stages
 

@@ -26,13 +26,14 @@ communication results are still in flight. :mod:`dualpipe.overlap` drives it, al
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from dualpipe.collectives import Pending
+from dualpipe.events import Recorder, record_edge, record_span
 from dualpipe.utils import run_backward
 from dualpipe.weight_grad import GradStore, active_store
 
@@ -135,12 +136,6 @@ class Context:
     """True while a compute piece runs again before its backward (activation recompute)."""
 
 
-class Recorder(Protocol):
-    """Where piece events go (``moe.EventRecorder`` is one): ``edge`` is begin/end or start/wait."""
-
-    def record(self, name: str, direction: str, layer: int, edge: str) -> None: ...
-
-
 def _leaf(value: Any) -> Any:
     # A piece boundary: the piece's backward stops here and leaves the gradient in .grad.
     if not isinstance(value, torch.Tensor):
@@ -195,17 +190,11 @@ class BlockRun:
 
     # ---- events ------------------------------------------------------------------------------------------
     def _edge(self, piece: Comm, name: str, direction: str, edge: str) -> None:
-        if self.recorder is not None and piece.communicates:
-            self.recorder.record(name, direction, self.decl.layer, edge)
+        if piece.communicates:
+            record_edge(self.recorder, name, direction, self.decl.layer, edge)
 
-    @contextlib.contextmanager
-    def span(self, name: str, direction: str) -> Iterator[None]:
-        if self.recorder is None:
-            yield
-            return
-        self.recorder.record(name, direction, self.decl.layer, "begin")
-        yield
-        self.recorder.record(name, direction, self.decl.layer, "end")
+    def span(self, name: str, direction: str) -> contextlib.AbstractContextManager[None]:
+        return record_span(self.recorder, name, direction, self.decl.layer)
 
     # ---- forward -----------------------------------------------------------------------------------------
     def begin(self, x: Any) -> None:

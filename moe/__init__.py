@@ -13,8 +13,8 @@ Entry points: :class:`MoEConfig` / :func:`preset`, :class:`MoEModel` (single pro
     balance_routers(stages, layout)    # auxiliary-loss-free bias update from the step's expert load
 """
 
+from dualpipe.events import Event, EventRecorder
 from moe.config import PRESETS, MoEConfig, preset
-from moe.events import Event, EventRecorder
 from moe.model import MoEModel, lm_loss, next_token_batch
 from moe.parallel import (
     ParallelConfig,

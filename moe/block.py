@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from dualpipe.collectives import Pending
+from dualpipe.events import EventRecorder, record_edge
 from dualpipe.pieces import Comm, Compute, Context, Pieces
 from moe.config import MoEConfig
 from moe.dispatch.base import Dispatched, Route, TokenDispatcher
-from moe.events import EventRecorder, record_edge
 from moe.experts import GroupedExperts
 from moe.layers import Attention, DenseMLP, RMSNorm
 from moe.router import Router, Routing

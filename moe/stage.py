@@ -15,13 +15,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dualpipe.events import EventRecorder
 from dualpipe.overlap import OverlapStage
 from dualpipe.pieces import Compute, Context, Pieces
 from moe.block import Block
 from moe.config import MoEConfig
 from moe.dispatch.base import TokenDispatcher
 from moe.dispatch.local import LocalDispatcher
-from moe.events import EventRecorder
 from moe.layers import Linear, RMSNorm
 
 __all__ = ["MoEStage"]

@@ -18,13 +18,13 @@ from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from dualpipe import DualPipeV, GradStoreStage, PipelineObserver, overlap_torch_schedule
+from dualpipe.events import hidden_communications
 from dualpipe.torch_bridge import TorchPipeliningMismatch
 from moe import EventRecorder, lm_loss
 from moe.parallel import ParallelConfig, build_stages, init_layout
 from tests.distributed import run_ranks
 from tests.dualpipe.toy import ToyStage, ToyStageOverlap, criterion, make_stages, rel_diff
 from tests.moe.helpers import SEED, assert_rel_close, batch, tiny_config
-from tests.moe.test_pipeline import _hidden_all_to_alls
 
 HIDDEN, SEQ, MICRO_BATCH, CHUNKS = 8, 3, 2, 4
 
@@ -161,7 +161,7 @@ def _moe_rank(rank: int, world: int) -> dict:
                 overlap_torch_schedule(schedule)
             loss = _torch_step(schedule, first, ids, target=labels)
         grads = {n: p.grad.clone() for m in stages for n, p in m.named_parameters()}
-        out[run] = {"loss": loss, "grads": grads, "hidden": _hidden_all_to_alls(recorder.order())}
+        out[run] = {"loss": loss, "grads": grads, "hidden": hidden_communications(recorder.order())}
         dist.barrier()
     return out
 

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from dualpipe import DualPipe, DualPipeV, ZeroBubble1P
+from dualpipe.events import hidden_communications
 from moe import EventRecorder, lm_loss
 from moe.parallel import ParallelConfig, build_stages, init_layout, reduce_gradients
 from tests.distributed import run_ranks
@@ -60,20 +61,7 @@ def _pipeline_step(rank: int, world: int, schedule: str, recompute: bool, overla
     grads = {n: p.grad.numpy().copy() for m in stages for n, p in m.named_parameters()}
     experts = list(stages[0].dispatcher.local_experts)
     losses = None if loss is None else loss.detach().numpy().copy()
-    return layout.pp_rank, layout.ep_rank, losses, grads, experts, _hidden_all_to_alls(recorder.order())
-
-
-def _hidden_all_to_alls(order) -> int:
-    """All-to-alls of one direction in flight while the other direction computed (overlapped pairs)."""
-    hidden, open_comm = 0, {}
-    for i, (name, direction, layer, edge) in enumerate(order):
-        if edge == "start":
-            open_comm[(name, direction, layer)] = i
-        elif edge == "wait":
-            start = open_comm.pop((name, direction, layer))
-            other = "bwd" if direction == "fwd" else "fwd"
-            hidden += any(e == "end" and d == other for _, d, _, e in order[start:i])
-    return hidden
+    return layout.pp_rank, layout.ep_rank, losses, grads, experts, hidden_communications(recorder.order())
 
 
 @pytest.mark.parametrize(

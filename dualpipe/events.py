@@ -1,4 +1,4 @@
-"""Sub-stage event recording for overlap profiling.
+"""Piece event recording for overlap profiling (the overlap runtime's ``recorder``).
 
 A recorder is optional: a stage with ``recorder=None`` records nothing. Each event is one edge of a span:
 a compute sub-stage ("attn", "mlp", "attn.dx", ...) has ``begin``/``end``; a communication
@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Event", "EventRecorder", "record_edge", "record_span"]
+__all__ = ["Event", "EventRecorder", "Recorder", "hidden_communications", "record_edge", "record_span"]
+
+
+class Recorder(Protocol):
+    """Where piece events go (:class:`EventRecorder` is one): ``edge`` is begin/end or start/wait."""
+
+    def record(self, name: str, direction: str, layer: int, edge: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +81,7 @@ class EventRecorder:
 
 
 @contextlib.contextmanager
-def record_span(recorder: EventRecorder | None, name: str, direction: str, layer: int) -> Iterator[None]:
+def record_span(recorder: Recorder | None, name: str, direction: str, layer: int) -> Iterator[None]:
     """Record ``begin``/``end`` around a compute sub-stage (no-op without a recorder)."""
     if recorder is None:
         yield
@@ -85,7 +91,21 @@ def record_span(recorder: EventRecorder | None, name: str, direction: str, layer
     recorder.record(name, direction, layer, "end")
 
 
-def record_edge(recorder: EventRecorder | None, name: str, direction: str, layer: int, edge: str) -> None:
+def record_edge(recorder: Recorder | None, name: str, direction: str, layer: int, edge: str) -> None:
     """Record one communication edge (``start`` or ``wait``); no-op without a recorder."""
     if recorder is not None:
         recorder.record(name, direction, layer, edge)
+
+
+def hidden_communications(order: Sequence[tuple[str, str, int, str]]) -> int:
+    """How many communications (start..wait spans) had a compute of the other direction end inside them:
+    the ones an overlapped pair hid. ``order`` is :meth:`EventRecorder.order` (or any such tuples)."""
+    hidden, opened = 0, {}
+    for i, (name, direction, layer, edge) in enumerate(order):
+        if edge == "start":
+            opened[(name, direction, layer)] = i
+        elif edge == "wait":
+            start = opened.pop((name, direction, layer))
+            other = "bwd" if direction == "fwd" else "fwd"
+            hidden += any(e == "end" and d == other for _, d, _, e in order[start:i])
+    return hidden
