@@ -1,11 +1,14 @@
-"""Pipeline schedules as data, one executor, and a drop-in API for deepseek-ai/DualPipe."""
+"""Pipeline schedules as data, one executor, a drop-in API for deepseek-ai/DualPipe, and the overlap runtime
+(a stage declared as compute and communication pieces gets ``overlapped_forward_backward``)."""
 
 from dualpipe.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
 from dualpipe.executor import PIPELINES, DualPipe, DualPipeV, OneFOneB, Pipeline, ZeroBubble1P
 from dualpipe.grads import sum_mirrored_grads
 from dualpipe.hooks import OverlappedForwardBackward
 from dualpipe.observer import PipelineObserver
+from dualpipe.overlap import OverlapStage
 from dualpipe.p2p import PipelineCommError
+from dualpipe.pieces import Comm, Compute, Pieces
 from dualpipe.schedule import SCHEDULES, Action, Layout, Op, Schedule, ScheduleSpec, build_schedule, register_schedule
 from dualpipe.weight_grad import WeightGradStore
 
@@ -27,13 +30,17 @@ __all__ = [
     "PIPELINES",
     "SCHEDULES",
     "Action",
+    "Comm",
+    "Compute",
     "DualPipe",
     "DualPipeV",
     "GradStoreStage",
     "Layout",
     "OneFOneB",
     "Op",
+    "OverlapStage",
     "OverlappedForwardBackward",
+    "Pieces",
     "Pipeline",
     "PipelineCommError",
     "PipelineObserver",

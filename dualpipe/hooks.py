@@ -20,11 +20,16 @@ class OverlappedForwardBackward(Protocol):
 
     - forward ``module0`` on ``inputs0``; when ``criterion0`` is given (a last stage), also return
       ``loss0 = criterion0(*outputs0, *labels0)``;
-    - backward ``module1`` for an earlier micro-batch: from ``loss1`` when given (then ``loss1.detach_()``),
-      otherwise ``run_backward(outputs1, output_grads1)``. The gradients must land in ``.grad`` of that
-      micro-batch's inputs exactly as the plain backward would.
+    - backward ``module1`` for an earlier micro-batch: from ``loss1`` when given (already scaled by the
+      pipeline's loss reduction; then ``loss1.detach_()``), otherwise ``run_backward(outputs1,
+      output_grads1)`` (``outputs1`` may have had their storage freed: use their graph only). The gradients
+      must land in ``.grad`` of that micro-batch's inputs exactly as the plain backward would; the executor
+      raises, naming the hook, when they did not.
+    - every rank of an expert-parallel group must issue the hook's collectives in the same order, also
+      when it has nothing to send.
 
-    Returns ``(outputs0, loss0)``.
+    Returns ``(outputs0, loss0)``. ``docs/overlap.md`` details each argument;
+    :class:`dualpipe.overlap.OverlapStage` builds the hook from a stage declared as pieces.
     """
 
     @classmethod
