@@ -10,7 +10,7 @@ import torch
 
 from dualpipe.testing import OverlapReport, check_overlap
 from dualpipe.utils import run_backward
-from tests.dualpipe.toy import NoInputGrad, ToyStage, ToyStageOverlap, criterion
+from tests.dualpipe.toy import NoInputGrad, ToyStage, ToyStageOverlap, criterion, plain_backward
 
 HIDDEN = 8
 
@@ -112,11 +112,7 @@ class DetachedOutputs(ToyStageOverlap):
     def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, grads1):
         outputs0 = [module0(*inputs0).detach()]
         loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
-        if loss1 is not None:
-            loss1.backward()
-            loss1.detach_()
-        else:
-            run_backward(outputs1, grads1)
+        plain_backward(loss1, outputs1, grads1)
         return outputs0, loss0
 
 

@@ -67,12 +67,17 @@ class ToyStageOverlap(ToyStage):
         outputs0 = module0(*inputs0)
         outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
         loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
-        if loss1 is not None:
-            loss1.backward()
-            loss1.detach_()
-        else:
-            run_backward(outputs1, output_grads1)
+        plain_backward(loss1, outputs1, output_grads1)
         return outputs0, loss0
+
+
+def plain_backward(loss1, outputs1, output_grads1) -> None:
+    """The backward half of the hook's contract, done plainly: from the loss, or from outputs and grads."""
+    if loss1 is not None:
+        loss1.backward()
+        loss1.detach_()
+    else:
+        run_backward(outputs1, output_grads1)
 
 
 class NoInputGrad(ToyStageOverlap):
