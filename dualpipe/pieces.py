@@ -292,6 +292,11 @@ class BlockRun:
         """The block output: the sum of the ``output`` values (no graph: the backward starts from it)."""
         names = self.decl.output
         values = [self.value(n) for n in names]
+        for i, piece in enumerate(self.decl.pieces):
+            # A transfer whose result nothing reads still finishes with its block: else its backward would
+            # get no output gradient (None, not zeros) and its start would have no wait.
+            if isinstance(piece, Comm) and i not in self.done:
+                self.wait(i)
         if len(values) == 1:
             out = values[0]
             out = out.detach() if isinstance(out, torch.Tensor) else out
