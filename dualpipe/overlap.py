@@ -60,7 +60,7 @@ class StageRun:
     def __init__(self, stage: OverlapStage, inputs: Sequence[Any]) -> None:
         if len(inputs) != 1:
             raise ValueError(f"{type(stage).__name__}: a stage built from pieces takes one input, got {len(inputs)}")
-        decls = list(stage.pieces())
+        decls = list(stage.pieces() or ())  # a forgotten return (None) reads as no blocks
         _check_blocks(type(stage).__name__, decls)
         grad = torch.is_grad_enabled()
         self.stage = stage
