@@ -266,10 +266,12 @@ class _StageNode(torch.autograd.Function):
     """Autograd node standing for a whole stage: backward replays ``run.backward`` piece by piece."""
 
     @staticmethod
-    def forward(ctx, run: Any, output: torch.Tensor, anchor: torch.Tensor, *inputs: torch.Tensor):
+    def forward(ctx, run: Any, output: list[torch.Tensor], anchor: torch.Tensor, *inputs: torch.Tensor):
         ctx.run = run
         ctx.num_inputs = len(inputs)
-        return output.view_as(output)
+        # Handed in a list, so it is not an input of the node: returned as is, not as a view of an input,
+        # and the pipeline frees it once sent (it frees no views; the backward never reads it).
+        return output[0]
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -300,7 +302,7 @@ def stage_output(run: Any, output: torch.Tensor, inputs: Sequence[Any]) -> torch
         return output
     anchor = torch.empty(0, device=output.device, requires_grad=True)
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-    return _StageNode.apply(run, output.detach(), anchor, *tensors)
+    return _StageNode.apply(run, [output.detach()], anchor, *tensors)
 
 
 def _find_run(roots: Iterable[torch.Tensor]) -> Any:
