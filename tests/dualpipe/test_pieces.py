@@ -22,6 +22,7 @@ from dualpipe.collectives import AllToAll, Pending, all_to_all, exchange_counts
 from dualpipe.overlap import OverlapStage
 from dualpipe.pieces import BlockRun, Comm, Compute, Context, Pieces
 from dualpipe.testing import OverlapReport, check_overlap
+from dualpipe.utils import run_backward
 from dualpipe.weight_grad import GradStore, WeightGradStore
 from tests.distributed import run_ranks
 
@@ -204,12 +205,6 @@ def _assert_close_grads(got: dict, want: dict) -> None:
             torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12, msg=name)
 
 
-def _hook(module0: Net, x0: torch.Tensor, module1: Net, x1: torch.Tensor, labels: torch.Tensor):
-    """Forward ``x1`` on module1 to its loss, then the hook: F(x0) on module0 overlapped with B(x1)."""
-    loss1 = mse(module1(x1), labels)
-    return type(module0).overlapped_forward_backward(module0, [x0], mse, [labels], module1, loss1, None, None)
-
-
 # ---- 1. declaration errors ------------------------------------------------------------------------------
 def _ident(ctx: Context, *xs: torch.Tensor) -> Any:
     return xs[0] if len(xs) == 1 else xs
@@ -253,7 +248,6 @@ def test_declaration_errors(pieces: list, kwargs: dict, error: type, match: str)
 class _Declared(OverlapStage):
     def __init__(self, blocks: Callable[[], Any]) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.ones(D, dtype=f64))
         self._blocks = blocks
 
     def pieces(self) -> Any:
@@ -358,6 +352,21 @@ def test_input_gradient_matches_plain_torch() -> None:
     net, ref = Net(2, embed=False), Net(2, embed=False)
     mse(net(x), labels).backward()
     mse(ref.reference(x_ref), labels).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    _assert_close_grads(_grads(net), _grads(ref))
+
+
+def test_a_sent_output_can_be_freed() -> None:
+    # The pipeline frees the storage of activations it has sent, unless they are views (freeing a view
+    # would free its base): a stage output must not be a view, and its backward must not read its values.
+    x, g = _floats(1).requires_grad_(), _floats(2)
+    x_ref = x.detach().clone().requires_grad_()
+    net, ref = Net(2, embed=False, head=False), Net(2, embed=False, head=False)
+    out = net(x)
+    assert out._base is None
+    out.data = torch.empty(0, dtype=out.dtype)
+    run_backward([out], [g])
+    ref.reference(x_ref).backward(g)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
     _assert_close_grads(_grads(net), _grads(ref))
 
@@ -654,14 +663,12 @@ def test_forward_without_grad_keeps_nothing() -> None:
     assert net.blocks[0].wm.grad is not None
 
 
-def test_output_without_gradient_and_unreached_values() -> None:
-    # A value no piece reads and the output does not name ("aux"), and a zero output gradient path: the
-    # plain backward gives the same gradients as autograd.
-    class Aux(_Declared):
-        pass
-
+def test_a_value_no_gradient_reaches() -> None:
+    # "aux" is neither read nor in the output: its gradient is None, and its compute's dX runs from "y" only.
     w = nn.Parameter(torch.ones(D, dtype=f64))
-    stage = Aux(lambda: [Pieces((Compute("f", lambda ctx, x: (x * w, (x * w).sum()), "x", ("y", "aux")),), output="y")])
+    stage = _Declared(
+        lambda: [Pieces((Compute("f", lambda ctx, x: (x * w, (x * w).sum()), "x", ("y", "aux")),), output="y")]
+    )
     x = _floats(1).requires_grad_()
     stage(x).backward(torch.ones(T, D, dtype=f64))
     torch.testing.assert_close(w.grad, _floats(1).sum(0), rtol=1e-12, atol=1e-12)
