@@ -46,8 +46,9 @@ def _names(value: str | Sequence[str]) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Compute:
     """A compute piece: ``fn(ctx, *inputs)`` returns one value per name in ``outputs`` (a tuple, or the
-    value itself for one output; a tuple is always read as the values). ``recompute`` (None: the stage's setting) runs it without a graph in
-    forward and again under autograd right before its backward, with ``ctx.recomputing`` set."""
+    value itself for one output; a tuple is always read as the values). ``recompute`` (None: the stage's
+    setting) runs it without a graph in forward and again under autograd right before its backward, with
+    ``ctx.recomputing`` set."""
 
     name: str
     fn: Callable[..., Any]
@@ -256,9 +257,10 @@ class BlockRun:
         if prepared is not None:
             prepared.wait()
             self._edge(piece, piece.prepare_name, "fwd", "wait")
+        inputs = [self._plain(n) for n in piece.inputs]  # may wait an earlier transfer: before our start edge
         self.started.add(i)
         self._edge(piece, piece.name, "fwd", "start")
-        pending = piece.forward(self.ctx, *(self._plain(n) for n in piece.inputs))
+        pending = piece.forward(self.ctx, *inputs)
         self._in_flight[i] = _pending(pending, f"Comm {piece.name!r} forward")
 
     def wait(self, i: int) -> None:
