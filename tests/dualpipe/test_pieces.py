@@ -652,6 +652,53 @@ def test_shared_values_and_unused_results(dead: bool) -> None:
     check_overlap(lambda: _Edge(dead=dead), (_floats(1), _floats(2)), rtol=1e-12, atol=0).raise_if_failed()
 
 
+class _Chain(OverlapStage):
+    """Blocks ``gather(x) -> f -> c1 -> c2 -> g(., x)``: a communication of the block input, and one that
+    reads another's result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.ws = nn.ParameterList(_param(gen, D, D) for _ in range(2))
+
+    @staticmethod
+    def _scale(s: float) -> Callable[..., Pending[torch.Tensor]]:
+        return lambda ctx, x: Pending(lambda: x * s)
+
+    def pieces(self) -> list[Pieces]:
+        return [
+            Pieces(
+                (
+                    Comm("gather", self._scale(2.0), self._scale(2.0), "x", "xg"),
+                    Compute("f", lambda ctx, xg, w=w: torch.tanh(_DeferredLinear.apply(xg, w)), "xg", "u"),
+                    Comm("c1", self._scale(3.0), self._scale(3.0), "u", "u1"),
+                    Comm("c2", self._scale(0.5), self._scale(0.5), "u1", "u2"),
+                    Compute("g", lambda ctx, u2, x: u2 * x, ("u2", "x"), "y"),
+                ),
+                output=("x", "y"),
+                layer=i,
+            )
+            for i, w in enumerate(self.ws)
+        ]
+
+
+@pytest.mark.parametrize("last", [True, False], ids=["from-loss", "from-outputs"])
+def test_chained_communications_and_one_of_the_block_input(last: bool) -> None:
+    _check(_Chain, last, ids=False).raise_if_failed()
+
+
+def test_a_transfer_is_recorded_as_started_after_its_input_arrived() -> None:
+    net = _Chain()
+    net.recorder = log = Log()
+    out1 = net(_floats(1).requires_grad_())
+    log.events.clear()
+    _Chain.overlapped_forward_backward(net, [_floats(2)], None, [], net, None, [out1], [_floats(3)])
+    ev = log.events
+    for layer in (0, 1):
+        assert ev.index(("c1", "fwd", layer, "wait")) < ev.index(("c2", "fwd", layer, "start"))
+        assert ev.index(("c2", "bwd", 1 - layer, "wait")) < ev.index(("c1", "bwd", 1 - layer, "start"))
+
+
 def test_forward_without_grad_keeps_nothing() -> None:
     net = Net(2)
     with torch.no_grad():
