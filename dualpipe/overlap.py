@@ -60,7 +60,7 @@ class StageRun:
     def __init__(self, stage: OverlapStage, inputs: Sequence[Any]) -> None:
         if len(inputs) != 1:
             raise ValueError(f"{type(stage).__name__}: a stage built from pieces takes one input, got {len(inputs)}")
-        decls = list(stage.pieces())
+        decls = list(stage.pieces() or ())  # a forgotten return (None) reads as no blocks
         _check_blocks(type(stage).__name__, decls)
         grad = torch.is_grad_enabled()
         self.stage = stage
@@ -267,10 +267,11 @@ class _StageNode(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run: Any, output: list[torch.Tensor], anchor: torch.Tensor, *inputs: torch.Tensor):
-        # The output comes in a list, not as an argument: an argument returned as-is would come out as a
-        # view, which torch.distributed.pipelining's backward cannot detach_() in place.
         ctx.run = run
         ctx.num_inputs = len(inputs)
+        # Handed in a list, so it is not an input of the node and comes out as itself, not as a view: the
+        # pipeline frees it once sent (it frees no views), and torch.distributed.pipelining's backward can
+        # detach_() it in place.
         return output.pop()
 
     @staticmethod

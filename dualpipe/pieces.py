@@ -47,8 +47,9 @@ def _names(value: str | Sequence[str]) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Compute:
     """A compute piece: ``fn(ctx, *inputs)`` returns one value per name in ``outputs`` (a tuple, or the
-    value itself for one output). ``recompute`` (None: the stage's setting) runs it without a graph in
-    forward and again under autograd right before its backward, with ``ctx.recomputing`` set."""
+    value itself for one output; a tuple is always read as the values). ``recompute`` (None: the stage's
+    setting) runs it without a graph in forward and again under autograd right before its backward, with
+    ``ctx.recomputing`` set."""
 
     name: str
     fn: Callable[..., Any]
@@ -144,10 +145,19 @@ def _leaf(value: Any) -> Any:
 
 
 def _tuple(value: Any, n: int, what: str) -> tuple[Any, ...]:
-    if n == 1 and not (isinstance(value, tuple) and len(value) == 1):
-        return (value,)
-    if not isinstance(value, tuple) or len(value) != n:
+    # A tuple is always the values, one per name: for one output, (a, b) is a mistake, not a tuple value.
+    if isinstance(value, tuple):
+        if len(value) != n:
+            raise ValueError(f"{what} returned a tuple of {len(value)} values, expected {n} value(s)")
+        return value
+    if n != 1:
         raise ValueError(f"{what} returned {type(value).__name__}, expected a tuple of {n} values")
+    return (value,)
+
+
+def _pending(value: Any, what: str) -> Pending[Any]:
+    if not isinstance(value, Pending):
+        raise TypeError(f"{what} returned {type(value).__name__}, not a Pending (finished: Pending.done(value))")
     return value
 
 
@@ -222,6 +232,7 @@ class BlockRun:
             pending = None
             if piece.prepare is not None:
                 pending = piece.prepare(self.ctx, *(self._plain(n) for n in piece.inputs))
+                pending = None if pending is None else _pending(pending, f"Comm {piece.name!r} prepare")
             if pending is not None:
                 self._edge(piece, piece.prepare_name, "fwd", "start")
             self._prepared[i] = pending
@@ -235,9 +246,11 @@ class BlockRun:
         if prepared is not None:
             prepared.wait()
             self._edge(piece, piece.prepare_name, "fwd", "wait")
+        inputs = [self._plain(n) for n in piece.inputs]  # may wait an earlier transfer: before our start edge
         self.started.add(i)
         self._edge(piece, piece.name, "fwd", "start")
-        self._in_flight[i] = piece.forward(self.ctx, *(self._plain(n) for n in piece.inputs))
+        pending = piece.forward(self.ctx, *inputs)
+        self._in_flight[i] = _pending(pending, f"Comm {piece.name!r} forward")
 
     def wait(self, i: int) -> None:
         piece = self.decl.pieces[i]
@@ -281,6 +294,11 @@ class BlockRun:
         """The block output: the sum of the ``output`` values (no graph: the backward starts from it)."""
         names = self.decl.output
         values = [self.value(n) for n in names]
+        for i, piece in enumerate(self.decl.pieces):
+            # A transfer whose result nothing reads still finishes with its block: else its backward would
+            # get no output gradient (None, not zeros) and its start would have no wait.
+            if isinstance(piece, Comm) and i not in self.done:
+                self.wait(i)
         if len(values) == 1:
             out = values[0]
             out = out.detach() if isinstance(out, torch.Tensor) else out
@@ -356,7 +374,7 @@ class BlockRun:
             grads.append(g)
         self.bwd_started.add(i)
         self._edge(piece, piece.name, "bwd", "start")
-        self._bwd_in_flight[i] = piece.backward(self.ctx, *grads)
+        self._bwd_in_flight[i] = _pending(piece.backward(self.ctx, *grads), f"Comm {piece.name!r} backward")
         for name in piece.outputs:
             self.values.pop(name, None)
 
