@@ -233,8 +233,8 @@ def _paired(blocks: list[BlockRun]) -> list[int]:
     return [b for b, blk in enumerate(blocks) if blk.decl.paired]
 
 
-def _interleave(run0: StageRun, run1: StageRun, grad1: torch.Tensor | None) -> tuple[Any, torch.Tensor | None]:
-    """F of ``run0`` and B of ``run1`` interleaved; returns (F's output, B's input gradient)."""
+def _interleave(run0: StageRun, run1: StageRun, grad1: torch.Tensor | None) -> Any:
+    """F of ``run0`` and B of ``run1`` interleaved; B's input gradient is delivered; returns F's output."""
     fwd, bwd = _Forward(run0), _Backward(run1, grad1)
     f_pairs, b_pairs = _paired(run0.blocks), _paired(run1.blocks)[::-1]
     bwd.start_ready()  # the output gradient is there: B's first communication starts at once
@@ -255,11 +255,12 @@ def _interleave(run0: StageRun, run1: StageRun, grad1: torch.Tensor | None) -> t
                 bwd.dw(at)
     if len(b_pairs) <= len(f_pairs):
         # B is done with its blocks: its input gradient is computed while F's last communication flies.
-        grad_in = bwd.finish()
-        return fwd.finish(), grad_in
+        run1.deliver(bwd.finish())
+        return fwd.finish()
     bwd.alone(until=b_pairs[-1] - 1)
     out = fwd.finish()
-    return out, bwd.finish()
+    run1.deliver(bwd.finish())
+    return out
 
 
 class _StageNode(torch.autograd.Function):
@@ -387,8 +388,7 @@ def overlapped_forward_backward(
     else:
         run1, grad1 = pending
         run0 = StageRun(module0, inputs0)
-        out0, grad_in = _interleave(run0, run1, grad1)
-        run1.deliver(grad_in)
+        out0 = _interleave(run0, run1, grad1)
         outputs0 = [stage_output(run0, out0, run0.inputs)]
     loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
     return outputs0, loss0

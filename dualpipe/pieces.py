@@ -111,9 +111,13 @@ class Pieces:
             raise ValueError(f"{where}: a block needs at least one Compute piece")
         defined = {self.input}
         consumers: dict[str, list[int]] = {self.input: []}
+        named: set[str] = set()
         for i, piece in enumerate(self.pieces):
             if not isinstance(piece, (Compute, Comm)):
                 raise TypeError(f"{where}: piece {i} is a {type(piece).__name__}, not a Compute or a Comm")
+            if piece.name in named:
+                raise ValueError(f"{where}: two pieces are named {piece.name!r} (their events would be ambiguous)")
+            named.add(piece.name)
             for name in piece.inputs:
                 if name not in defined:
                     raise ValueError(f"{where}: piece {piece.name!r} reads {name!r} before any piece produces it")

@@ -229,6 +229,12 @@ def _comm(name: str, inputs: Any, outputs: Any) -> Comm:
         ([_comm("c", "x", "y")], {}, ValueError, r"block 3: a block needs at least one Compute piece"),
         ([], {}, ValueError, r"at least one Compute piece"),
         ([Compute("f", _ident, "x", "y"), "g"], {}, TypeError, r"piece 1 is a str, not a Compute or a Comm"),
+        (
+            [Compute("f", _ident, "x", "z"), Compute("f", _ident, "z", "y")],
+            {},
+            ValueError,
+            r"two pieces are named 'f'",
+        ),
     ],
     ids=[
         "read-before-produce",
@@ -238,6 +244,7 @@ def _comm(name: str, inputs: Any, outputs: Any) -> Comm:
         "no-compute",
         "empty",
         "not-a-piece",
+        "same-name",
     ],
 )
 def test_declaration_errors(pieces: list, kwargs: dict, error: type, match: str) -> None:
