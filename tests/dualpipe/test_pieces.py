@@ -23,38 +23,15 @@ from dualpipe.overlap import OverlapStage
 from dualpipe.pieces import BlockRun, Comm, Compute, Context, Pieces
 from dualpipe.testing import OverlapReport, check_overlap
 from dualpipe.utils import run_backward
-from dualpipe.weight_grad import GradStore, WeightGradStore
+from dualpipe.weight_grad import GradStore
 from tests.distributed import run_ranks
+from tests.dualpipe.toy import DeferredLinearFn
 
 f64 = torch.float64
 T, D, V = 6, 4, 7
 PERM = torch.tensor([3, 0, 5, 1, 4, 2])  # the local "dispatch" sends row PERM[j] to slot j
 INV = torch.argsort(PERM)
 SEND_SCALE = 2.0  # the local dispatch also scales, so a wrong backward cannot cancel out
-
-
-class _DeferredLinear(torch.autograd.Function):
-    """``x Wᵀ`` whose weight gradient follows DualPipe's protocol: handed to ``WeightGradStore`` when it is
-    enabled, computed at once otherwise."""
-
-    @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, w_DD: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x_TD, w_DD)
-        return x_TD @ w_DD.t()
-
-    @staticmethod
-    def backward(ctx, dy_TD: torch.Tensor) -> tuple[torch.Tensor, None]:
-        x_TD, w_DD = ctx.saved_tensors
-
-        def wgrad() -> None:
-            g = dy_TD.t() @ x_TD
-            w_DD.grad = g if w_DD.grad is None else w_DD.grad + g
-
-        if WeightGradStore.enabled:
-            WeightGradStore.put(wgrad)
-        else:
-            wgrad()
-        return dy_TD @ w_DD, None
 
 
 class Log:
@@ -118,7 +95,7 @@ class _Block(nn.Module):
         return a_TD, a_TD * h_TD
 
     def _mlp(self, ctx: Context, zr_TD: torch.Tensor) -> torch.Tensor:
-        return torch.sin(_DeferredLinear.apply(zr_TD, self.wm))
+        return torch.sin(DeferredLinearFn.apply(zr_TD, self.wm))
 
     def reference(self, h_TD: torch.Tensor) -> torch.Tensor:
         a_TD = torch.tanh(h_TD @ self.wa.t())
@@ -172,7 +149,7 @@ class Net(OverlapStage):
         return self.embed[ids_T]
 
     def _head(self, ctx: Context, h_TD: torch.Tensor) -> torch.Tensor:
-        return _DeferredLinear.apply(h_TD, self.head)
+        return DeferredLinearFn.apply(h_TD, self.head)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed[x] if self.embed is not None else x
@@ -631,7 +608,7 @@ class _Edge(OverlapStage):
                     Compute("f", lambda ctx, x: torch.tanh(x @ self.w1.t()), "x", "z"),
                     *comms,
                     Compute(
-                        "g", lambda ctx, z, zc: torch.sin(_DeferredLinear.apply(z * zc, self.w2)), ("z", "zc"), "y"
+                        "g", lambda ctx, z, zc: torch.sin(DeferredLinearFn.apply(z * zc, self.w2)), ("z", "zc"), "y"
                     ),
                 ),
                 output=("x", "z", "y"),  # the input itself is part of the residual sum
@@ -677,7 +654,7 @@ class _Chain(OverlapStage):
             Pieces(
                 (
                     Comm("gather", self._scale(2.0), self._scale(2.0), "x", "xg"),
-                    Compute("f", lambda ctx, xg, w=w: torch.tanh(_DeferredLinear.apply(xg, w)), "xg", "u"),
+                    Compute("f", lambda ctx, xg, w=w: torch.tanh(DeferredLinearFn.apply(xg, w)), "xg", "u"),
                     Comm("c1", self._scale(3.0), self._scale(3.0), "u", "u1"),
                     Comm("c2", self._scale(0.5), self._scale(0.5), "u1", "u2"),
                     Compute("g", lambda ctx, u2, x: u2 * x, ("u2", "x"), "y"),
@@ -793,7 +770,7 @@ class _EPBlock(nn.Module):
             (
                 Compute("attn", self._attn, "h", ("a", "z", "dest")),
                 Comm("dispatch", self._dispatch, self._dispatch_backward, ("z", "dest"), "zr", prepare=self._plan),
-                Compute("mlp", lambda ctx, zr: torch.sin(_DeferredLinear.apply(zr, self.wm)), "zr", "yr"),
+                Compute("mlp", lambda ctx, zr: torch.sin(DeferredLinearFn.apply(zr, self.wm)), "zr", "yr"),
                 Comm("combine", self._combine, self._combine_backward, "yr", "y"),
             ),
             input="h",

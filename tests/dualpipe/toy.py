@@ -15,7 +15,10 @@ from dualpipe import WeightGradStore
 from dualpipe.utils import run_backward
 
 
-class _LinearFn(torch.autograd.Function):
+class DeferredLinearFn(torch.autograd.Function):
+    """``x Wᵀ`` whose weight gradient follows DualPipe's protocol: handed to ``WeightGradStore`` when it is
+    enabled, computed at once otherwise."""
+
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
@@ -38,7 +41,7 @@ class _LinearFn(torch.autograd.Function):
 
 class DeferLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearFn.apply(x, self.weight)
+        return DeferredLinearFn.apply(x, self.weight)
 
 
 class ToyStage(nn.Module):
