@@ -10,6 +10,14 @@ import torch
 # Several ranks share two cores in CI: one intra-op thread per process keeps them from thrashing.
 torch.set_num_threads(1)
 
+# Triton tier without CUDA: kernels run on CPU tensors under Triton's interpreter. Triton picks compiling or
+# interpreting when a function is decorated, i.e. when triton.language and kernels.triton_* are first
+# imported, and some imports pull Triton in early (torch.distributed.pipelining does): so it is set here,
+# in the root conftest, before any test module is collected. It changes only how Triton kernels run:
+# DUALPIPE_KERNELS=auto still sends CPU tensors to the torch reference.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,20 +1,12 @@
-"""Triton interpreter tier: without CUDA, Triton kernels run on CPU tensors under TRITON_INTERPRET=1.
-
-Triton decides between compiling and interpreting when a kernel is decorated, i.e. when a
-``kernels.triton_*`` module is first imported; the variable is set here, at collection, before any test
-can import one. It only changes how Triton kernels run: ``DUALPIPE_KERNELS=auto`` still sends CPU tensors
-to the torch reference, so the rest of the suite is unaffected. With CUDA the same tests run compiled.
+"""Triton interpreter tier: without CUDA, Triton kernels run on CPU tensors under TRITON_INTERPRET=1
+(set in the root conftest, before any module that imports Triton is collected). With CUDA the same tests
+run compiled.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture
