@@ -5,17 +5,22 @@
 World size must equal pp x ep. CPU ranks use gloo, CUDA ranks NCCL. Byte-level language modelling on text
 already on the machine (``--data`` for your own). Rank 0 prints progress; ``--metrics-file`` gets one JSON
 line per step; ``--ckpt-dir`` with ``--ckpt-every`` writes atomic distributed checkpoints and ``--resume``
-continues from the newest one (also at another pp/ep layout).
+continues from the newest one (also at another pp/ep layout). A NaN or infinite loss or gradient stops
+the run before its optimizer step (``--skip-nonfinite`` skips the step instead). A failure the flags or
+the machine cause is one line on rank 0 (``--debug``: every rank's traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
 import signal
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,12 +34,23 @@ from moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moe.config import PRESETS, preset
 from moe.data import ByteCorpus
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS
+from moe.guard import find_nonfinite, weights_are_finite
 from moe.model import lm_loss
 from moe.parallel import ParallelConfig, balance_routers, build_stages, init_layout, reduce_gradients
 
 
+class OneLineError(SystemExit):
+    """A failure the user can fix (a flag, a path, a package, a port, diverged training): its message says
+    what to change. :func:`cli` prints it once, on global rank 0, with no traceback unless ``--debug``."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print its usage on every rank
+        raise OneLineError(f"error: {message} (see --help)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size (vocab forced to 256)")
     p.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
@@ -98,6 +114,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="STEP",
         help="failure drill: SIGKILL global rank 1 at STEP on the first attempt (torchrun restart 0)",
     )
+    p.add_argument(
+        "--stop-rank-at-step",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="failure drill: SIGSTOP global rank 1 at STEP (a hung peer: the others fail within --timeout)",
+    )
+    p.add_argument(
+        "--nan-at-step",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="failure drill: a NaN in one gradient of the last rank's first stage module at STEP",
+    )
+    p.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip a step whose loss or gradients are NaN/inf (no optimizer step) instead of stopping",
+    )
+    p.add_argument("--debug", action="store_true", help="print every rank's traceback for the one-line errors")
     return p.parse_args(argv)
 
 
@@ -132,6 +168,47 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         args.overlap = False  # nothing is paired in this schedule
 
 
+def check_environment(args: argparse.Namespace) -> None:
+    """What the machine must provide, checked on every rank before any collective, with what to change.
+
+    ``--data`` is checked where it is read (:func:`load_corpus`).
+    """
+    if args.ep > 1:  # at ep == 1 no dispatcher is built
+        missing = DISPATCHERS.lookup(args.dispatcher).check()  # the optional package only: tests emulate it
+        if missing:
+            raise OneLineError(f"error: --dispatcher {args.dispatcher}: {'; '.join(missing)}")
+    if args.ckpt_dir and (args.ckpt_every or args.resume):
+        _check_ckpt_dir(Path(args.ckpt_dir), writes=bool(args.ckpt_every))
+
+
+def _check_ckpt_dir(path: Path, writes: bool) -> None:
+    existing = next(p for p in (path, *path.parents) if p.exists())  # what a save's mkdir would start from
+    if not existing.is_dir():
+        raise OneLineError(f"error: --ckpt-dir {path}: {existing} is not a directory; pick another --ckpt-dir")
+    if writes and not os.access(existing, os.W_OK | os.X_OK):
+        raise OneLineError(f"error: --ckpt-dir {path}: {existing} is not writable; pick another --ckpt-dir")
+
+
+def load_corpus(args: argparse.Namespace) -> ByteCorpus:
+    if args.data is not None and not Path(args.data).exists():
+        raise OneLineError(f"error: --data {args.data} does not exist; pass a directory of text files or a .bin file")
+    try:
+        return ByteCorpus(args.data)
+    except (OSError, ValueError) as exc:  # unreadable, empty, or not text: the corpus says which
+        raise OneLineError(f"error: --data {args.data}: {exc}") from exc
+
+
+def init_distributed(cuda: bool, timeout: float) -> None:
+    """The default process group; every collective waits at most ``timeout`` seconds for a peer."""
+    try:
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    except dist.DistNetworkError as exc:
+        if "EADDRINUSE" not in str(exc):
+            raise
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise OneLineError(f"error: the rendezvous port {where} is in use; set MASTER_PORT to a free port") from exc
+
+
 @dataclass(slots=True)
 class Run:
     """Everything one rank needs inside the loop."""
@@ -144,6 +221,7 @@ class Run:
     device: torch.device
     num_chunks: int
     owns_process_group: bool
+    nonfinite_skips: int = 0
 
     @property
     def global_batch(self) -> int:
@@ -156,9 +234,11 @@ def setup(args: argparse.Namespace) -> Run:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     owns_pg = not dist.is_initialized()
     if owns_pg:
-        dist.init_process_group("nccl" if cuda else "gloo")
+        init_distributed(cuda, args.timeout)
     world = dist.get_world_size()
     check_args(args, world)
+    check_environment(args)
+    corpus = load_corpus(args)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -197,7 +277,6 @@ def setup(args: argparse.Namespace) -> Run:
     pipe.set_p2p_tensor_dtype(dtype)
     params = list({id(p): p for p in pipe.parameters()}.values())
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    corpus = ByteCorpus(args.data)
     chunks = num_chunks(args)
     for stage in stages:
         # The step averages the LM loss over micro-batches (loss_reduction="mean"); the balance loss, added
@@ -267,11 +346,38 @@ def train_step(run: Run, step: int) -> tuple[float, float]:
     run.optimizer.zero_grad(set_to_none=True)
     inputs, labels = step_inputs(run, step, "train")
     loss, _ = run.pipe.step(*inputs, num_chunks=run.num_chunks, criterion=lm_loss, labels=labels, loss_reduction="mean")
-    reduce_gradients(list(run.pipe.module), run.layout)
+    maybe_nan(run, step)
     imbalance = expert_imbalance(run)
+    if not guard_nonfinite(run, step, loss):
+        return global_mean_loss(run, loss), imbalance
+    reduce_gradients(list(run.pipe.module), run.layout)
     run.optimizer.step()
     balance_routers(list(run.pipe.module), run.layout)
+    if run.args.ckpt_every and step % run.args.ckpt_every == 0 and not weights_are_finite(list(run.pipe.module)):
+        raise OneLineError(f"error: non-finite weights after step {step}; its checkpoint is not written: lower --lr")
     return global_mean_loss(run, loss), imbalance
+
+
+def guard_nonfinite(run: Run, step: int, loss: torch.Tensor | None) -> bool:
+    """True if the step may go on to its optimizer step. A NaN/inf loss or gradient on any rank stops the run
+    (same decision on every rank), or with ``--skip-nonfinite`` drops the step's gradients and expert loads."""
+    found = find_nonfinite(list(run.pipe.module), loss, run.layout.config.num_stages)
+    if not found:
+        return True
+    if not run.args.skip_nonfinite:
+        raise OneLineError(
+            f"error: {found.describe(step)}; stopped before its optimizer step (checkpoints hold earlier steps "
+            "only): lower --lr, or pass --skip-nonfinite to skip such steps"
+        )
+    run.optimizer.zero_grad(set_to_none=True)
+    for stage in run.pipe.module:
+        for block in stage.blocks.values():
+            if getattr(block, "is_moe", False):
+                block.router.expert_load.zero_()  # the router bias does not move on a skipped step
+    run.nonfinite_skips += 1
+    if dist.get_rank() == 0:
+        print(f"{found.describe(step)}: step skipped ({run.nonfinite_skips} so far)", flush=True)
+    return False
 
 
 def save(run: Run, step: int) -> None:
@@ -298,6 +404,23 @@ def maybe_kill(args: argparse.Namespace, step: int) -> None:
     if args.kill_rank_at_step == step and first_attempt and dist.get_rank() == 1:
         print(f"failure drill: killing rank 1 at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_nan(run: Run, step: int) -> None:
+    """The non-finite drill: a NaN in one gradient of the last rank's first stage module."""
+    if run.args.nan_at_step != step or dist.get_rank() != dist.get_world_size() - 1:
+        return
+    stage = run.pipe.module[0]
+    grad = next(p.grad for p in stage.parameters() if p.grad is not None)
+    grad[(0,) * grad.dim()] = float("nan")
+    print(f"failure drill: a NaN in a gradient of stage {stage.stage_index} at step {step}", flush=True)
+
+
+def maybe_stop(args: argparse.Namespace, step: int) -> None:
+    """The hang drill: global rank 1 stops (SIGSTOP) as if hung; its peers must fail within --timeout."""
+    if args.stop_rank_at_step == step and dist.get_rank() == 1:
+        print(f"failure drill: stopping rank 1 at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def timed_step(run: Run, step: int, profile: bool) -> tuple[float, float, float]:
@@ -345,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.monotonic()
     for done, step in enumerate(range(start_step + 1, args.steps + 1), start=1):
         maybe_kill(args, step)
+        maybe_stop(args, step)
         profile = bool(args.trace_dir) and step == start_step + 2
         loss, imbalance, dt = timed_step(run, step, profile)
         record = {
@@ -354,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
             "step_time_s": dt,
             "lr": lr_at(args, step),
             "expert_imbalance": imbalance,
+            "nonfinite_skips": run.nonfinite_skips,
         }
         if args.val_every and step % args.val_every == 0:
             record["val_loss"] = validate(run, step)
@@ -374,15 +499,26 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
+def _debug(argv: list[str]) -> bool:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--debug", action="store_true")
+    return p.parse_known_args(argv)[0].debug
+
+
 def cli() -> None:
-    """``main`` as a command: every rank checks the flags alike, so only global rank 0 prints what to change;
-    the others exit with the same failure, silently."""
+    """``main`` as a command. Every rank meets a user-caused failure alike (flags, paths, packages, a non-finite
+    step: decided on all ranks together), so only global rank 0 prints its one line; the others exit with
+    the same status, silently. ``--debug`` prints every rank's traceback instead. Real bugs keep theirs."""
     try:
         main()
     except SystemExit as exc:
-        if isinstance(exc.code, str) and os.environ.get("RANK", "0") != "0":
-            raise SystemExit(1) from None
-        raise
+        if not isinstance(exc.code, str):  # a plain exit status (argparse's --help)
+            raise
+        if _debug(sys.argv[1:]):
+            traceback.print_exc()
+        elif os.environ.get("RANK", "0") == "0":
+            print(exc.code, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

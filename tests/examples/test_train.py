@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from tests.distributed import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
 
 COMMON = [
     "--preset",
@@ -132,3 +136,31 @@ def _bad_flags(rank: int, world: int, argv: list[str]) -> str:
 def test_bad_flags_fail_clearly(argv: list[str], message: str) -> None:
     out = run_ranks(_bad_flags, 2, args=(argv,), timeout=120)
     assert all(message in o for o in out), out
+
+
+def _bad_launch_cases() -> list[tuple[list[str], str]]:
+    a_file = str(ROOT / "pyproject.toml")
+    return [
+        (["--pp", "2", "--ep", "1", "--data", "/nowhere/corpus"], "--data /nowhere/corpus does not exist"),
+        (["--pp", "2", "--ep", "1", "--data", a_file], "--data must be a directory of text files or a .bin"),
+        (["--pp", "1", "--ep", "2", "--dispatcher", "deepep"], "the 'deepep' dispatcher needs DeepEP"),
+        (["--pp", "2", "--ep", "1", "--ckpt-dir", f"{a_file}/ckpt", "--ckpt-every", "1"], "is not a directory"),
+        (["--pp", "2", "--ep", "1", "--bogus"], "error: unrecognized arguments: --bogus (see --help)"),
+    ]
+
+
+@pytest.mark.parametrize(("argv", "message"), _bad_launch_cases())
+def test_what_the_machine_lacks_fails_clearly(argv: list[str], message: str) -> None:
+    if "deepep" in argv and importlib.util.find_spec("deep_ep") is not None:
+        pytest.skip("deep_ep is installed here")
+    out = run_ranks(_bad_flags, 2, args=(argv,), timeout=120)
+    assert all(message in o for o in out), out
+
+
+def test_a_nonfinite_step_is_skipped_and_counted(tmp_path: Path) -> None:
+    args = ["--pp", "2", "--ep", "1", "--steps", "4", "--nan-at-step", "2", "--skip-nonfinite"]
+    records = train(2, tmp_path, "skip", *args)
+    assert [r["nonfinite_skips"] for r in records] == [0, 1, 1, 1]
+    # The NaN was in a gradient after the forward (step 2's loss is finite); had the optimizer applied it,
+    # stage 1's weights and every later loss would be NaN.
+    assert all(math.isfinite(r["loss"]) for r in records)
