@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dualpipe import DualPipe, DualPipeV, OneFOneB, PipelineCommError, set_p2p_tensor_shapes
-from tests.distributed import run_ranks
-from tests.dualpipe.toy import NoInputGrad, ToyStage, criterion, make_stages
+from tests.distributed import RankFailure, run_ranks
+from tests.dualpipe.toy import NoInputGrad, ToyStage, ToyStageOverlap, criterion, make_stages
 
 H = 4
 
@@ -157,3 +157,40 @@ def test_a_hook_that_does_not_deliver_the_input_gradient_is_named_on_its_rank() 
     assert "NoInputGrad.overlapped_forward_backward returned without delivering the input gradient" in named[0]
     # No rank hangs or dies with an unrelated error: the other one names the hook too or loses its peer.
     assert all(kind in ("RuntimeError", "PipelineCommError") for kind, _ in results), results
+
+
+class FailsOnRank1(ToyStageOverlap):
+    """A user's hook with a bug that shows on one rank only."""
+
+    @classmethod
+    def overlapped_forward_backward(cls, module0, *args):
+        if dist.get_rank() == 1:
+            raise KeyError("user hook bug on rank 1")
+        return super().overlapped_forward_backward(module0, *args)
+
+
+def _hook_raises_on_rank_1(rank: int, world: int, stays_alive: bool) -> tuple[str, str, float]:
+    import time
+
+    pipe = DualPipeV(make_stages(2, H, seed=0, cls=FailsOnRank1), timeout=3)
+    x = torch.randn(8, 3, H, dtype=torch.float64)
+    start = time.monotonic()
+    try:
+        pipe.step(*((x,) if rank == 0 else ()), num_chunks=4, criterion=criterion, labels=(x,) if rank == 0 else ())
+    except (KeyError, PipelineCommError) as exc:
+        if rank == 1 and not stays_alive:
+            raise  # the process dies with its connections: the peer learns at once
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "ok", "", time.monotonic() - start
+
+
+def test_an_exception_in_one_ranks_hook_is_the_one_reported() -> None:
+    (kind0, msg0, waited), (kind1, msg1, _) = run_ranks(_hook_raises_on_rank_1, 2, args=(True,), timeout=90)
+    assert (kind1, msg1) == ("KeyError", "'user hook bug on rank 1'")
+    # rank 1 keeps its connections open (it caught its error): rank 0 fails at the 3 s pipeline timeout
+    assert kind0 == "PipelineCommError" and "from pipeline rank 1" in msg0, msg0
+    assert waited < 8, f"peer waited {waited:.1f}s"
+    with pytest.raises(RankFailure) as failed:  # rank 1 dies of it: its error leads the report
+        run_ranks(_hook_raises_on_rank_1, 2, args=(False,), timeout=90)
+    report = str(failed.value)
+    assert report.startswith("rank 1 raised:") and "KeyError: 'user hook bug on rank 1'" in report, report
