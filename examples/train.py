@@ -30,7 +30,14 @@ import torch.distributed as dist
 from dualpipe import PIPELINES, Pipeline
 from dualpipe.observer import ProfilerObserver
 from dualpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, schedule_spec
-from moe.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from moe.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from moe.config import PRESETS, preset
 from moe.data import ByteCorpus
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS
@@ -103,6 +110,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--ckpt-every", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
+    p.add_argument(
+        "--resume-strict",
+        action="store_true",
+        help="--resume, but a damaged newest checkpoint or an empty --ckpt-dir is an error (no fallback)",
+    )
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=3,
+        metavar="N",
+        help="keep the newest N checkpoints, removing older ones once a new one is in place (0: keep all)",
+    )
     p.add_argument("--metrics-file", default=None, help="append one JSON line per step (rank 0)")
     p.add_argument("--trace-dir", default=None, help="write a torch profiler trace of step 2 per rank")
     p.add_argument("--log-every", type=int, default=5)
@@ -159,8 +178,11 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         ) from None
     if args.ckpt_every and not args.ckpt_dir:
         raise SystemExit("error: --ckpt-every needs --ckpt-dir")
+    args.resume = args.resume or args.resume_strict
     if args.resume and not args.ckpt_dir:
-        raise SystemExit("error: --resume needs --ckpt-dir")
+        raise SystemExit(f"error: {'--resume-strict' if args.resume_strict else '--resume'} needs --ckpt-dir")
+    if args.keep_last < 0:
+        raise SystemExit("error: --keep-last must be 0 (keep all) or more")
     for name in ("steps", "seq_len", "micro_batch_size"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be positive")
@@ -382,18 +404,37 @@ def guard_nonfinite(run: Run, step: int, loss: torch.Tensor | None) -> bool:
 
 def save(run: Run, step: int) -> None:
     meta = {"data_step": step, "args": vars(run.args), "pp": run.args.pp, "ep": run.args.ep}
-    rank_state = {"torch_rng": torch.get_rng_state()}
-    save_checkpoint(run.args.ckpt_dir, step, list(run.pipe.module), run.optimizer, meta, rank_state)
+    modules, keep = list(run.pipe.module), run.args.keep_last
+    try:
+        save_checkpoint(run.args.ckpt_dir, step, modules, run.optimizer, meta, rng_state(), keep_last=keep)
+    except CheckpointError as exc:  # every rank gets it: all stop, none waits on a dead peer
+        raise SystemExit(f"error: {exc}; training stopped, the previous checkpoint is untouched") from None
 
 
 def resume(run: Run) -> int:
-    path = latest_checkpoint(run.args.ckpt_dir)
+    """The step to continue after: the newest intact checkpoint's, or 0 when there is none (one line says
+    so; ``--resume-strict`` makes that, and a damaged newest checkpoint, an error)."""
+    args, rank = run.args, dist.get_rank()
+    strict = " (--resume-strict)" if args.resume_strict else ""
+    try:
+        path, warnings = find_checkpoint(args.ckpt_dir, strict=args.resume_strict)
+    except CheckpointError as exc:
+        raise SystemExit(f"error: {exc}{strict}") from None
+    for warning in warnings if rank == 0 else []:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if path is None and args.resume_strict:
+        raise SystemExit(f"error: no checkpoint in {args.ckpt_dir} to resume from{strict}")
     if path is None:
+        if rank == 0:
+            print(f"--resume: no checkpoint in {args.ckpt_dir}, starting from step 0", flush=True)
         return 0
-    meta, rank_state = load_checkpoint(path, list(run.pipe.module), run.optimizer)
+    try:
+        meta, rank_state = load_checkpoint(path, list(run.pipe.module), run.optimizer)
+    except CheckpointError as exc:
+        raise SystemExit(f"error: {exc}") from None
     if rank_state is not None:
-        torch.set_rng_state(rank_state["torch_rng"])
-    if dist.get_rank() == 0:
+        set_rng_state(rank_state)
+    if rank == 0:
         print(f"resumed from {path} (step {meta['step']}, written at pp={meta['pp']} ep={meta['ep']})", flush=True)
     return int(meta["step"])
 

@@ -10,26 +10,47 @@ one (pp, ep) loads at another:
 - replicated entries (non-expert weights on every ep rank, DualPipe's two copies of a stage) are written
   once, the planner de-duplicates them.
 
-Atomicity: all ranks write into ``.step_NNNNNNNN.partial``; after a barrier rank 0 renames it to
+Atomicity: all ranks write into ``.step_NNNNNNNN.partial``; once every rank's files are there, rank 0 adds
+``meta.json`` and a manifest (``moe.manifest``: each file's size and CRC-32), renames the directory to
 ``step_NNNNNNNN`` and then atomically replaces the ``latest`` pointer. A crash at any point leaves the last
-good checkpoint and its pointer untouched; a stale partial directory is removed by the next save.
+good checkpoint and its pointer untouched; stale partial directories are removed by the next save. A write
+that fails on any rank (a full disk) fails the save on every rank and removes the partial directory.
+
+Resuming (:func:`find_checkpoint`) verifies ``latest`` against its manifest and falls back to the newest
+intact older checkpoint, with a warning naming the damaged one; all ranks get rank 0's choice before any
+loads. Per-rank state is read with ``torch.load(weights_only=True)``, so a checkpoint directory from
+elsewhere cannot run code.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import random
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+from moe.manifest import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
+
+__all__ = [
+    "CheckpointError",
+    "find_checkpoint",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+    "verify_checkpoint",
+]
 
 _LATEST = "latest"
 
@@ -82,13 +103,76 @@ def _state_dict(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer |
     return flat
 
 
-def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """The directory ``latest`` points to, or None when there is no complete checkpoint."""
-    pointer = Path(ckpt_dir) / _LATEST
-    if not pointer.exists():
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every complete-looking ``step_NNNNNNNN`` directory, newest first."""
+    found = []
+    for p in root.glob("step_*") if root.is_dir() else []:
+        suffix = p.name.removeprefix("step_")
+        if p.is_dir() and len(suffix) == 8 and suffix.isdigit():
+            found.append((int(suffix), p))
+    return sorted(found, reverse=True)
+
+
+def _pointer_target(root: Path) -> Path | None:
+    pointer = root / _LATEST
+    if not pointer.is_file():
         return None
-    target = Path(ckpt_dir) / pointer.read_text().strip()
-    return target if (target / "meta.json").exists() else None
+    return root / pointer.read_text().strip()
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The directory ``latest`` points to, or None when there is no complete checkpoint. Not verified: to
+    resume, use :func:`find_checkpoint`."""
+    target = _pointer_target(Path(ckpt_dir))
+    return target if target is not None and (target / "meta.json").exists() else None
+
+
+def _choose(root: Path, strict: bool) -> tuple[Path | None, list[str], str | None]:
+    """(checkpoint to load, warnings, error): the newest intact one, starting from ``latest``."""
+    steps = _step_dirs(root)
+    if not steps:
+        return None, [], None
+    warnings: list[str] = []
+    candidates = [p for _, p in steps]
+    target = _pointer_target(root)
+    if target is not None and target.is_dir():
+        # Directories newer than ``latest`` were never pointed to (a save that failed after its rename, or
+        # steps of a run that was rolled back to an older checkpoint): not candidates.
+        candidates = candidates[candidates.index(target) :] if target in candidates else [target, *candidates]
+    elif target is not None:
+        warnings.append(f"{root / _LATEST} points to {target.name}, which does not exist; using the newest step_*")
+    for path in candidates:
+        try:
+            verified = verify_checkpoint(path)
+        except CheckpointError as exc:
+            if strict:
+                return None, warnings, f"the newest checkpoint is damaged: {exc}"
+            warnings.append(f"skipping damaged checkpoint {path}: {exc}")
+            continue
+        if not verified:
+            warnings.append(f"{path} has no {MANIFEST} (written by an older version): loading it unverified")
+        return path, warnings, None
+    return None, warnings, f"no intact checkpoint in {root} ({len(candidates)} damaged, none deleted)"
+
+
+def find_checkpoint(ckpt_dir: str | Path, *, strict: bool = False) -> tuple[Path | None, list[str]]:
+    """Collectively pick the checkpoint to resume from: ``(path or None, warnings)``, the same on every rank.
+
+    Rank 0 verifies candidates against their manifests, newest (``latest``) first, and broadcasts its choice
+    before any rank loads, so no two ranks load different checkpoints. A damaged one is skipped with a
+    warning naming it and its bad file; ``strict`` makes a damaged newest checkpoint an error. None when
+    the directory holds no checkpoint at all. Raises :class:`CheckpointError` on every rank when nothing
+    loadable is left. Nothing is deleted.
+    """
+    decision: list[Any] = [None]
+    if dist.get_rank() == 0:
+        path, warnings, error = _choose(Path(ckpt_dir), strict)
+        decision = [(None if path is None else str(path), warnings, error)]
+    dist.broadcast_object_list(decision, src=0)
+    path, warnings, error = decision[0]
+    if error is not None:
+        raise CheckpointError(error)
+    return (None if path is None else Path(path)), warnings
 
 
 def _fsync_dir(path: Path) -> None:
@@ -99,6 +183,46 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _reason(exc: BaseException) -> str:
+    """The root cause of a failed write in one line ("[Errno 28] No space left on device: ...")."""
+    seen = exc
+    failures = getattr(exc, "failures", None)  # dcp's CheckpointException: {rank: wrapped exception}
+    if isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        seen = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    while seen.__cause__ is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__
+    return f"{type(seen).__name__}: {seen}".splitlines()[0]
+
+
+def _agree(error: str | None, what: str) -> None:
+    """Every rank learns whether any rank failed (a collective, so a failure on one rank stops all)."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise CheckpointError(f"{what} failed: {'; '.join(failed)}")
+
+
+def _write_rank_state(rank_state: dict[str, Any], path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(rank_state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _prune(root: Path, newest: Path, keep_last: int) -> None:
+    """Remove checkpoints older than the ``keep_last`` newest up to ``newest``; never what ``latest`` names."""
+    if keep_last <= 0:
+        return
+    newest_step = int(newest.name.removeprefix("step_"))
+    older = [p for step, p in _step_dirs(root) if step <= newest_step]
+    protected = {newest, _pointer_target(root)}
+    for old in older[keep_last:]:
+        if old not in protected:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(
     ckpt_dir: str | Path,
     step: int,
@@ -106,40 +230,70 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     meta: dict[str, Any],
     rank_state: dict[str, Any] | None = None,
-    keep: int = 2,
+    keep_last: int = 3,
 ) -> Path:
     """Collectively save a checkpoint of ``step``; every rank of the default group must call it.
 
-    ``meta`` (JSON-able: step, data position, config, layout) is written by rank 0; ``rank_state`` (e.g.
-    RNG states) is saved per rank and restored only at the same world size. Keeps the newest ``keep``.
+    ``meta`` (JSON-able: step, data position, config, layout) is written by rank 0; ``rank_state`` (tensors
+    and plain values only, e.g. :func:`rng_state`) is saved per rank and restored only at the same world
+    size. Once the new checkpoint is in place and matches its manifest, all but the newest ``keep_last``
+    are removed (0: keep all). A failed write on any rank (a full disk) raises :class:`CheckpointError` on
+    every rank after the partial directory is removed; the previous checkpoint and ``latest`` are untouched.
     """
     root = Path(ckpt_dir)
     rank = dist.get_rank()
     final = root / f"step_{step:08d}"
     partial = root / f".step_{step:08d}.partial"
+    what = f"saving checkpoint {final}"
+    error = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
-        partial.mkdir()
-    dist.barrier()
-    dcp.save(_state_dict(modules, optimizer), checkpoint_id=partial)
-    torch.save(rank_state or {}, partial / f"rank{rank:05d}.pt")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".step_*.partial"):  # left by a crash during an earlier save
+                shutil.rmtree(stale, ignore_errors=True)
+            partial.mkdir()
+        except OSError as exc:
+            error = _reason(exc)
+    _agree(error, what)
+    try:
+        try:
+            dcp.save(_state_dict(modules, optimizer), checkpoint_id=partial)
+            _write_rank_state(rank_state or {}, partial / f"rank{rank:05d}.pt")
+        except (Exception, dcp.CheckpointException) as exc:  # reported to every rank by _agree
+            error = _reason(exc)
+        _agree(error, what)  # every rank's shards are on disk before the manifest is taken
+        if rank == 0:
+            try:
+                (partial / "meta.json").write_text(
+                    json.dumps({**meta, "step": step, "world_size": dist.get_world_size()})
+                )
+                write_manifest(partial)
+                # The pointer's new content is written before the rename: after it, nothing needs space.
+                tmp = root / f".{_LATEST}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(final.name)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if final.exists():  # a checkpoint of this step from a run since rolled back past it
+                    shutil.rmtree(final)
+                os.rename(partial, final)
+                os.replace(tmp, root / _LATEST)
+                _fsync_dir(root)
+            except OSError as exc:
+                error = _reason(exc)
+        _agree(error, what)
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            (root / f".{_LATEST}.tmp").unlink(missing_ok=True)
+        raise
     if rank == 0:
-        (partial / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": dist.get_world_size()}))
-    dist.barrier()  # every rank's shards are on disk before the checkpoint becomes visible
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        tmp = root / f".{_LATEST}.tmp"
-        tmp.write_text(final.name)
-        with open(tmp) as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, root / _LATEST)
-        _fsync_dir(root)
-        for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            verify_checkpoint(final, checksums=False)  # in place and complete before anything older goes
+            _prune(root, final, keep_last)
+        except CheckpointError as exc:
+            error = str(exc)
+    _agree(error, f"checking {final} before removing older checkpoints")
     return final
 
 
@@ -148,16 +302,63 @@ def load_checkpoint(
     modules: Sequence[nn.Module],
     optimizer: torch.optim.Optimizer | None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Load ``path`` (a ``step_*`` directory) into ``modules`` and ``optimizer`` in place.
+    """Load ``path`` (a ``step_*`` directory, from :func:`find_checkpoint`) into ``modules`` and
+    ``optimizer`` in place; collective.
 
-    Returns ``(meta, rank_state)``; ``rank_state`` is None when the world size changed.
+    Returns ``(meta, rank_state)``; ``rank_state`` is None when the world size changed. Per-rank state is
+    read with ``torch.load(weights_only=True)``: a file holding anything but tensors and plain values (a
+    pickled object could run code) makes every rank raise :class:`CheckpointError` before any weight loads.
     """
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
-    state = _state_dict(modules, optimizer)
-    with torch.no_grad():
-        dcp.load(state, checkpoint_id=path)
-    rank_state = None
+    rank_state, error = None, None
     if meta.get("world_size") == dist.get_world_size():
-        rank_state = torch.load(path / f"rank{dist.get_rank():05d}.pt", weights_only=False)
+        rank_file = path / f"rank{dist.get_rank():05d}.pt"
+        try:
+            rank_state = torch.load(rank_file, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0]
+            error = f"{rank_file}: refused, it holds more than tensors and plain values ({first})"
+        except (OSError, EOFError, RuntimeError) as exc:
+            error = f"{rank_file}: {_reason(exc)}"
+    _agree(error, f"loading checkpoint {path}")
+    state = _state_dict(modules, optimizer)
+    try:
+        with torch.no_grad():
+            dcp.load(state, checkpoint_id=path)
+    except (Exception, dcp.CheckpointException) as exc:  # dcp raises on every rank alike
+        raise CheckpointError(f"loading checkpoint {path} failed: {_reason(exc)}") from exc
     return meta, rank_state
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random states as tensors and plain values (loadable with ``weights_only=True``)."""
+    version, mt, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy_rng": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured (an older checkpoint's ``torch_rng`` alone is fine too)."""
+    torch.set_rng_state(state["torch_rng"])
+    if "cuda_rng" in state:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    if "python_rng" in state:
+        py = state["python_rng"]
+        random.setstate((py["version"], tuple(py["mt"].tolist()), py["gauss"]))
+    if "numpy_rng" in state:
+        n = state["numpy_rng"]
+        keys = n["keys"].numpy().astype(np.uint32)
+        np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["cached"]))

@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,6 +125,10 @@ def _bad_flags(rank: int, world: int, argv: list[str]) -> str:
             "DualPipe needs an even num_chunks",
         ),
         (["--pp", "2", "--ep", "1", "--ckpt-every", "2"], "--ckpt-every needs --ckpt-dir"),
+        (
+            ["--pp", "2", "--ep", "1", "--schedule", "1f1b", "--ckpt-dir", "/nonexistent-ckpt", "--resume-strict"],
+            "no checkpoint in /nonexistent-ckpt to resume from (--resume-strict)",
+        ),
         (["--pp", "2", "--ep", "1", "--layers", "3"], "pass --layers 4 or more"),
         (
             ["--pp", "2", "--ep", "1", "--schedule", "interleaved-1f1b", "--num-chunks", "3"],
@@ -164,3 +172,84 @@ def test_a_nonfinite_step_is_skipped_and_counted(tmp_path: Path) -> None:
     # The NaN was in a gradient after the forward (step 2's loss is finite); had the optimizer applied it,
     # stage 1's weights and every later loss would be NaN.
     assert all(math.isfinite(r["loss"]) for r in records)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+ONE_RANK = [*COMMON, "--layers", "2", "--schedule", "1f1b", "--pp", "1", "--ep", "1"]
+
+
+def one_process(*args: str) -> subprocess.CompletedProcess:
+    """examples/train.py as one rank in a plain process (no torchrun: the cheapest real exit code)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    argv = [sys.executable, str(ROOT / "examples/train.py"), *ONE_RANK, *args]
+    return subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    args = ["--ckpt-dir", str(ckpt), "--steps", "4"]
+    done = one_process(*args, "--ckpt-every", "2", "--resume", "--metrics-file", str(tmp_path / "full.jsonl"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(f"--resume: no checkpoint in {ckpt}, starting from step 0\n") == 1
+    full = losses([json.loads(line) for line in (tmp_path / "full.jsonl").read_text().splitlines()])
+    shard = ckpt / "step_00000004" / "__0_0.distcp"
+    with open(shard, "r+b") as f:  # as a full disk or a killed copy leaves it
+        f.truncate(1000)
+    damaged = f"{shard}: 1000 bytes, the manifest says"
+
+    done = one_process(*args, "--resume-strict")
+    assert done.returncode == 1
+    assert f"error: the newest checkpoint is damaged: {damaged}" in done.stderr, done.stderr[-3000:]
+    assert "(--resume-strict)" in done.stderr
+
+    done = one_process(*args, "--resume", "--metrics-file", str(tmp_path / "resumed.jsonl"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"warning: skipping damaged checkpoint {shard.parent}: {damaged}" in done.stderr
+    assert f"resumed from {ckpt / 'step_00000002'} (step 2" in done.stdout
+    resumed = losses([json.loads(line) for line in (tmp_path / "resumed.jsonl").read_text().splitlines()])
+    assert resumed == {3: full[3], 4: full[4]}  # bitwise
+    assert shard.stat().st_size == 1000  # the failed load deleted nothing
+
+
+def test_a_full_disk_stops_training_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    from moe.checkpoint import latest_checkpoint, verify_checkpoint
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # One checkpoint of this model is ~1 MB: two fit, the third does not (and, with the default
+    # --keep-last 3, nothing is removed to make room).
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(disk)], capture_output=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mount.stderr.decode().strip()}")
+    try:
+        ckpt = disk / "ckpt"
+        done = one_process("--ckpt-dir", str(ckpt), "--ckpt-every", "1", "--steps", "10")
+        assert done.returncode == 1, done.stderr[-3000:]
+        last = latest_checkpoint(ckpt)
+        failed = ckpt / f"step_{int(last.name.removeprefix('step_')) + 1:08d}"
+        assert (
+            f"error: saving checkpoint {failed} failed: rank 0: OSError: [Errno 28] No space left on device; "
+            "training stopped, the previous checkpoint is untouched"
+        ) in done.stderr, done.stderr[-3000:]
+        assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith(".")) == []  # no partial left
+        assert verify_checkpoint(last)
+        steps = last.name.removeprefix("step_").lstrip("0")
+        done = one_process("--ckpt-dir", str(ckpt), "--resume", "--steps", steps)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"resumed from {last} (step {steps}," in done.stdout
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
