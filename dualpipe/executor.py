@@ -68,7 +68,9 @@ class Pipeline(nn.Module):
         process_group: the pipeline group (default: the whole world).
         rank_mapping: ``rank_mapping[group_rank]`` is the pipeline rank of that group member.
         timeout: upper bound for every wait on a peer (seconds or timedelta); ``None`` uses the process
-            group's timeout. A rank whose peer failed raises instead of waiting forever.
+            group's timeout. A rank whose peer failed raises instead of waiting forever. On gloo only: on
+            NCCL a timed wait would block the host, so waits are the stream's and the process group's
+            timeout bounds a hang; give the NCCL group the same timeout (``init_process_group(timeout=)``).
         early_receives: post receives one compute earlier so transfers overlap compute. ``None`` picks
             per backend: on for gloo, off for NCCL, whose in-order matching deadlocks with early receives
             (:func:`dualpipe.checks.simulate_progress` shows both).

@@ -15,6 +15,11 @@ On gloo, every operation carries a tag derived from the message identity, so mes
 two ranks can be posted in any order. NCCL ignores tags and matches by issue order; the schedules keep the
 order identical on both sides (checked by :func:`dualpipe.checks.check_matching`), and with inferred
 shapes the data receive is posted right after its header arrives, which keeps the reference's grouping.
+
+Waits (:func:`wait_work`): on gloo every wait is bounded by the pipeline's ``timeout``. On NCCL a timed
+``Work.wait`` would block the host until the transfer completes, so the wait is the plain one (the current
+stream waits, the host runs ahead) and the process group's own timeout bounds a hang: create the group
+with ``timeout=`` (examples/train.py passes ``--timeout``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["HEADER_LEN", "P2P", "Message", "PendingRecv", "PipelineCommError"]
+__all__ = ["HEADER_LEN", "P2P", "Message", "PendingRecv", "PipelineCommError", "wait_work"]
 
 # A header holds 1 + per tensor (3 + ndim) int64 entries: 256 covers e.g. 30 tensors of rank 5.
 HEADER_LEN = 256
@@ -53,6 +58,22 @@ _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 class PipelineCommError(RuntimeError):
     """A wait on a peer failed: it timed out or the peer's connection closed (the peer failed), or the
     ranks disagree on the schedule."""
+
+
+def wait_work(work: dist.Work, backend: str, timeout: datetime.timedelta | None) -> None:
+    """Wait for ``work`` of a group on ``backend`` (``dist.get_backend``), bounded by ``timeout`` on gloo.
+
+    NCCL: ``Work.wait``'s docstring (torch 2.13) says a plain ``wait()`` lets the current stream block on the
+    work, but "if timeout is set, it will block the CPU thread until the NCCL work is completed or timed
+    out". A timed wait would stop the host from queueing the next computation behind the transfer, so NCCL
+    gets the plain wait; a hang is then bounded by the process group's timeout (its watchdog aborts the
+    communicator and, with ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, the process), not by ``timeout``.
+    A mixed group ("cpu:gloo,cuda:nccl") is treated as NCCL: its CPU waits fall back to the group's timeout.
+    """
+    if timeout is None or "nccl" in backend:
+        work.wait()
+    else:
+        work.wait(timeout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +149,8 @@ class P2P:
     """Sends and receives pipeline messages to pipeline ranks over ``group``.
 
     ``to_group_rank`` maps a pipeline rank to its rank in ``group`` (the reference's ``rank_mapping``).
-    Every wait is bounded by ``timeout`` when given (else by the process group's own timeout).
+    On gloo every wait is bounded by ``timeout`` when given (else by the process group's own timeout); on
+    NCCL by the process group's timeout only (:func:`wait_work`).
     """
 
     def __init__(
@@ -146,7 +168,8 @@ class P2P:
         self.num_paths = num_paths
         self.num_stages = num_stages
         self.timeout = timeout
-        self.use_tags = dist.get_backend(group) == dist.Backend.GLOO
+        self.backend = str(dist.get_backend(group))
+        self.use_tags = self.backend == dist.Backend.GLOO
         self.declared: _Declared | None = None
         # NCCL matches by order: an inferred receive must post its data right after the header arrives.
         self.eager_data = not self.use_tags
@@ -246,10 +269,7 @@ class P2P:
     def wait(self, works: Sequence[dist.Work], what: str) -> None:
         for w in works:
             try:
-                if self.timeout is None:
-                    w.wait()
-                else:
-                    w.wait(self.timeout)
+                wait_work(w, self.backend, self.timeout)
             except RuntimeError as exc:  # gloo reports timeouts and closed peers as RuntimeError
                 raise PipelineCommError(
                     f"pipeline rank waited in vain for {what}: {exc}. A peer rank probably failed "

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dualpipe import DualPipe, DualPipeV, OneFOneB, PipelineCommError, set_p2p_tensor_shapes
+from dualpipe.p2p import wait_work
 from tests.distributed import RankFailure, run_ranks
 from tests.dualpipe.toy import NoInputGrad, ToyStage, ToyStageOverlap, criterion, make_stages
 
@@ -194,3 +197,30 @@ def test_an_exception_in_one_ranks_hook_is_the_one_reported() -> None:
         run_ranks(_hook_raises_on_rank_1, 2, args=(False,), timeout=90)
     report = str(failed.value)
     assert report.startswith("rank 1 raised:") and "KeyError: 'user hook bug on rank 1'" in report, report
+
+
+class _Work:
+    """Records how it was waited for."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def wait(self, *args) -> bool:
+        self.calls.append(args)
+        return True
+
+
+@pytest.mark.parametrize(
+    ("backend", "timeout", "expected"),
+    [
+        ("gloo", datetime.timedelta(seconds=3), (datetime.timedelta(seconds=3),)),
+        ("gloo", None, ()),
+        # NCCL: a timed wait would block the host; the process group's timeout bounds a hang instead.
+        ("nccl", datetime.timedelta(seconds=3), ()),
+        ("cpu:gloo,cuda:nccl", datetime.timedelta(seconds=3), ()),
+    ],
+)
+def test_waits_are_timed_on_gloo_only(backend: str, timeout: datetime.timedelta | None, expected: tuple) -> None:
+    work = _Work()
+    wait_work(work, backend, timeout)
+    assert work.calls == [expected]
