@@ -55,9 +55,11 @@ def main() -> None:
     args = p.parse_args()
 
     cuda = torch.cuda.is_available() and "LOCAL_RANK" in os.environ
+    if cuda:  # before any CUDA call: else every rank opens a context (and NCCL its communicator) on GPU 0
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}") if cuda else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     chunks = args.num_chunks or 2 * world
