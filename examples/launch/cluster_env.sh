@@ -1,7 +1,11 @@
 # Environment for multi-node CUDA runs; sourced by the launch scripts (override any variable before).
 #
-# One communication path per GPU: NCCL and DeepEP queue kernels in issue order on each connection, and
-# DualPipe's overlap relies on communication and compute kernels not serialising behind each other.
+# One hardware work queue per GPU: kernels of every stream reach the GPU in the order the host issued
+# them. The overlap relies on this: a communication kernel (NCCL, DeepEP) issued just before the compute
+# kernel it hides behind starts first and runs beside it on its reserved SMs, rather than the GPU filling
+# its SMs from the compute queue and starting the communication late (Megatron sets it for the same
+# reason, to overlap tensor/sequence-parallel communication). The price: work on one stream that waits
+# for an event holds back what other streams issued after it.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # The network interface NCCL's bootstrap and gloo use (e.g. eth0, bond0): IFNAME=eth0 sets both.
 # Without it NCCL avoids loopback and docker bridges, and gloo takes the interface of the hostname.
