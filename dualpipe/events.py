@@ -7,7 +7,12 @@ a compute sub-stage ("attn", "mlp", "attn.dx", ...) has ``begin``/``end``; a com
 module1's backward).
 
 Timestamps: ``time.perf_counter`` on CPU; on CUDA a ``torch.cuda.Event`` recorded on the current stream,
-resolved to milliseconds by :meth:`EventRecorder.timeline` (which synchronises).
+resolved to milliseconds by :meth:`EventRecorder.timeline` (which synchronises). A communication's
+``wait`` edge goes on the stream the transfer runs on when the caller knows it (``record_edge(...,
+stream=)``): on the compute stream it would mark when compute reached the wait, not when the transfer
+finished. A stream runs in issue order, so that stamp is the end of the last transfer issued on the stream
+before the wait: a later transfer started in between (the other micro-batch's) stretches the span.
+The ``start`` edge stays on the current stream: the transfer cannot begin before its input is ready there.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ __all__ = ["Event", "EventRecorder", "Recorder", "hidden_communications", "recor
 
 
 class Recorder(Protocol):
-    """Where piece events go (:class:`EventRecorder` is one): ``edge`` is begin/end or start/wait."""
+    """Where piece events go (:class:`EventRecorder` is one): ``edge`` is begin/end or start/wait.
+    :func:`record_edge` also passes ``stream=`` when it knows the transfer's stream (CUDA recorders take it)."""
 
     def record(self, name: str, direction: str, layer: int, edge: str) -> None: ...
 
@@ -52,10 +58,11 @@ class EventRecorder:
         self.device = torch.device(device)
         self.events: list[Event] = []
 
-    def record(self, name: str, direction: str, layer: int, edge: str) -> None:
+    def record(self, name: str, direction: str, layer: int, edge: str, stream: Any = None) -> None:
+        """Append one edge; on CUDA its event goes on ``stream`` (default: the current stream)."""
         if self.device.type == "cuda":
             stamp: Any = torch.cuda.Event(enable_timing=True)
-            stamp.record()
+            stamp.record(stream)
         else:
             stamp = time.perf_counter()
         self.events.append(Event(name, direction, layer, edge, stamp))
@@ -91,10 +98,17 @@ def record_span(recorder: Recorder | None, name: str, direction: str, layer: int
     recorder.record(name, direction, layer, "end")
 
 
-def record_edge(recorder: Recorder | None, name: str, direction: str, layer: int, edge: str) -> None:
-    """Record one communication edge (``start`` or ``wait``); no-op without a recorder."""
-    if recorder is not None:
-        recorder.record(name, direction, layer, edge)
+def record_edge(
+    recorder: Recorder | None, name: str, direction: str, layer: int, edge: str, stream: Any = None
+) -> None:
+    """Record one communication edge (``start`` or ``wait``); no-op without a recorder. ``stream``: the CUDA
+    stream the transfer runs on, where the ``wait`` edge belongs (None: the current stream)."""
+    if recorder is None:
+        return
+    if stream is None:
+        recorder.record(name, direction, layer, edge)  # recorders without a ``stream`` parameter work too
+    else:
+        recorder.record(name, direction, layer, edge, stream=stream)  # type: ignore[call-arg]
 
 
 def hidden_communications(order: Sequence[tuple[str, str, int, str]]) -> int:

@@ -70,7 +70,10 @@ class Comm:
     input. ``prepare(ctx, *inputs)``, when given, is called as soon as the inputs exist and may return a
     ``Pending`` that ``forward`` needs finished first (e.g. a row-count exchange): the runtime then starts
     ``forward`` one compute piece of the other micro-batch later, so that wait is hidden. ``communicates``
-    False (nothing to send, e.g. one rank) records no events."""
+    False (nothing to send, e.g. one rank) records no events. ``stream``: the CUDA stream the transfer runs
+    on, when the backend exposes one (DeepEP's ``Buffer.get_comm_stream()``); its ``wait`` events are
+    recorded there (:func:`dualpipe.events.record_edge`). None (NCCL collectives: the process group's
+    stream is internal) records them on the current stream."""
 
     name: str
     forward: Callable[..., Pending[Any]]
@@ -80,6 +83,7 @@ class Comm:
     prepare: Callable[..., Pending[Any] | None] | None = None
     prepare_name: str = "counts"
     communicates: bool = True
+    stream: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", _names(self.inputs))
@@ -205,7 +209,8 @@ class BlockRun:
     # ---- events ------------------------------------------------------------------------------------------
     def _edge(self, piece: Comm, name: str, direction: str, edge: str) -> None:
         if piece.communicates:
-            record_edge(self.recorder, name, direction, self.decl.layer, edge)
+            stream = piece.stream if edge == "wait" else None
+            record_edge(self.recorder, name, direction, self.decl.layer, edge, stream=stream)
 
     def span(self, name: str, direction: str) -> contextlib.AbstractContextManager[None]:
         return record_span(self.recorder, name, direction, self.decl.layer)

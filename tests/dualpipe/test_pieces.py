@@ -10,6 +10,7 @@ a fixed row permutation (and a scale), returned as :class:`Pending` results comp
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from dualpipe.collectives import AllToAll, Pending, all_to_all, exchange_counts
+from dualpipe.events import EventRecorder
 from dualpipe.overlap import OverlapStage
 from dualpipe.pieces import BlockRun, Comm, Compute, Context, Pieces
 from dualpipe.testing import OverlapReport, check_overlap
@@ -878,3 +880,42 @@ def test_routes_cover_the_cases() -> None:
     }
     assert any(0 in s for s in sends.values()) and any(s[0] != s[1] for s in sends.values())
     assert sends[0, 1, 1][0] + sends[1, 1, 1][0] == 0  # micro-batch B, layer 1: rank 0 receives no rows
+
+
+class _StreamLog(Log):
+    """A recorder that takes ``stream=`` (as :class:`dualpipe.events.EventRecorder` does on CUDA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams: list[Any] = []
+
+    def record(self, name: str, direction: str, layer: int, edge: str, stream: Any = None) -> None:
+        super().record(name, direction, layer, edge)
+        self.streams.append(stream)
+
+
+def _run_block(decl: Pieces, h: torch.Tensor, recorder: Any) -> torch.Tensor:
+    run = BlockRun(decl, recorder=recorder)
+    run.begin(h)
+    for i, piece in enumerate(decl.pieces):
+        if isinstance(piece, Compute):
+            run.compute(i)
+        else:
+            run.start(i)
+    return run.output()
+
+
+def test_a_comm_stream_carries_the_wait_edges() -> None:
+    net = Net(1, embed=False, head=False)
+    decl = net.blocks[0].pieces(net)
+    comm_stream = object()  # stands in for a CUDA stream: only passed through
+    pieces = tuple(dataclasses.replace(p, stream=comm_stream) if isinstance(p, Comm) else p for p in decl.pieces)
+    decl = Pieces(pieces, input=decl.input, output=decl.output, layer=decl.layer, paired=decl.paired)
+    h = _floats(1).requires_grad_()
+    log = _StreamLog()
+    torch.testing.assert_close(_run_block(decl, h, log), net.blocks[0].reference(h), rtol=0, atol=0)
+    assert [e[3] for e in log.events].count("wait") == 2
+    assert log.streams == [comm_stream if e[3] == "wait" else None for e in log.events]
+    cpu = EventRecorder()  # on CPU it takes the stream and ignores it: same events
+    _run_block(decl, h, cpu)
+    assert cpu.order() == log.events
