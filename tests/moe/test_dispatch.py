@@ -298,3 +298,56 @@ def test_deepep_limits(launch: Launch, problem: str | None):
 def test_deepep_topology(ranks, local_world_size: int, problem: str | None):
     found = topology_problem(tuple(ranks), local_world_size)
     assert found is None if problem is None else problem in (found or ""), found
+
+
+def _emulation_refusals(rank: int, world: int) -> None:
+    from tests.moe import fake_deep_ep as ep
+
+    bf16 = torch.bfloat16
+    buf = ep.Buffer(dist.group.WORLD, 1 << 20, explicitly_destroy=True)
+    idx = torch.tensor([[0, 5], [4, 1]])  # every token goes to both ranks (8 experts over 2)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, NUM_EXPERTS)
+    w = torch.rand(2, 2)
+
+    def dispatch(x, topk_idx=idx, topk_weights=w, **kw):
+        return buf.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            **kw,
+        )
+
+    recv_x, _, _, _, handle, _ = dispatch(torch.randn(2, HIDDEN, dtype=bf16))
+    # Each as DeepEP fails: Python asserts (legacy.py), EP_HOST_ASSERT (RuntimeError), a kernel's assert.
+    with pytest.raises(RuntimeError, match="Unsupported type"):
+        buf.combine(recv_x.float(), handle)  # combine has one dtype case: bf16
+    with pytest.raises(AssertionError, match="bf16 rows"):
+        dispatch(torch.randn(2, HIDDEN))
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        dispatch(torch.randn(2, 8192, dtype=bf16))  # 16,384-byte rows: 8 bytes over the TMA buffer
+    with pytest.raises(RuntimeError, match="is_contiguous"):
+        dispatch(torch.randn(HIDDEN, 2, dtype=bf16).t())
+    with pytest.raises(RuntimeError, match="is_contiguous"):
+        buf.combine(recv_x.t().contiguous().t(), handle)
+    with pytest.raises(RuntimeError, match="int64"):
+        buf.get_dispatch_layout(idx.int(), NUM_EXPERTS)
+    with pytest.raises(RuntimeError, match="kFloat32"):
+        dispatch(torch.randn(2, HIDDEN, dtype=bf16), topk_weights=w.to(bf16))
+    with pytest.raises(RuntimeError, match="invalid configuration"):
+        dispatch(torch.randn(2, HIDDEN, dtype=bf16), config=ep.Config(0, 6, 256))
+    with pytest.raises(AssertionError, match="must be even"):
+        ep.Buffer.set_num_sms(3)
+    implicit = ep.Buffer(dist.group.WORLD, 1 << 20)
+    with pytest.raises(AssertionError, match="`explicitly_destroy` flag must be set"):
+        implicit.destroy()
+    buf.destroy()
+    with pytest.raises(RuntimeError, match="not destroyed"):
+        buf.destroy()
+    assert buf.calls[-1] == "destroy"
+
+
+def test_the_emulation_refuses_what_deepep_refuses():
+    run_ranks(_emulation_refusals, world_size=2, timeout=60)
