@@ -40,10 +40,10 @@ from moe.checkpoint import (
 )
 from moe.config import PRESETS, preset
 from moe.data import ByteCorpus
-from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS
+from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, Launch
 from moe.guard import find_nonfinite, weights_are_finite
 from moe.model import lm_loss
-from moe.parallel import ParallelConfig, balance_routers, build_stages, init_layout, reduce_gradients
+from moe.parallel import ParallelConfig, balance_routers, build_stages, init_layout, rank_grid, reduce_gradients
 
 
 class OneLineError(SystemExit):
@@ -196,11 +196,27 @@ def check_environment(args: argparse.Namespace) -> None:
     ``--data`` is checked where it is read (:func:`load_corpus`).
     """
     if args.ep > 1:  # at ep == 1 no dispatcher is built
-        missing = DISPATCHERS.lookup(args.dispatcher).check()  # the optional package only: tests emulate it
+        missing = _dispatcher_problems(args)
         if missing:
             raise OneLineError(f"error: --dispatcher {args.dispatcher}: {'; '.join(missing)}")
     if args.ckpt_dir and (args.ckpt_every or args.resume):
         _check_ckpt_dir(Path(args.ckpt_dir), writes=bool(args.ckpt_every))
+
+
+def _dispatcher_problems(args: argparse.Namespace) -> list[str]:
+    """What the dispatcher cannot run here: the optional package (not CUDA: tests emulate it), the rows
+    (dtype, width), ``--comm-sms``, and every ep group's placement on nodes (all of them, so that every rank
+    reaches the same verdict)."""
+    spec = DISPATCHERS.lookup(args.dispatcher)
+    rows = Launch(dtype=getattr(torch, args.dtype), hidden_size=preset(args.preset).hidden_size, comm_sms=args.comm_sms)
+    missing = spec.check(launch=rows)
+    world = dist.get_world_size()
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    grid = rank_grid(ParallelConfig(pp=args.pp, ep=args.ep, schedule=args.schedule), world)
+    for ep_ranks in grid.tolist():  # init_layout's ep groups: the rows of the grid
+        found = spec.violations(Launch(ep_ranks=tuple(ep_ranks), local_world_size=local_world_size))
+        missing.extend(p for p in found if p not in missing)
+    return missing
 
 
 def _check_ckpt_dir(path: Path, writes: bool) -> None:
@@ -536,8 +552,16 @@ def main(argv: list[str] | None = None) -> None:
     if metrics is not None:
         metrics.close()
     dist.barrier()
+    close_dispatchers(run)
     if run.owns_process_group:
         dist.destroy_process_group()
+
+
+def close_dispatchers(run: Run) -> None:
+    """The clean path only: release the dispatchers (DeepEP's ``destroy()`` syncs with its peers, so a rank
+    leaving with an error never calls it; its peers then fail on their collective timeout instead)."""
+    for dispatcher in {id(s.dispatcher): s.dispatcher for s in run.pipe.module}.values():
+        dispatcher.close()
 
 
 def _debug(argv: list[str]) -> bool:

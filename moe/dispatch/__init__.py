@@ -13,6 +13,7 @@ from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.registry import (
     DISPATCHERS,
     DispatcherSpec,
+    Launch,
     make_dispatcher,
     register_dispatcher,
     unregister_dispatcher,
@@ -26,6 +27,7 @@ __all__ = [
     "DeepEPDispatcher",
     "Dispatched",
     "DispatcherSpec",
+    "Launch",
     "LocalDispatcher",
     "Pending",
     "Route",

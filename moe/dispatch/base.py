@@ -75,6 +75,11 @@ class TokenDispatcher(ABC):
         """Whether dispatch/combine move data between ranks (False: nothing to overlap)."""
         return self.ep_size > 1
 
+    def close(self) -> None:
+        """Release what the backend holds beyond Python objects; the clean path calls it once on every rank
+        before ``destroy_process_group`` (it may synchronise with peers). Default: nothing to release."""
+        return
+
     @abstractmethod
     def plan(self, topk_idx_TK: torch.Tensor) -> Route:
         """Work out where every token goes; may start the (small) count exchange asynchronously."""

@@ -9,12 +9,18 @@ on; ``Pending.wait()`` calls ``event.current_stream_wait()`` where the result is
 the forward handle: the gradient of dispatch is a ``combine`` (which also sums the routing-weight
 gradients), the gradient of combine is a cached-mode ``dispatch``.
 
-Real DeepEP wants bf16 rows (or an fp8 tuple); run the model in bf16 on the cluster.
+Real DeepEP wants bf16 rows (or an fp8 tuple); run the model in bf16 on the cluster. :func:`deepep_rules`
+states DeepEP's limits on a launch so that ``make_dispatcher`` refuses one before a ``Buffer`` exists.
+
+The Buffer is built with ``explicitly_destroy=True``: otherwise its destructor runs ``destroy()``, a device
+sync plus a barrier with every NVLink peer, and a rank that dies leaves its peers spinning in it. The clean
+path calls :meth:`DeepEPDispatcher.close`; an error path only drops the object (the destructor then warns).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +28,21 @@ import torch
 import torch.distributed as dist
 
 from moe.dispatch.base import DEFAULT_COMM_SMS, Dispatched, Pending, Route, TokenDispatcher
-from moe.dispatch.registry import DispatcherSpec, register_dispatcher
+from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 
-__all__ = ["DEEPEP_INSTALL_HINT", "DeepEPDispatcher", "import_deep_ep"]
+__all__ = ["DEEPEP_INSTALL_HINT", "NVL_PEERS", "DeepEPDispatcher", "deepep_rules", "import_deep_ep", "topology_problem"]
+
+NVL_PEERS = 8
+"""Ranks one node serves over NVLink (DeepEP's ``NUM_MAX_NVL_PEERS``, csrc/kernels/legacy/compiled.cuh)."""
+
+# The intranode dispatch kernel stages half a row plus an 8-byte mbarrier in an 8192-byte TMA buffer per warp
+# (csrc/kernels/legacy/intranode.cu ``dispatch``: EP_DEVICE_ASSERT(hidden_int4 % 2 == 0 and
+# half_hidden_bytes + sizeof(uint64_t) <= kNumTMABytesPerWarp)): rows of whole 32-byte pairs, <= 16,368 B.
+MAX_INTRANODE_ROW_BYTES = 2 * (8192 - 8)
+ROW_BYTES_MULTIPLE = 32
+# The internode combine reduces rows in TMA chunks of 32 int4 (csrc/kernels/legacy/internode.cu ``combine``:
+# EP_DEVICE_ASSERT(hidden_int4 % 32 == 0)), i.e. hidden % 256 == 0 in bf16.
+INTERNODE_HIDDEN_MULTIPLE = 256
 
 DEEPEP_INSTALL_HINT = (
     "the 'deepep' dispatcher needs DeepEP (module 'deep_ep'), which is built from source on a GPU machine "
@@ -65,16 +83,26 @@ class DeepEPDispatcher(TokenDispatcher):
     ) -> None:
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
         deep_ep = import_deep_ep()
-        if comm_sms % 2:
-            raise ValueError(f"DeepEP needs an even SM count, got comm_sms={comm_sms}")
+        if comm_sms <= 0 or comm_sms % 2:
+            raise ValueError(f"DeepEP needs a positive, even SM count, got comm_sms={comm_sms}")
         buffer_cls = deep_ep.Buffer
         buffer_cls.set_num_sms(comm_sms)
         num_nvl_bytes = num_rdma_bytes = 0
         for cfg in (buffer_cls.get_dispatch_config(self.ep_size), buffer_cls.get_combine_config(self.ep_size)):
             num_nvl_bytes = max(num_nvl_bytes, cfg.get_nvl_buffer_size_hint(hidden_bytes, self.ep_size))
             num_rdma_bytes = max(num_rdma_bytes, cfg.get_rdma_buffer_size_hint(hidden_bytes, self.ep_size))
-        self.buffer = buffer_cls(group, num_nvl_bytes, num_rdma_bytes)
+        self.buffer = buffer_cls(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True)
         self._buffer_cls = buffer_cls
+
+    def close(self) -> None:
+        """Release the Buffer (``Buffer.destroy()``: a device sync and a barrier with the NVLink peers).
+
+        Call it on every rank on the clean path, before ``destroy_process_group``; never on an error path,
+        where a peer may never reach the barrier. A second call does nothing.
+        """
+        if self.buffer is not None:
+            buffer, self.buffer = self.buffer, None
+            buffer.destroy()
 
     def _launch_kwargs(self, device: torch.device) -> dict[str, Any]:
         # CUDA: order the comm stream after the compute stream's work so far and allocate results there.
@@ -84,6 +112,7 @@ class DeepEPDispatcher(TokenDispatcher):
         return {"previous_event": None, "async_finish": True, "allocate_on_comm_stream": False}
 
     def plan(self, topk_idx_TK: torch.Tensor) -> Route:
+        topk_idx_TK = topk_idx_TK.contiguous()  # DeepEP asserts dense inputs rather than copying them
         per_rank, per_rdma_rank, per_expert, in_rank, event = self.buffer.get_dispatch_layout(
             topk_idx_TK, self.num_experts, **self._launch_kwargs(topk_idx_TK.device)
         )
@@ -95,13 +124,13 @@ class DeepEPDispatcher(TokenDispatcher):
         if x_TD.device.type == "cuda":
             kwargs["previous_event"] = route.layout_event
         recv_x, recv_idx, recv_w, _, handle, event = self.buffer.dispatch(
-            x_TD,
+            x_TD.contiguous(),
             num_tokens_per_rank=route.num_tokens_per_rank,
             num_tokens_per_rdma_rank=route.num_tokens_per_rdma_rank,
             is_token_in_rank=route.is_token_in_rank,
             num_tokens_per_expert=route.num_tokens_per_expert,
             topk_idx=route.topk_idx_TK,
-            topk_weights=topk_weights_TK.float(),
+            topk_weights=topk_weights_TK.float().contiguous(),
             **kwargs,
         )
         route.handle = handle
@@ -114,7 +143,7 @@ class DeepEPDispatcher(TokenDispatcher):
 
     def combine(self, route: Route, y_RD: torch.Tensor) -> Pending[torch.Tensor]:
         assert isinstance(route, _DeepEPRoute)
-        combined_x, _, event = self.buffer.combine(y_RD, route.handle, **self._launch_kwargs(y_RD.device))
+        combined_x, _, event = self.buffer.combine(y_RD.contiguous(), route.handle, **self._launch_kwargs(y_RD.device))
 
         def finish() -> torch.Tensor:
             event.current_stream_wait()
@@ -127,7 +156,10 @@ class DeepEPDispatcher(TokenDispatcher):
     ) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
         assert isinstance(route, _DeepEPRoute)
         grad_x_TD, grad_w_TK, event = self.buffer.combine(
-            grad_x_RD, route.handle, topk_weights=grad_weights_RK.float(), **self._launch_kwargs(grad_x_RD.device)
+            grad_x_RD.contiguous(),
+            route.handle,
+            topk_weights=grad_weights_RK.float().contiguous(),
+            **self._launch_kwargs(grad_x_RD.device),
         )
 
         def finish() -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +171,7 @@ class DeepEPDispatcher(TokenDispatcher):
     def combine_backward(self, route: Route, grad_y_TD: torch.Tensor) -> Pending[torch.Tensor]:
         assert isinstance(route, _DeepEPRoute)
         grad_y_RD, _, _, _, _, event = self.buffer.dispatch(
-            grad_y_TD, handle=route.handle, **self._launch_kwargs(grad_y_TD.device)
+            grad_y_TD.contiguous(), handle=route.handle, **self._launch_kwargs(grad_y_TD.device)
         )
 
         def finish() -> torch.Tensor:
@@ -157,8 +189,62 @@ def _make_deepep(
     return DeepEPDispatcher(num_experts, group, hidden_bytes=hidden_bytes, comm_sms=comm_sms)
 
 
-# CUDA and bf16 are the real library's needs (V1 combine takes bf16 only); they are recorded, not enforced,
-# because the tests run this backend over a CPU emulation in fp32.
+def topology_problem(ep_ranks: Sequence[int], local_world_size: int) -> str | None:
+    """Why DeepEP cannot run over the group of global ``ep_ranks`` with ``local_world_size`` ranks per node
+    (torchrun numbering: node ``r // local_world_size``); None if it can.
+
+    DeepEP splits a group rank into ``rdma_rank = rank // 8`` and ``nvl_rank = rank % 8`` and opens CUDA IPC
+    handles to the other ranks of its block of 8 (csrc/legacy/buffer.hpp ``Buffer::Buffer`` and ``sync``):
+    a group of at most 8 is all NVLink peers, one node; a larger one must be whole blocks of 8
+    (``num_ranks < 8 or num_ranks % 8 == 0``), each block the consecutive ranks of one node.
+    """
+    ranks = list(ep_ranks)
+    size = len(ranks)
+    nodes = [r // local_world_size for r in ranks]
+    if size <= NVL_PEERS:
+        if size not in (2, 4, 8):  # SWITCH_RANKS in csrc/kernels/legacy/launch.cuh
+            return f"an ep group of {size} ranks; DeepEP's intranode kernels run on 2, 4 or 8"
+        if len(set(nodes)) > 1:
+            return f"ep ranks {ranks} span nodes {sorted(set(nodes))}; a group of <= 8 needs NVLink, one node"
+        return None
+    if size % NVL_PEERS:
+        return f"an ep group of {size} ranks; groups of more than 8 must be a multiple of 8"
+    for i in range(0, size, NVL_PEERS):
+        block = ranks[i : i + NVL_PEERS]
+        if len(set(nodes[i : i + NVL_PEERS])) > 1 or block != list(range(block[0], block[0] + NVL_PEERS)):
+            return (
+                f"ep ranks {block} (group ranks {i}-{i + NVL_PEERS - 1}) are not 8 consecutive ranks of one node "
+                f"(local world size {local_world_size})"
+            )
+    return None
+
+
+def deepep_rules(launch: Launch) -> list[str]:
+    """DeepEP's limits on ``launch``, each broken one in words (the bf16 rule is the spec's ``dtypes``)."""
+    found = []
+    if launch.comm_sms is not None and (launch.comm_sms <= 0 or launch.comm_sms % 2):
+        # Buffer.set_num_sms asserts an even count; one channel is a sender/receiver pair of SMs, so 0 SMs
+        # is no channel at all (csrc/legacy/buffer.hpp: num_channels = config.num_sms / 2).
+        found.append(f"a positive, even --comm-sms (got {launch.comm_sms})")
+    if launch.hidden_size and launch.dtype is not None:
+        row_bytes = launch.hidden_size * torch.empty((), dtype=launch.dtype).element_size()
+        if row_bytes > MAX_INTRANODE_ROW_BYTES or row_bytes % ROW_BYTES_MULTIPLE:
+            found.append(
+                f"rows of at most {MAX_INTRANODE_ROW_BYTES} bytes, a multiple of {ROW_BYTES_MULTIPLE} "
+                f"(hidden {launch.hidden_size} x {launch.dtype} = {row_bytes})"
+            )
+        internode = launch.ep_ranks is not None and len(launch.ep_ranks) > NVL_PEERS
+        if internode and launch.hidden_size % INTERNODE_HIDDEN_MULTIPLE:
+            found.append(f"hidden % {INTERNODE_HIDDEN_MULTIPLE} == 0 across nodes (got {launch.hidden_size})")
+    topology = launch.ep_ranks is not None and launch.local_world_size
+    if topology and (problem := topology_problem(launch.ep_ranks, launch.local_world_size)):
+        found.append(problem)
+    return found
+
+
+# CUDA is the real library's need, recorded, not enforced, because the tests run this backend over a CPU
+# emulation. bf16 rows are enforced (V1 combine takes bf16 only: SWITCH_TYPES in csrc/kernels/legacy/
+# launch.cuh has one case, CUDA_R_16BF; internode.cu ``combine`` asserts it too).
 register_dispatcher(
     DispatcherSpec(
         name="deepep",
@@ -166,6 +252,7 @@ register_dispatcher(
         needs_group=True,
         needs_cuda=True,
         dtypes=(torch.bfloat16,),
+        rules=deepep_rules,
         package="deep_ep",
         install_hint=DEEPEP_INSTALL_HINT,
     )

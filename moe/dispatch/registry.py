@@ -9,6 +9,8 @@ without a list of their own.
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +24,7 @@ __all__ = [
     "DISPATCHERS",
     "DispatcherFactory",
     "DispatcherSpec",
+    "Launch",
     "make_dispatcher",
     "register_dispatcher",
     "unregister_dispatcher",
@@ -43,12 +46,28 @@ class DispatcherFactory(Protocol):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Launch:
+    """What a dispatcher would be built for; None: not known (that rule is not checked)."""
+
+    dtype: torch.dtype | None = None
+    """Dtype of the rows sent."""
+    hidden_size: int | None = None
+    """Width of the rows sent."""
+    comm_sms: int | None = None
+    """SM budget of the communication kernels."""
+    ep_ranks: tuple[int, ...] | None = None
+    """Global ranks of the expert-parallel group, in group-rank order."""
+    local_world_size: int | None = None
+    """Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``); node ``n`` holds global ranks ``n*L .. n*L+L-1``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DispatcherSpec:
     """One backend: its name, how to build it, and what it needs.
 
-    :func:`make_dispatcher` enforces only ``needs_group``. The other needs are those of the real library and
-    are recorded, not enforced, because the tests run such backends over CPU emulations; a caller that wants
-    an early refusal (a launcher on the cluster) asks :meth:`check`.
+    :func:`make_dispatcher` enforces ``needs_group``, ``dtypes`` and ``rules`` before the backend builds
+    anything. CUDA and ``package`` are recorded, not enforced there, because the tests run such backends over
+    CPU emulations; a caller that wants those refused early too (a launcher) asks :meth:`check`.
     """
 
     name: str
@@ -64,6 +83,8 @@ class DispatcherSpec:
     """Module the backend imports lazily when it is built; None: nothing beyond torch."""
     install_hint: str = ""
     """How to get ``package`` (the backend raises it as an ImportError when the import fails)."""
+    rules: Callable[[Launch], list[str]] | None = None
+    """The backend's own limits on a launch (SM count, row width, topology): what breaks them, in words."""
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -79,19 +100,28 @@ class DispatcherSpec:
             needs.append(f"the module {self.package!r}")
         return tuple(needs)
 
-    def check(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[str]:
-        """The needs a dispatcher for rows of ``dtype`` on ``device`` would miss (None: not checked).
+    def check(self, *, device: torch.device | str | None = None, launch: Launch | None = None) -> list[str]:
+        """The needs a dispatcher on ``device`` for ``launch`` would miss (None: not checked).
 
         The group is not checked here: :func:`make_dispatcher` refuses a missing one itself.
         """
         missing = []
         if self.needs_cuda and device is not None and torch.device(device).type != "cuda":
             missing.append(f"CUDA (got {device})")
-        if self.dtypes is not None and dtype is not None and dtype not in self.dtypes:
-            missing.append(f"{_rows_in(self.dtypes)} (got {dtype})")
+        if launch is not None:
+            missing.extend(self.violations(launch))
         if self.package is not None and not _importable(self.package):
             missing.append(self.install_hint or f"the module {self.package!r}")
         return missing
+
+    def violations(self, launch: Launch) -> list[str]:
+        """What in ``launch`` the backend cannot run: the row dtype, then its own ``rules``."""
+        found = []
+        if self.dtypes is not None and launch.dtype is not None and launch.dtype not in self.dtypes:
+            found.append(f"{_rows_in(self.dtypes)} (got {launch.dtype})")
+        if self.rules is not None:
+            found.extend(self.rules(launch))
+        return found
 
 
 def _rows_in(dtypes: tuple[torch.dtype, ...]) -> str:
@@ -127,13 +157,26 @@ def make_dispatcher(
     hidden_size: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     comm_sms: int = DEFAULT_COMM_SMS,
+    local_world_size: int | None = None,
 ) -> TokenDispatcher:
     """Build the registered dispatcher ``kind`` over the expert-parallel ``group`` (``local`` ignores it).
 
     ``hidden_size`` and ``dtype`` describe the rows sent (DeepEP sizes its buffers from them); ``comm_sms`` is
-    the SM budget of the communication kernels.
+    the SM budget of the communication kernels; ``local_world_size`` the ranks per node (None: torchrun's
+    ``LOCAL_WORLD_SIZE``, else every rank on one node). A launch the backend cannot run raises ValueError
+    before the backend builds anything.
     """
     spec = DISPATCHERS.lookup(kind)
     if spec.needs_group and group is None:
         raise ValueError(f"the {kind!r} dispatcher needs an expert-parallel process group")
+    if group is not None:
+        ep_ranks = tuple(dist.get_process_group_ranks(group))
+        local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    else:
+        ep_ranks = local_world_size = None
+    launch = Launch(
+        dtype=dtype, hidden_size=hidden_size, comm_sms=comm_sms, ep_ranks=ep_ranks, local_world_size=local_world_size
+    )
+    if problems := spec.violations(launch):
+        raise ValueError(f"the {kind!r} dispatcher cannot run this launch: {'; '.join(problems)}")
     return spec.factory(num_experts, group, hidden_size=hidden_size, dtype=dtype, comm_sms=comm_sms)

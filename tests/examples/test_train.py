@@ -253,3 +253,48 @@ def test_a_full_disk_stops_training_and_keeps_the_previous_checkpoint(tmp_path: 
         assert f"resumed from {last} (step {steps}," in done.stdout
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def _deepep_main(rank: int, world: int, argv: list[str]) -> tuple[str, list[str]]:
+    """train.py's main over the DeepEP emulation: its error line (or "ok") and the Buffer calls it made."""
+    from examples.train import main
+    from tests.moe import fake_deep_ep
+
+    sys.modules["deep_ep"] = fake_deep_ep
+    made = []
+    real_init = fake_deep_ep.Buffer.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    fake_deep_ep.Buffer.__init__ = init
+    try:
+        main(argv)
+        outcome = "ok"
+    except SystemExit as exc:
+        outcome = str(exc.code)
+    finally:
+        fake_deep_ep.Buffer.__init__ = real_init
+    return outcome, [call for buf in made for call in buf.calls if call == "destroy"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dtype", "float32"], "error: --dispatcher deepep: rows in torch.bfloat16 (got torch.float32)"),
+        (["--comm-sms", "0"], "error: --dispatcher deepep: a positive, even --comm-sms (got 0)"),
+    ],
+)
+def test_deepep_launch_refused_in_one_line(flags: list[str], message: str) -> None:
+    argv = [*COMMON, "--pp", "1", "--ep", "2", "--dispatcher", "deepep", "--dtype", "bfloat16", *flags]
+    for outcome, destroyed in run_ranks(_deepep_main, 2, args=(argv,), timeout=120):
+        assert outcome == message and destroyed == []  # refused before any Buffer
+
+
+def test_deepep_buffer_destroyed_on_the_clean_path_only() -> None:
+    argv = [*COMMON, "--pp", "1", "--ep", "2", "--dispatcher", "deepep", "--dtype", "bfloat16", "--steps", "1"]
+    assert run_ranks(_deepep_main, 2, args=(argv,), timeout=120) == [("ok", ["destroy"])] * 2
+    # A failing step: no destroy() (DeepEP's syncs with peers that may be gone), just the one-line error.
+    failed = run_ranks(_deepep_main, 2, args=([*argv, "--nan-at-step", "1"],), timeout=120)
+    assert all(outcome.startswith("error:") and destroyed == [] for outcome, destroyed in failed), failed

@@ -17,6 +17,13 @@ public surface the ``deepep`` dispatcher relies on, with DeepEP's documented sem
 
 The receive counts are exchanged synchronously inside ``dispatch``, like DeepEP's CPU-side wait for its
 ``notify_dispatch`` counters.
+
+It is as strict as DeepEP where DeepEP would fail: rows in bf16 (dispatch as documented; combine has one
+dtype case), contiguous 2-D inputs, int64 ``topk_idx``, fp32 ``topk_weights``, an even, positive SM count,
+intranode rows of whole 32-byte pairs up to 16,368 bytes. A host check fails as DeepEP's ``EP_HOST_ASSERT``
+does (a RuntimeError, "Assertion exception"), a kernel's ``EP_DEVICE_ASSERT`` as a CUDA error would, and the
+Python-level asserts of ``deep_ep/buffers/legacy.py`` as AssertionError. ``destroy()`` exists with
+``explicitly_destroy=True`` only, as in DeepEP, and may run once.
 """
 
 from __future__ import annotations
@@ -28,6 +35,22 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap"]
+
+# csrc/kernels/legacy/intranode.cu ``dispatch``: half a row and an 8-byte mbarrier fit a warp's 8192-byte TMA
+# buffer, and rows are whole pairs of int4.
+_TMA_BYTES_PER_WARP = 8192
+
+
+def _host_assert(ok: bool, where: str, cond: str) -> None:
+    """DeepEP's ``EP_HOST_ASSERT``: an EPException, which pybind11 raises as RuntimeError."""
+    if not ok:
+        raise RuntimeError(f"Assertion exception ({where}): {cond}")
+
+
+def _device_assert(ok: bool, kernel: str, cond: str) -> None:
+    """DeepEP's ``EP_DEVICE_ASSERT``: the kernel traps and the next CUDA call reports it."""
+    if not ok:
+        raise RuntimeError(f"CUDA error: device-side assert triggered ({kernel}: {cond})")
 
 
 class Config:
@@ -98,10 +121,16 @@ class Buffer:
         num_nvl_bytes: int = 0,
         num_rdma_bytes: int = 0,
         low_latency_mode: bool = False,
-        num_qps_per_rank: int = 12,
+        num_qps_per_rank: int = 24,
         allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm=None,
     ) -> None:
         assert not low_latency_mode, "the emulation covers the high-throughput kernels only"
+        self.explicitly_destroy = explicitly_destroy
+        self.destroyed = False
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
@@ -110,6 +139,14 @@ class Buffer:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.calls: list[str] = []  # for tests: which entry points ran, in order
+
+    def destroy(self) -> None:
+        """DeepEP: a device sync and a barrier with the NVLink peers, then the memory is released."""
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        _host_assert(not self.destroyed, "buffer.hpp", "not destroyed")
+        self.calls.append("destroy")
+        dist.barrier(group=self.group)  # stands for intranode::barrier: every peer must come
+        self.destroyed = True
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -133,6 +170,17 @@ class Buffer:
         return Config(Buffer.num_sms, *table[num_ranks], 6, 128)
 
     # ---- helpers -------------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        _host_assert(not self.destroyed, "buffer.hpp", "not destroyed")
+
+    @staticmethod
+    def _check_sms(config: Config | None) -> None:
+        num_sms = (config or Buffer.get_dispatch_config(2)).num_sms
+        _host_assert(num_sms % 2 == 0, "buffer.hpp", "config.num_sms % 2 == 0")
+        # num_sms / 2 channels: 0 SMs is a launch of 0 blocks, which CUDA refuses.
+        if num_sms <= 0:
+            raise RuntimeError("CUDA error: invalid configuration argument (a kernel launched on 0 SMs)")
+
     @staticmethod
     def _check_launch(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
         if allocate_on_comm_stream:
@@ -159,7 +207,10 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        assert topk_idx.dtype == torch.int64 and topk_idx.dim() == 2
+        self._check_alive()
+        _host_assert(topk_idx.dim() == 2, "buffer.hpp", "topk_idx.dim() == 2")
+        _host_assert(topk_idx.is_contiguous(), "buffer.hpp", "topk_idx.is_contiguous()")
+        _host_assert(topk_idx.dtype == torch.int64, "buffer.hpp", "topk_idx dtype is topk_idx_t (int64)")
         assert num_experts % self.group_size == 0
         self._check_launch(previous_event, async_finish, allocate_on_comm_stream)
         self.calls.append("get_dispatch_layout")
@@ -192,7 +243,19 @@ class Buffer:
         allocate_on_comm_stream: bool = False,
     ):
         assert not isinstance(x, tuple), "the emulation has no FP8 path"
-        assert x.dim() == 2
+        self._check_alive()
+        self._check_sms(config)
+        _host_assert(x.dim() == 2 and x.is_contiguous(), "buffer.hpp", "x.dim() == 2 and x.is_contiguous()")
+        # legacy.py ``dispatch``: "the shape must be [num_tokens, hidden], and type must be torch.bfloat16".
+        assert x.dtype == torch.bfloat16, f"dispatch takes bf16 rows or an fp8 tuple, got {x.dtype}"
+        row_bytes = x.shape[1] * x.element_size()
+        _host_assert(row_bytes % 16 == 0, "buffer.hpp", "(x.size(1) * x.element_size()) % sizeof(int4) == 0")
+        half_hidden_bytes = row_bytes // 2
+        _device_assert(
+            (row_bytes // 16) % 2 == 0 and half_hidden_bytes + 8 <= _TMA_BYTES_PER_WARP,
+            "intranode::dispatch",
+            "hidden_int4 % 2 == 0 and half_hidden_bytes + sizeof(uint64_t) <= kNumTMABytesPerWarp",
+        )
         self._check_launch(previous_event, async_finish, allocate_on_comm_stream)
         w = self.group_size
         if handle is not None:
@@ -206,6 +269,13 @@ class Buffer:
         assert num_tokens_per_rank is not None and is_token_in_rank is not None
         assert num_tokens_per_expert is not None and topk_idx is not None and topk_idx.dtype == torch.int64
         assert num_tokens_per_rdma_rank is None, "intranode only"
+        _host_assert(topk_idx.dim() == 2 and topk_idx.is_contiguous(), "buffer.hpp", "topk_idx->is_contiguous()")
+        _host_assert(topk_weights is not None, "buffer.hpp", "topk_idx.has_value() == topk_weights.has_value()")
+        _host_assert(topk_weights.is_contiguous(), "buffer.hpp", "topk_weights->is_contiguous()")
+        _host_assert(topk_weights.dtype == torch.float32, "buffer.hpp", "topk_weights->scalar_type() == kFloat32")
+        _host_assert(is_token_in_rank.dtype == torch.bool, "buffer.hpp", "is_token_in_rank.scalar_type() == kBool")
+        for t in (num_tokens_per_rank, num_tokens_per_expert):
+            _host_assert(t.dtype == torch.int32 and t.is_contiguous(), "buffer.hpp", "num_tokens_per_* int32")
         self.calls.append("dispatch")
         num_experts = num_tokens_per_expert.shape[0]
         e_local = num_experts // w
@@ -235,12 +305,9 @@ class Buffer:
             self._a2a(recv_topk_idx, local_idx, recv_counts, send_counts),
             self._a2a(recv_src_idx, src_token, recv_counts, send_counts),
         ]
-        recv_topk_weights = None
-        if topk_weights is not None:
-            assert topk_weights.dtype == torch.float32
-            send_w = torch.where(on_dest, topk_weights.index_select(0, send_token_idx), 0.0)
-            recv_topk_weights = torch.empty(num_recv, k, dtype=torch.float32)
-            works.append(self._a2a(recv_topk_weights, send_w, recv_counts, send_counts))
+        send_w = torch.where(on_dest, topk_weights.index_select(0, send_token_idx), 0.0)
+        recv_topk_weights = torch.empty(num_recv, k, dtype=torch.float32)
+        works.append(self._a2a(recv_topk_weights, send_w, recv_counts, send_counts))
         handle = (send_counts, recv_counts, None, recv_src_idx, is_token_in_rank, send_token_idx)
         event = self._finish(works, None, async_finish)
         return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event
@@ -256,6 +323,14 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
+        self._check_alive()
+        self._check_sms(config)
+        _host_assert(x.dim() == 2 and x.is_contiguous(), "buffer.hpp", "x.dim() == 2 and x.is_contiguous()")
+        # intranode::combine dispatches on the dtype with SWITCH_TYPES, whose one case is CUDA_R_16BF.
+        _host_assert(x.dtype == torch.bfloat16, "launch.cuh", 'false and "Unsupported type"')
+        if topk_weights is not None:
+            _host_assert(topk_weights.is_contiguous(), "buffer.hpp", "topk_weights->is_contiguous()")
+            _host_assert(topk_weights.dtype == torch.float32, "buffer.hpp", "topk_weights->scalar_type() == kFloat32")
         self._check_launch(previous_event, async_finish, allocate_on_comm_stream)
         self.calls.append("combine")
         send_counts, recv_counts, _, recv_src_idx, is_token_in_rank, send_token_idx = handle
