@@ -96,13 +96,25 @@ def _computes(block: BlockRun) -> list[int]:
     return [i for i, p in enumerate(block.decl.pieces) if isinstance(p, Compute)]
 
 
-class _Forward:
+class _Side:
+    """One micro-batch's walk through a stage's blocks: ``steps`` are its compute pieces in walking order."""
+
+    def __init__(self, run: StageRun, steps: list[tuple[int, int]]) -> None:
+        self.blocks = run.blocks
+        self.steps = steps
+        self.pos = 0
+        self._per_block = [len(_computes(blk)) for blk in self.blocks]
+
+    def steps_in(self, b: int) -> int:
+        """Compute pieces of block ``b``."""
+        return self._per_block[b]
+
+
+class _Forward(_Side):
     """F: one micro-batch's forward through a stage, one compute piece per :meth:`step`."""
 
     def __init__(self, run: StageRun) -> None:
-        self.blocks = run.blocks
-        self.steps = [(b, i) for b, blk in enumerate(self.blocks) for i in _computes(blk)]
-        self.pos = 0
+        super().__init__(run, [(b, i) for b, blk in enumerate(run.blocks) for i in _computes(blk)])
         self.cur = 0
         self.due: list[int] = []  # comms of the current block waiting for one compute of the other side
         self.blocks[0].begin(run.inputs[0])
@@ -113,9 +125,6 @@ class _Forward:
             out = self.blocks[self.cur].output()
             self.cur += 1
             self.blocks[self.cur].begin(out)
-
-    def steps_in(self, b: int) -> int:
-        return len(_computes(self.blocks[b]))
 
     def step(self) -> None:
         b, i = self.steps[self.pos]
@@ -154,17 +163,14 @@ class _Forward:
         return self.blocks[-1].output()
 
 
-class _Backward:
+class _Backward(_Side):
     """B: one micro-batch's backward through a stage, one compute piece (dX, then dW) per step."""
 
     def __init__(self, run: StageRun, grad_out: torch.Tensor | None) -> None:
-        self.blocks = run.blocks
-        self.steps = [(b, i) for b in reversed(range(len(self.blocks))) for i in reversed(_computes(self.blocks[b]))]
-        self.pos = 0
-        self.cur = len(self.blocks) - 1
+        blocks = run.blocks
+        super().__init__(run, [(b, i) for b in reversed(range(len(blocks))) for i in reversed(_computes(blocks[b]))])
+        self.cur = len(blocks) - 1
         self.blocks[-1].begin_backward(grad_out)
-        self.grad_in: torch.Tensor | None = None
-        self.finished = False
 
     def _propagate(self, force_to: int | None = None) -> None:
         # Block b's input gradient is block b-1's output gradient: hand it over as soon as it is complete.
@@ -176,18 +182,12 @@ class _Backward:
             self.cur -= 1
             self.blocks[self.cur].begin_backward(blk.grad_in())
 
-    def steps_in(self, b: int) -> int:
-        return len(_computes(self.blocks[b]))
-
     def start_ready(self) -> None:
         for b in range(len(self.blocks) - 1, self.cur - 1, -1):
             blk = self.blocks[b]
             for i in reversed(range(len(blk.decl.pieces))):
                 if not isinstance(blk.decl.pieces[i], Compute) and blk.startable_backward(i):
                     blk.start_backward(i)
-
-    def start_due(self) -> None:
-        """Backward communications have no prepare step: nothing is ever due."""
 
     def dx(self) -> tuple[int, int]:
         b, i = self.steps[self.pos]
@@ -220,13 +220,11 @@ class _Backward:
             self.step_alone()
 
     def finish(self) -> torch.Tensor | None:
-        if not self.finished:
-            self.alone()
-            self._propagate(force_to=0)
-            self.blocks[0].finish_input_grad()
-            self.grad_in = self.blocks[0].grad_in()
-            self.finished = True
-        return self.grad_in
+        """The remaining steps; returns the stage's input gradient."""
+        self.alone()
+        self._propagate(force_to=0)
+        self.blocks[0].finish_input_grad()
+        return self.blocks[0].grad_in()
 
 
 def _paired(blocks: list[BlockRun]) -> list[int]:
@@ -245,8 +243,7 @@ def _interleave(run0: StageRun, run1: StageRun, grad1: torch.Tensor | None) -> A
     for fb, bb in zip(f_pairs, b_pairs):
         for k in range(max(fwd.steps_in(fb), bwd.steps_in(bb))):
             if k < fwd.steps_in(fb):
-                fwd.step()
-                bwd.start_due()
+                fwd.step()  # (backward communications have no prepare step: nothing of B is ever due)
                 fwd.start_ready()
             if k < bwd.steps_in(bb):
                 at = bwd.dx()
