@@ -164,7 +164,7 @@ def num_chunks(args: argparse.Namespace) -> int:
 def check_args(args: argparse.Namespace, world: int) -> None:
     """Every constraint up front, with what to change."""
     if args.pp * args.ep != world:
-        raise SystemExit(
+        raise OneLineError(
             f"error: --pp {args.pp} x --ep {args.ep} = {args.pp * args.ep}, but the world size is "
             f"{world}; launch pp x ep processes (torchrun --nproc-per-node ...)"
         )
@@ -173,19 +173,19 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         spec.validate(args.pp, num_chunks(args), args.stages_per_rank)
     except ValueError as exc:
         stages = f" --stages-per-rank {args.stages_per_rank}" if args.stages_per_rank else ""
-        raise SystemExit(
+        raise OneLineError(
             f"error: --schedule {args.schedule} --pp {args.pp}{stages} --num-chunks {num_chunks(args)}: {exc}"
         ) from None
     if args.ckpt_every and not args.ckpt_dir:
-        raise SystemExit("error: --ckpt-every needs --ckpt-dir")
+        raise OneLineError("error: --ckpt-every needs --ckpt-dir")
     args.resume = args.resume or args.resume_strict
     if args.resume and not args.ckpt_dir:
-        raise SystemExit(f"error: {'--resume-strict' if args.resume_strict else '--resume'} needs --ckpt-dir")
+        raise OneLineError(f"error: {'--resume-strict' if args.resume_strict else '--resume'} needs --ckpt-dir")
     if args.keep_last < 0:
-        raise SystemExit("error: --keep-last must be 0 (keep all) or more")
+        raise OneLineError("error: --keep-last must be 0 (keep all) or more")
     for name in ("steps", "seq_len", "micro_batch_size"):
         if getattr(args, name) <= 0:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be positive")
+            raise OneLineError(f"error: --{name.replace('_', '-')} must be positive")
     if args.overlap and not spec.overlaps:
         args.overlap = False  # nothing is paired in this schedule
 
@@ -297,12 +297,12 @@ def setup(args: argparse.Namespace) -> Run:
         recompute=args.recompute,
     )
     if cfg.num_layers < pc.num_stages:
-        raise SystemExit(
+        raise OneLineError(
             f"error: {args.schedule} at pp={args.pp} has {pc.num_stages} stages but the model has "
             f"{cfg.num_layers} layers; pass --layers {pc.num_stages} or more"
         )
     if cfg.num_experts % args.ep:
-        raise SystemExit(f"error: {cfg.num_experts} experts do not divide over --ep {args.ep}")
+        raise OneLineError(f"error: {cfg.num_experts} experts do not divide over --ep {args.ep}")
     layout = init_layout(pc, device.type)
     dtype = getattr(torch, args.dtype)
     stages = build_stages(cfg, layout, seed=args.seed, dtype=dtype, device=device)
@@ -424,7 +424,7 @@ def save(run: Run, step: int) -> None:
     try:
         save_checkpoint(run.args.ckpt_dir, step, modules, run.optimizer, meta, rng_state(), keep_last=keep)
     except CheckpointError as exc:  # every rank gets it: all stop, none waits on a dead peer
-        raise SystemExit(f"error: {exc}; training stopped, the previous checkpoint is untouched") from None
+        raise OneLineError(f"error: {exc}; training stopped, the previous checkpoint is untouched") from None
 
 
 def resume(run: Run) -> int:
@@ -435,11 +435,11 @@ def resume(run: Run) -> int:
     try:
         path, warnings = find_checkpoint(args.ckpt_dir, strict=args.resume_strict)
     except CheckpointError as exc:
-        raise SystemExit(f"error: {exc}{strict}") from None
+        raise OneLineError(f"error: {exc}{strict}") from None
     for warning in warnings if rank == 0 else []:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     if path is None and args.resume_strict:
-        raise SystemExit(f"error: no checkpoint in {args.ckpt_dir} to resume from{strict}")
+        raise OneLineError(f"error: no checkpoint in {args.ckpt_dir} to resume from{strict}")
     if path is None:
         if rank == 0:
             print(f"--resume: no checkpoint in {args.ckpt_dir}, starting from step 0", flush=True)
@@ -447,7 +447,7 @@ def resume(run: Run) -> int:
     try:
         meta, rank_state = load_checkpoint(path, list(run.pipe.module), run.optimizer)
     except CheckpointError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        raise OneLineError(f"error: {exc}") from None
     if rank_state is not None:
         set_rng_state(rank_state)
     if rank == 0:
