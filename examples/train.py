@@ -41,9 +41,10 @@ from moe.checkpoint import (
 from moe.config import PRESETS, preset
 from moe.data import ByteCorpus
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, Launch
+from moe.grad_sync import balance_routers, reduce_gradients
 from moe.guard import find_nonfinite, weights_are_finite
 from moe.model import lm_loss
-from moe.parallel import ParallelConfig, balance_routers, build_stages, init_layout, rank_grid, reduce_gradients
+from moe.parallel import MESH_DIMS, ParallelConfig, build_stages, init_layout, rank_grid
 
 
 class OneLineError(SystemExit):
@@ -61,7 +62,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size (vocab forced to 256)")
     p.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel (= data-parallel) ranks")
+    p.add_argument(
+        "--dp", type=int, default=0, help="data-parallel ranks per pipeline stage (default: world size / --pp)"
+    )
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks; must divide --dp")
+    p.add_argument(
+        "--rank-order",
+        default=",".join(MESH_DIMS),
+        help="mesh dimensions pp, edp, ep, outermost first (default: ep innermost, an expert group on one node)",
+    )
     p.add_argument(
         "--schedule",
         default=DEFAULT_SCHEDULE,
@@ -163,10 +172,25 @@ def num_chunks(args: argparse.Namespace) -> int:
 
 def check_args(args: argparse.Namespace, world: int) -> None:
     """Every constraint up front, with what to change."""
-    if args.pp * args.ep != world:
+    for name in ("pp", "ep"):
+        if getattr(args, name) < 1:
+            raise OneLineError(f"error: --{name} must be 1 or more")
+    if args.dp < 0:
+        raise OneLineError("error: --dp must be 1 or more (0: the world size / --pp)")
+    if not args.dp and world % args.pp:
+        raise OneLineError(f"error: the world size {world} does not divide by --pp {args.pp}; launch pp x dp processes")
+    args.dp = args.dp or world // args.pp
+    if args.pp * args.dp != world:
         raise OneLineError(
-            f"error: --pp {args.pp} x --ep {args.ep} = {args.pp * args.ep}, but the world size is "
-            f"{world}; launch pp x ep processes (torchrun --nproc-per-node ...)"
+            f"error: --pp {args.pp} x --dp {args.dp} = {args.pp * args.dp}, but the world size is "
+            f"{world}; launch pp x dp processes (torchrun --nnodes ... --nproc-per-node ...)"
+        )
+    if sorted(rank_order(args)) != sorted(MESH_DIMS):
+        raise OneLineError(f"error: --rank-order {args.rank_order}: name each of {','.join(MESH_DIMS)} once")
+    if args.dp % args.ep:
+        raise OneLineError(
+            f"error: --ep {args.ep} must divide --dp {args.dp} (each data-parallel group holds --dp / --ep "
+            "expert replicas)"
         )
     spec = schedule_spec(args.schedule)
     try:  # the schedule's own rules (pipeline ranks = --pp, micro-batches = --num-chunks)
@@ -188,6 +212,10 @@ def check_args(args: argparse.Namespace, world: int) -> None:
             raise OneLineError(f"error: --{name.replace('_', '-')} must be positive")
     if args.overlap and not spec.overlaps:
         args.overlap = False  # nothing is paired in this schedule
+
+
+def rank_order(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(d.strip() for d in args.rank_order.split(","))
 
 
 def check_environment(args: argparse.Namespace) -> None:
@@ -212,8 +240,9 @@ def _dispatcher_problems(args: argparse.Namespace) -> list[str]:
     missing = spec.check(launch=rows)
     world = dist.get_world_size()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    grid = rank_grid(ParallelConfig(pp=args.pp, ep=args.ep, schedule=args.schedule), world)
-    for ep_ranks in grid.tolist():  # init_layout's ep groups: the rows of the grid
+    config = ParallelConfig(pp=args.pp, dp=args.dp, ep=args.ep, rank_order=rank_order(args), schedule=args.schedule)
+    grid = rank_grid(config, world)
+    for ep_ranks in grid.reshape(-1, args.ep).tolist():  # init_layout's ep groups: the grid's last axis
         found = spec.violations(Launch(ep_ranks=tuple(ep_ranks), local_world_size=local_world_size))
         missing.extend(p for p in found if p not in missing)
     return missing
@@ -263,7 +292,7 @@ class Run:
 
     @property
     def global_batch(self) -> int:
-        return self.num_chunks * self.args.micro_batch_size * self.args.ep
+        return self.num_chunks * self.args.micro_batch_size * self.args.dp
 
 
 def setup(args: argparse.Namespace) -> Run:
@@ -289,7 +318,9 @@ def setup(args: argparse.Namespace) -> Run:
     cfg = preset(args.preset, **overrides)
     pc = ParallelConfig(
         pp=args.pp,
+        dp=args.dp,
         ep=args.ep,
+        rank_order=rank_order(args),
         schedule=args.schedule,
         modules_per_rank=args.stages_per_rank,
         dispatcher=args.dispatcher,
@@ -338,7 +369,7 @@ def step_inputs(run: Run, step: int, split: str) -> tuple[tuple, tuple]:
     """
     args = run.args
     ids, labels = run.corpus.batch(
-        step, run.global_batch, args.seq_len, seed=args.seed, dp_rank=run.layout.ep_rank, dp_size=args.ep, split=split
+        step, run.global_batch, args.seq_len, seed=args.seed, dp_rank=run.layout.dp_rank, dp_size=args.dp, split=split
     )
     return run.pipe.split_batch((ids.to(run.device),), (labels.to(run.device),))
 
@@ -419,7 +450,7 @@ def guard_nonfinite(run: Run, step: int, loss: torch.Tensor | None) -> bool:
 
 
 def save(run: Run, step: int) -> None:
-    meta = {"data_step": step, "args": vars(run.args), "pp": run.args.pp, "ep": run.args.ep}
+    meta = {"data_step": step, "args": vars(run.args), "pp": run.args.pp, "dp": run.args.dp, "ep": run.args.ep}
     modules, keep = list(run.pipe.module), run.args.keep_last
     try:
         save_checkpoint(run.args.ckpt_dir, step, modules, run.optimizer, meta, rng_state(), keep_last=keep)
@@ -451,7 +482,8 @@ def resume(run: Run) -> int:
     if rank_state is not None:
         set_rng_state(rank_state)
     if rank == 0:
-        print(f"resumed from {path} (step {meta['step']}, written at pp={meta['pp']} ep={meta['ep']})", flush=True)
+        written = f"pp={meta['pp']} dp={meta.get('dp', meta['ep'])} ep={meta['ep']}"  # no dp: written at dp == ep
+        print(f"resumed from {path} (step {meta['step']}, written at {written})", flush=True)
     return int(meta["step"])
 
 
@@ -518,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics = open(args.metrics_file, "a") if args.metrics_file and rank == 0 else None  # noqa: SIM115
     if rank == 0:
         print(
-            f"MoE {args.preset}: pp={args.pp} ep={args.ep} {args.schedule} overlap={args.overlap} "
+            f"MoE {args.preset}: pp={args.pp} dp={args.dp} ep={args.ep} {args.schedule} overlap={args.overlap} "
             f"chunks={run.num_chunks} tokens/step={tokens_per_step} data: {run.corpus.description}",
             flush=True,
         )

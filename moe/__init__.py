@@ -2,28 +2,22 @@
 
 Entry points: :class:`MoEConfig` / :func:`preset`, :class:`MoEModel` (single process), :class:`MoEStage`
 (a pipeline stage with ``overlapped_forward_backward``), :func:`lm_loss`, the dispatchers in
-:mod:`moe.dispatch`, and the parallel layout in :mod:`moe.parallel`. A training step at (pp, ep)::
+:mod:`moe.dispatch`, and the parallel layout in :mod:`moe.parallel`. A training step at (pp, dp, ep)::
 
-    layout = init_layout(ParallelConfig(pp=2, ep=4, schedule="dualpipev", dispatcher="alltoall"), "cuda")
+    layout = init_layout(ParallelConfig(pp=2, dp=8, ep=4, schedule="dualpipev", dispatcher="alltoall"), "cuda")
     stages = build_stages(preset("small"), layout, seed=0, dtype=torch.bfloat16, device="cuda")
     pipe = DualPipeV(stages, batch_dim=0, process_group=layout.pp_group)
     loss, _ = pipe.step(ids, num_chunks=8, criterion=lm_loss, labels=(labels,))  # ids on pp rank 0
-    reduce_gradients(stages, layout)   # mirror sum (DualPipe), mean over the ep (data-parallel) group
+    reduce_gradients(stages, layout)   # mirror sum (DualPipe), mean over the global batch (dp, edp)
     optimizer.step()
     balance_routers(stages, layout)    # auxiliary-loss-free bias update from the step's expert load
 """
 
 from dualpipe.events import Event, EventRecorder
 from moe.config import PRESETS, MoEConfig, preset
+from moe.grad_sync import balance_routers, reduce_gradients
 from moe.model import MoEModel, lm_loss, next_token_batch
-from moe.parallel import (
-    ParallelConfig,
-    ParallelLayout,
-    balance_routers,
-    build_stages,
-    init_layout,
-    reduce_gradients,
-)
+from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout
 from moe.stage import MoEStage
 
 __all__ = [

@@ -1,46 +1,56 @@
-"""Parallel layout: a (pp, ep) device mesh, stage partitioning for any registered schedule, gradient reduction.
+"""Parallel layout: a (pp, edp, ep) device mesh, stage partitioning for any registered schedule.
 
-Rank order: by default pp is the outer dimension, rank ``pp_rank * ep + ep_rank``: the expert-parallel ranks
-of a stage are contiguous, so with 8 GPUs per node an EP group of 8 stays on NVLink (what DeepEP's intranode
-kernels need). ``ParallelConfig.rank_order = ("ep", "pp")`` puts ep outside instead (rank
-``ep_rank * pp + pp_rank``: a pipeline stays on one node, every expert group spans nodes). The ep group is
-also the data-parallel group: non-expert gradients are averaged over it; expert gradients stay local (each
-rank's experts already saw every rank's tokens through the all-to-all) and are only scaled by ``1/ep`` so
-that all gradients are those of the mean loss over the data-parallel ranks.
+The world is pp x dp ranks. Each data-parallel group (the dp ranks of one pipeline stage) is split into
+``edp = dp / ep`` expert-data-parallel replicas of ``ep`` ranks: dense parameters are replicated over dp,
+expert parameters are sharded over ep and replicated over the edp replicas (DeepSeek-V3's PP16 x EP64 x
+DP layout, EP a subgroup of DP). ``dp == ep`` (one replica) is the plain (pp, ep) layout.
+
+Rank order: the mesh dimensions are named (pp, edp, ep); ``ParallelConfig.rank_order`` lists them outermost
+first. The default ``("pp", "edp", "ep")`` puts ep innermost: an expert group spans as few nodes as possible
+and each node's ranks are contiguous inside it (NVLink inside a node; DeepEP's intranode kernels need the
+group on one node, its internode kernels each node's 8 ranks consecutive). ``("edp", "ep", "pp")`` keeps a
+pipeline on consecutive ranks instead.
 
 The schedule's layout places the stages. Where it holds a stage twice (DualPipe: stages r and N-1-r on
 pipeline rank r), the two copies' gradients (and expert-load counts) are summed over a two-rank "mirror"
-group before anything else.
+group before anything else. Gradient reduction and the router balancing step live in :mod:`moe.grad_sync`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, schedule_spec
-from moe.block import Block
 from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
 from moe.stage import MoEStage
 
 __all__ = [
+    "MESH_DIMS",
     "ParallelConfig",
     "ParallelLayout",
-    "balance_routers",
     "build_stages",
     "init_layout",
     "mirror_pairs",
     "rank_grid",
-    "reduce_gradients",
     "split_layers",
     "with_schedule",
 ]
+
+MESH_DIMS = ("pp", "edp", "ep")
+"""The device mesh's dimensions, in the order of :func:`rank_grid`'s axes."""
+
+
+def _full_order(order: tuple[str, ...]) -> tuple[str, ...]:
+    # (pp, ep) orders from before the expert-data-parallel dimension existed: edp sits just outside ep.
+    if sorted(order) == ["ep", "pp"]:
+        i = order.index("ep")
+        return (*order[:i], "edp", *order[i:])
+    return order
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,7 +60,11 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel ranks."""
     ep: int = 1
-    """Expert-parallel ranks (also the data-parallel ranks of the non-expert weights)."""
+    """Expert-parallel ranks: the experts are sharded over them. Must divide ``dp``."""
+    dp: int | None = None
+    """Data-parallel ranks per pipeline stage (dense weights are replicated over them, and each takes its
+    slice of the global batch); ``None`` means ``ep`` (one expert replica). ``dp / ep`` is the number of
+    expert-data-parallel replicas (``edp``)."""
     schedule: str = DEFAULT_SCHEDULE
     """A schedule of :data:`dualpipe.schedule.SCHEDULES`; its layout says how many stages there are and where
     each lives (``dualpipev``: 2*pp stages, two per rank; ``dualpipe``: pp stages, two mirrored copies per
@@ -58,30 +72,54 @@ class ParallelConfig:
     modules_per_rank: int | None = None
     """Stage modules per pipeline rank, for schedules that take any number (``interleaved-1f1b``'s virtual
     stages); ``None`` takes the schedule's own. Resolved to a number in ``__post_init__``."""
-    rank_order: tuple[str, str] = ("pp", "ep")
-    """Mesh dimensions, outermost first: ``("pp", "ep")`` keeps each ep group on consecutive ranks (one
-    node), ``("ep", "pp")`` each pipeline."""
+    rank_order: tuple[str, ...] = MESH_DIMS
+    """Mesh dimensions ``pp``, ``edp``, ``ep``, outermost first: the default keeps each ep group on
+    consecutive ranks (one node where it fits), ``("edp", "ep", "pp")`` each pipeline. A two-name order
+    (``("ep", "pp")``) places ``edp`` just outside ``ep``."""
     dispatcher: str = "alltoall"
     """Token dispatcher for ep > 1: ``alltoall`` or ``deepep`` (``local`` is forced at ep == 1)."""
     comm_sms: int = DEFAULT_COMM_SMS
-    """SMs reserved for communication: DeepEP's ``Buffer.set_num_sms`` and NCCL's CTA cap on the ep group.
-    20 is the DeepSeek-V3 figure (enough to saturate IB and NVLink on H800); the grouped GEMM launches on
-    the remaining SMs."""
+    """SMs reserved for communication while experts compute: DeepEP's ``Buffer.set_num_sms`` and NCCL's CTA
+    cap on every group the step uses (pipeline P2P, data-parallel reductions and all-to-all alike, so no
+    communicator takes SMs the grouped GEMM counts as free). 20 is the DeepSeek-V3 figure (enough to
+    saturate IB and NVLink on H800). Nothing is reserved at ep == 1: there is no all-to-all to hide."""
     recompute: bool = False
     """Recompute attention and MLP sub-stages in backward instead of keeping their activations."""
 
     def __post_init__(self) -> None:
-        if self.pp < 1 or self.ep < 1:
-            raise ValueError(f"pp and ep must be >= 1, got pp={self.pp} ep={self.ep}")
+        if self.dp is None:
+            self.dp = self.ep
+        if self.pp < 1 or self.ep < 1 or self.dp < 1:
+            raise ValueError(f"pp, dp and ep must be >= 1, got pp={self.pp} dp={self.dp} ep={self.ep}")
+        if self.dp % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp={self.dp} (each data-parallel group holds dp/ep expert replicas)"
+            )
         spec = schedule_spec(self.schedule)
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"unknown dispatcher {self.dispatcher!r}; choose one of {DISPATCHERS}")
         spec.check_ranks(self.pp)
         self.modules_per_rank = spec.resolve_modules(self.modules_per_rank)
-        if sorted(self.rank_order) != ["ep", "pp"]:
-            raise ValueError(f"rank_order must order the dimensions 'pp' and 'ep', got {self.rank_order}")
+        order = _full_order(tuple(self.rank_order))
+        if sorted(order) != sorted(MESH_DIMS):
+            raise ValueError(f"rank_order must order the dimensions {MESH_DIMS}, got {self.rank_order}")
+        self.rank_order = order
         if self.comm_sms < 0:
             raise ValueError(f"comm_sms must be >= 0, got {self.comm_sms}")
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel replicas: how many ranks of a data-parallel group hold each expert."""
+        return self.dp // self.ep  # type: ignore[operator]
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp  # type: ignore[operator]
+
+    @property
+    def reserved_sms(self) -> int:
+        """SMs kept for communication: ``comm_sms``, or 0 when there is no all-to-all (ep == 1)."""
+        return self.comm_sms if self.ep > 1 else 0
 
     @property
     def stage_layout(self) -> Layout:
@@ -95,22 +133,42 @@ class ParallelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelLayout:
-    """This rank's place in the (pp, ep) mesh and the process groups it talks over."""
+    """This rank's place in the (pp, edp, ep) mesh and the process groups it talks over."""
 
     config: ParallelConfig
     pp_rank: int
+    edp_rank: int
     ep_rank: int
     pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    """The stage's data-parallel ranks (edp x ep): dense gradients are averaged over it."""
+    edp_group: dist.ProcessGroup
+    """The ranks holding the same experts (one per replica): expert gradients are summed over it."""
     ep_group: dist.ProcessGroup
     mirror_group: dist.ProcessGroup | None
     """Layouts that hold each stage twice (DualPipe): this rank and the pipeline rank holding the same stages
-    (same ep rank)."""
-    mesh: object | None
-    """A ``DeviceMesh`` over (pp, ep) when torch can build one from the groups, else None."""
+    (same dp coordinates)."""
+    mesh: object
+    """The ``DeviceMesh`` over (pp, edp, ep)."""
+
+    @property
+    def dp_rank(self) -> int:
+        """Position in the data-parallel group: which slice of the global batch this rank feeds."""
+        return self.edp_rank * self.config.ep + self.ep_rank
+
+    @property
+    def is_mirror_copy(self) -> bool:
+        """True on the higher pipeline rank of a DualPipe mirror pair: its stages duplicate the partner's, so
+        quantities counted once per model (the gradient norm) skip them here."""
+        if self.mirror_group is None:
+            return False
+        partner = self.config.stage_layout.mirror(self.pp_rank, 0)[0]
+        return self.pp_rank > partner
 
 
 def _nccl_options(comm_sms: int) -> object | None:
-    # Cap the CTAs NCCL uses on the ep group so communication leaves the other SMs to the grouped GEMM.
+    # NCCL's CTA cap (ncclConfig_t.maxCTAs through ProcessGroupNCCL.Options.config.max_ctas): every group the
+    # step uses gets it, so communication never spreads over the SMs the grouped GEMM was launched on.
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     if nccl is None or comm_sms <= 0:
         return None
@@ -119,14 +177,22 @@ def _nccl_options(comm_sms: int) -> object | None:
     return opts
 
 
+def group_options(config: ParallelConfig) -> object | None:
+    """Process-group options for every group of the layout: the NCCL CTA cap on NCCL, else None."""
+    if "nccl" not in str(dist.get_backend()):
+        return None
+    return _nccl_options(config.reserved_sms)
+
+
 def rank_grid(config: ParallelConfig, world: int) -> torch.Tensor:
-    """``grid[pp_rank, ep_rank]`` is the global rank, laid out in ``config.rank_order``."""
-    pp, ep = config.pp, config.ep
-    if pp * ep != world:
-        raise ValueError(f"pp x ep = {pp} x {ep} = {pp * ep} does not equal the world size {world}")
-    sizes = {"pp": pp, "ep": ep}
+    """``grid[pp_rank, edp_rank, ep_rank]`` is the global rank, laid out in ``config.rank_order``."""
+    if config.world_size != world:
+        raise ValueError(
+            f"pp x dp = {config.pp} x {config.dp} = {config.world_size} does not equal the world size {world}"
+        )
+    sizes = {"pp": config.pp, "edp": config.edp, "ep": config.ep}
     grid = torch.arange(world).view(*(sizes[d] for d in config.rank_order))
-    return grid if config.rank_order == ("pp", "ep") else grid.t()
+    return grid.permute(*(config.rank_order.index(d) for d in MESH_DIMS))
 
 
 def mirror_pairs(layout: Layout) -> list[tuple[int, int]]:
@@ -138,45 +204,42 @@ def mirror_pairs(layout: Layout) -> list[tuple[int, int]]:
 
 
 def init_layout(config: ParallelConfig, device_type: str = "cpu") -> ParallelLayout:
-    """Create the pp, ep (and mirror) groups; every rank of the default group must call it."""
+    """Build the (pp, edp, ep) ``DeviceMesh``, its flattened dp group and the mirror groups; every rank of the
+    default group must call it (collective)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     if not dist.is_initialized():
         raise RuntimeError("init_layout needs torch.distributed initialised (torchrun / init_process_group)")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    grid = rank_grid(config, world)
-    pp, ep = config.pp, config.ep
-    ep_options = _nccl_options(config.comm_sms) if "nccl" in str(dist.get_backend()) else None
-    pp_group = ep_group = None
-    # new_group is collective over the default group: every rank creates every group, in the same order.
-    for e in range(ep):
-        g = dist.new_group(grid[:, e].tolist())
-        if rank in grid[:, e].tolist():
-            pp_group = g
-    for p in range(pp):
-        g = dist.new_group(grid[p].tolist(), pg_options=ep_options)
-        if rank in grid[p].tolist():
-            ep_group = g
-    mirror_group = _mirror_group(config, grid)
-    assert pp_group is not None and ep_group is not None
-    pp_rank, ep_rank = (int(i) for i in (grid == rank).nonzero()[0])
+    grid = rank_grid(config, dist.get_world_size())
+    opts = group_options(config)
+    override = tuple((None, opts) for _ in MESH_DIMS) if opts is not None else None
+    mesh = DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS, backend_override=override)
+    # The dp group is the (edp, ep) submesh seen as one dimension. ``_flatten`` is DeviceMesh's own way to get
+    # it (torchtitan's too); it is underscored in torch 2.13, hence this one call site.
+    dp_mesh = mesh["edp", "ep"]._flatten("dp", backend_override=opts)
+    pp_rank, edp_rank, ep_rank = mesh.get_coordinate()
     return ParallelLayout(
         config=config,
         pp_rank=pp_rank,
+        edp_rank=edp_rank,
         ep_rank=ep_rank,
-        pp_group=pp_group,
-        ep_group=ep_group,
-        mirror_group=mirror_group,
-        mesh=_device_mesh(device_type, grid, pp_group, ep_group),
+        pp_group=mesh["pp"].get_group(),
+        dp_group=dp_mesh.get_group(),
+        edp_group=mesh["edp"].get_group(),
+        ep_group=mesh["ep"].get_group(),
+        mirror_group=_mirror_group(config, grid),
+        mesh=mesh,
     )
 
 
 def _mirror_group(config: ParallelConfig, grid: torch.Tensor) -> dist.ProcessGroup | None:
     """Create every mirror group of ``config``'s layout (collective); return this rank's, if any."""
     rank, mine = dist.get_rank(), None
-    for e in range(config.ep):
-        for a, b in mirror_pairs(config.stage_layout):
-            members = [int(grid[a, e]), int(grid[b, e])]
-            g = dist.new_group(members)
-            if rank in members:
+    opts = group_options(config)
+    for a, b in mirror_pairs(config.stage_layout):
+        for ranks in torch.stack([grid[a], grid[b]], dim=-1).reshape(-1, 2).tolist():
+            g = dist.new_group(ranks, pg_options=opts)
+            if rank in ranks:
                 mine = g
     return mine
 
@@ -190,15 +253,6 @@ def with_schedule(base: ParallelLayout, schedule: str) -> ParallelLayout:
     if config.stage_layout.mirrored:
         mirror_group = base.mirror_group or _mirror_group(config, rank_grid(config, dist.get_world_size()))
     return dataclasses.replace(base, config=config, mirror_group=mirror_group)
-
-
-def _device_mesh(device_type: str, grid: torch.Tensor, pp_group, ep_group) -> object | None:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return DeviceMesh.from_group([pp_group, ep_group], device_type, mesh=grid, mesh_dim_names=("pp", "ep"))
-    except (ImportError, RuntimeError, ValueError, TypeError):
-        return None
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -252,85 +306,10 @@ def build_stages(
             last=sid == pc.num_stages - 1,
             dispatcher=dispatcher,
             recompute=pc.recompute,
-            comm_sms=pc.comm_sms if torch.device(device).type == "cuda" else 0,
+            comm_sms=pc.reserved_sms if torch.device(device).type == "cuda" else 0,
             stage_index=sid,
             piecewise=piecewise,
         )
         stage.reset_parameters(seed)
         stages.append(stage.to(device=device, dtype=dtype))
     return tuple(stages)
-
-
-def _by_stage(modules: Sequence[MoEStage]) -> list[MoEStage]:
-    return sorted(modules, key=lambda m: m.stage_index if m.stage_index is not None else 0)
-
-
-def _all_reduce_(tensors: list[torch.Tensor], group: dist.ProcessGroup, scale: float = 1.0) -> None:
-    if not tensors:
-        return
-    flat = _flatten_dense_tensors(tensors)
-    dist.all_reduce(flat, group=group)
-    if scale != 1.0:
-        flat.mul_(scale)
-    for t, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-        t.copy_(reduced)
-
-
-def _grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    return [p.grad for p in params]  # type: ignore[misc]
-
-
-@torch.no_grad()
-def reduce_gradients(modules: Sequence[MoEStage], layout: ParallelLayout) -> None:
-    """Make ``.grad`` the gradient of the mean loss over the ep (data-parallel) ranks, on every rank.
-
-    Call after the pipeline step, before the optimizer. DualPipe mirror copies are summed first (their
-    gradients come from different micro-batches of one step), so do not also call
-    ``dualpipe.sum_mirrored_grads`` (that would add them twice).
-    """
-    modules = _by_stage(modules)
-    if layout.mirror_group is not None:
-        params = [p for m in modules for p in m.parameters()]
-        _all_reduce_(_grads(params), layout.mirror_group)
-    ep = layout.config.ep
-    if ep == 1:
-        return
-    expert = {id(p) for m in modules for p in m.expert_parameters()}
-    seen: set[int] = set()
-    dense = []
-    for m in modules:
-        for p in m.parameters():
-            if id(p) not in expert and id(p) not in seen:
-                seen.add(id(p))
-                dense.append(p)
-    _all_reduce_(_grads(dense), layout.ep_group, scale=1.0 / ep)
-    for m in modules:
-        for p in m.expert_parameters():
-            if p.grad is not None:
-                p.grad.mul_(1.0 / ep)
-
-
-@torch.no_grad()
-def balance_routers(modules: Sequence[MoEStage], layout: ParallelLayout | None, rate: float | None = None) -> None:
-    """Auxiliary-loss-free balancing step on every MoE layer of ``modules`` (after the optimizer step).
-
-    Loads are summed over the DualPipe mirror and the ep group, so all replicas move their bias alike.
-    ``rate`` defaults to the config's ``bias_update_rate``.
-    """
-    modules = _by_stage(modules)
-    routers = [b.router for m in modules for b in m.blocks.values() if isinstance(b, Block) and b.is_moe]
-    if not routers:
-        return
-    loads = [r.expert_load for r in routers]
-    if layout is not None and layout.mirror_group is not None:
-        _all_reduce_(loads, layout.mirror_group)
-    if layout is not None and layout.config.ep > 1:
-        _all_reduce_(loads, layout.ep_group)
-    for m in modules:
-        step = m.cfg.bias_update_rate if rate is None else rate
-        for b in m.blocks.values():
-            if isinstance(b, Block) and b.is_moe:
-                b.router.update_bias(step)

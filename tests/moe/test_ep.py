@@ -16,7 +16,8 @@ from dualpipe.testing import OverlapReport, check_overlap
 from dualpipe.utils import run_backward
 from moe import EventRecorder, MoEStage, lm_loss
 from moe.dispatch import make_dispatcher
-from moe.parallel import ParallelConfig, init_layout, reduce_gradients
+from moe.grad_sync import reduce_gradients
+from moe.parallel import ParallelConfig, init_layout
 from tests.distributed import run_ranks
 from tests.moe.helpers import SEED, assert_rel_close, batch, single_process_grads, tiny_config
 

@@ -8,8 +8,9 @@ import torch
 from dualpipe.pieces import Compute
 from dualpipe.weight_grad import GradStore
 from moe import MoEConfig, MoEModel, lm_loss, preset
+from moe.grad_sync import balance_routers
 from moe.layers import Linear
-from moe.parallel import balance_routers, split_layers
+from moe.parallel import split_layers
 from moe.router import Router
 from tests.moe.helpers import SEED, assert_rel_close, batch, tiny_config
 

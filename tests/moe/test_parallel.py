@@ -9,13 +9,38 @@ from moe.parallel import ParallelConfig, mirror_pairs, rank_grid
 
 def test_rank_order_puts_the_inner_dimension_on_consecutive_ranks() -> None:
     pp_major = rank_grid(ParallelConfig(pp=2, ep=3), 6)
-    assert pp_major.tolist() == [[0, 1, 2], [3, 4, 5]]  # grid[pp_rank, ep_rank]: an ep group is one node
+    assert pp_major[:, 0].tolist() == [[0, 1, 2], [3, 4, 5]]  # grid[pp, edp, ep]: an ep group is one node
     ep_major = rank_grid(ParallelConfig(pp=2, ep=3, rank_order=("ep", "pp")), 6)
-    assert ep_major.tolist() == [[0, 2, 4], [1, 3, 5]]  # a pipeline is one node
+    assert ep_major[:, 0].tolist() == [[0, 2, 4], [1, 3, 5]]  # a pipeline is one node
     with pytest.raises(ValueError, match="does not equal the world size 5"):
         rank_grid(ParallelConfig(pp=2, ep=3), 5)
     with pytest.raises(ValueError, match="rank_order"):
         ParallelConfig(rank_order=("pp", "dp"))
+
+
+def test_expert_replicas_sit_outside_the_expert_group() -> None:
+    # pp=2 x dp=4 with ep=2: two expert replicas per stage; ep innermost, so each ep group is 2 consecutive
+    # ranks and a stage's dp group is 4 consecutive ranks.
+    config = ParallelConfig(pp=2, dp=4, ep=2)
+    assert (config.edp, config.world_size) == (2, 8)
+    grid = rank_grid(config, 8)
+    assert grid.shape == (2, 2, 2)
+    assert grid[1].flatten().tolist() == [4, 5, 6, 7]  # the dp group of stage 1
+    assert grid[0, :, 1].tolist() == [1, 3]  # the ranks holding ep rank 1's experts (edp group)
+    assert grid[:, 1, 0].tolist() == [2, 6]  # a pipeline
+    # ep outermost: an expert group spans the pipelines' ranks
+    spread = rank_grid(ParallelConfig(pp=2, dp=4, ep=2, rank_order=("ep", "edp", "pp")), 8)
+    assert spread[0, 0].tolist() == [0, 4]
+    assert ParallelConfig(pp=2, ep=2).dp == 2  # dp defaults to ep: one replica
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        ParallelConfig(dp=4, ep=3)
+    with pytest.raises(ValueError, match="pp x dp = 2 x 4 = 8 does not equal the world size 6"):
+        rank_grid(config, 6)
+
+
+def test_no_sms_are_reserved_without_an_all_to_all() -> None:
+    assert ParallelConfig(ep=1, comm_sms=20).reserved_sms == 0
+    assert ParallelConfig(ep=2, comm_sms=20).reserved_sms == 20
 
 
 def test_stages_and_mirrors_come_from_the_schedule() -> None:

@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from dualpipe import DualPipe, DualPipeV, ZeroBubble1P
 from dualpipe.events import hidden_communications
 from moe import EventRecorder, lm_loss
-from moe.parallel import ParallelConfig, build_stages, init_layout, reduce_gradients
+from moe.grad_sync import reduce_gradients
+from moe.parallel import ParallelConfig, build_stages, init_layout
 from tests.distributed import run_ranks
 from tests.moe.helpers import SEED, assert_rel_close, batch, single_process_grads, tiny_config
 
@@ -57,7 +58,7 @@ def _pipeline_step(rank: int, world: int, schedule: str, recompute: bool, overla
         stage.recorder = recorder
     loss, _ = pipe.step(*args, num_chunks=CHUNKS, criterion=lm_loss, labels=lab)
     reduce_gradients(stages, layout)
-    assert isinstance(layout.mesh, DeviceMesh) and layout.mesh.mesh_dim_names == ("pp", "ep")
+    assert isinstance(layout.mesh, DeviceMesh) and layout.mesh.mesh_dim_names == ("pp", "edp", "ep")
     grads = {n: p.grad.numpy().copy() for m in stages for n, p in m.named_parameters()}
     experts = list(stages[0].dispatcher.local_experts)
     losses = None if loss is None else loss.detach().numpy().copy()

@@ -1,0 +1,163 @@
+"""Gradient reduction over the (pp, edp, ep) layout, and the router balancing step that shares its groups.
+
+After a pipeline step every rank holds the gradients of its own micro-batches' loss. :func:`reduce_gradients`
+turns them into the gradient of the mean loss over the global batch:
+
+- DualPipe's two copies of a stage (pipeline ranks r and N-1-r) saw different micro-batches: their
+  gradients are summed over the two-rank mirror group first;
+- dense parameters are replicated over the dp ranks of a stage: all-reduced over dp and scaled by 1/dp;
+- expert parameters are sharded over ep: the all-to-all already brought every ep rank's tokens to them, so
+  each replica's gradient is the sum over its own ep group; they are summed over the edp replicas and
+  scaled by 1/dp (at edp == 1 only the scale remains).
+
+A parameter's gradient is its fp32 ``main_grad`` when mixed precision gave it one (:mod:`moe.optimizer`), else
+``.grad``. Reductions run in buckets of ``bucket_bytes``: each bucket is flattened, its all-reduce started
+asynchronously, and the next bucket packed while it runs, so no flat copy of every gradient exists at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from moe.block import Block
+from moe.parallel import ParallelLayout
+from moe.stage import MoEStage
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "all_reduce_buckets",
+    "balance_routers",
+    "grad_of",
+    "reduce_gradients",
+    "split_params",
+]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""Bytes per all-reduce bucket: large enough that NCCL runs near bandwidth, small enough that the flat copy
+stays a small fraction of the gradients (DDP's default, for the same reasons)."""
+
+
+def _by_stage(modules: Sequence[MoEStage]) -> list[MoEStage]:
+    return sorted(modules, key=lambda m: m.stage_index if m.stage_index is not None else 0)
+
+
+def split_params(modules: Sequence[MoEStage]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``(dense, expert)`` trainable parameters of ``modules``, each once, in stage order (the same order on
+    every rank of a group, which bucketed collectives rely on)."""
+    modules = _by_stage(modules)
+    expert_ids = {id(p) for m in modules for p in m.expert_parameters()}
+    seen: set[int] = set()
+    dense: list[nn.Parameter] = []
+    expert: list[nn.Parameter] = []
+    for m in modules:
+        for p in m.parameters():
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            (expert if id(p) in expert_ids else dense).append(p)
+    return dense, expert
+
+
+def grad_of(p: nn.Parameter) -> torch.Tensor:
+    """The tensor holding ``p``'s gradient (fp32 ``main_grad`` under mixed precision), zeros if none yet."""
+    main = getattr(p, "main_grad", None)
+    if main is not None:
+        return main
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype tensors of at most ``bucket_bytes`` (a larger tensor is its own)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > bucket_bytes or t.dtype != bucket[0].dtype or t.device != bucket[0].device):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def all_reduce_buckets(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    *,
+    scale: float = 1.0,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> None:
+    """Sum ``tensors`` in place over ``group`` and multiply by ``scale``, one asynchronous all-reduce per bucket
+    (at most two buckets' flat copies alive: the one in flight and the one being packed)."""
+    in_flight: tuple[dist.Work, torch.Tensor, list[torch.Tensor]] | None = None
+
+    def finish(work: dist.Work, flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+        work.wait()
+        if scale != 1.0:
+            flat.mul_(scale)
+        for t, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(reduced)
+
+    for bucket in _buckets(tensors, bucket_bytes):
+        flat = _flatten_dense_tensors(bucket)
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        if in_flight is not None:
+            finish(*in_flight)
+        in_flight = (work, flat, bucket)
+    if in_flight is not None:
+        finish(*in_flight)
+
+
+@torch.no_grad()
+def reduce_gradients(
+    modules: Sequence[MoEStage], layout: ParallelLayout, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> None:
+    """Make every gradient that of the mean loss over the global batch, on every rank (see the module doc).
+
+    Call after the pipeline step, before clipping and the optimizer. DualPipe mirror copies are summed here,
+    so do not also call ``dualpipe.sum_mirrored_grads`` (that would add them twice).
+    """
+    dense, expert = split_params(modules)
+    config = layout.config
+    if layout.mirror_group is not None:
+        all_reduce_buckets([grad_of(p) for p in dense + expert], layout.mirror_group, bucket_bytes=bucket_bytes)
+    dp = config.dp
+    assert dp is not None
+    if dp > 1:
+        all_reduce_buckets([grad_of(p) for p in dense], layout.dp_group, scale=1.0 / dp, bucket_bytes=bucket_bytes)
+    if config.edp > 1:
+        all_reduce_buckets([grad_of(p) for p in expert], layout.edp_group, scale=1.0 / dp, bucket_bytes=bucket_bytes)
+    elif dp > 1:
+        for p in expert:
+            grad_of(p).mul_(1.0 / dp)
+
+
+@torch.no_grad()
+def balance_routers(modules: Sequence[MoEStage], layout: ParallelLayout | None, rate: float | None = None) -> None:
+    """Auxiliary-loss-free balancing step on every MoE layer of ``modules`` (after the optimizer step).
+
+    Loads are summed over the DualPipe mirror and the data-parallel group (the whole global batch), so all
+    replicas move their bias alike. ``rate`` defaults to the config's ``bias_update_rate``.
+    """
+    modules = _by_stage(modules)
+    blocks = [b for m in modules for b in m.blocks.values() if isinstance(b, Block) and b.is_moe]
+    if not blocks:
+        return
+    loads = [b.router.expert_load for b in blocks]
+    if layout is not None and layout.mirror_group is not None:
+        all_reduce_buckets(loads, layout.mirror_group)
+    if layout is not None and (layout.config.dp or 1) > 1:
+        all_reduce_buckets(loads, layout.dp_group)
+    for m in modules:
+        step = m.cfg.bias_update_rate if rate is None else rate
+        for b in m.blocks.values():
+            if isinstance(b, Block) and b.is_moe:
+                b.router.update_bias(step)
