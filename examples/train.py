@@ -44,7 +44,7 @@ from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, Launch
 from moe.grad_sync import balance_routers, reduce_gradients
 from moe.guard import find_nonfinite, weights_are_finite
 from moe.model import lm_loss
-from moe.parallel import MESH_DIMS, ParallelConfig, build_stages, init_layout, rank_grid
+from moe.parallel import MESH_DIMS, ParallelConfig, build_stages, init_layout, nccl_options, rank_grid
 
 
 class OneLineError(SystemExit):
@@ -189,8 +189,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise OneLineError(f"error: --rank-order {args.rank_order}: name each of {','.join(MESH_DIMS)} once")
     if args.dp % args.ep:
         raise OneLineError(
-            f"error: --ep {args.ep} must divide --dp {args.dp} (each data-parallel group holds --dp / --ep "
-            "expert replicas)"
+            f"error: --ep {args.ep} must divide --dp {args.dp} (the world size is {world} = --pp {args.pp} x "
+            f"--dp {args.dp}; each data-parallel group holds --dp / --ep expert replicas)"
         )
     spec = schedule_spec(args.schedule)
     try:  # the schedule's own rules (pipeline ranks = --pp, micro-batches = --num-chunks)
@@ -265,10 +265,15 @@ def load_corpus(args: argparse.Namespace) -> ByteCorpus:
         raise OneLineError(f"error: --data {args.data}: {exc}") from exc
 
 
-def init_distributed(cuda: bool, timeout: float) -> None:
-    """The default process group; every collective waits at most ``timeout`` seconds for a peer."""
+def init_distributed(cuda: bool, timeout: float, comm_sms: int) -> None:
+    """The default process group; every collective waits at most ``timeout`` seconds for a peer. On NCCL it
+    gets the same CTA cap as the layout's groups (``comm_sms``; 0 for none): it carries the per-step loss
+    and gradient-norm reductions."""
+    options = nccl_options(comm_sms) if cuda else None
     try:
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout), pg_options=options
+        )
     except dist.DistNetworkError as exc:
         if "EADDRINUSE" not in str(exc):
             raise
@@ -301,7 +306,7 @@ def setup(args: argparse.Namespace) -> Run:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     owns_pg = not dist.is_initialized()
     if owns_pg:
-        init_distributed(cuda, args.timeout)
+        init_distributed(cuda, args.timeout, args.comm_sms if args.ep > 1 else 0)
     world = dist.get_world_size()
     check_args(args, world)
     check_environment(args)

@@ -36,6 +36,7 @@ __all__ = [
     "build_stages",
     "init_layout",
     "mirror_pairs",
+    "nccl_options",
     "rank_grid",
     "split_layers",
     "with_schedule",
@@ -166,7 +167,7 @@ class ParallelLayout:
         return self.pp_rank > partner
 
 
-def _nccl_options(comm_sms: int) -> object | None:
+def nccl_options(comm_sms: int) -> object | None:
     # NCCL's CTA cap (ncclConfig_t.maxCTAs through ProcessGroupNCCL.Options.config.max_ctas): every group the
     # step uses gets it, so communication never spreads over the SMs the grouped GEMM was launched on.
     nccl = getattr(dist, "ProcessGroupNCCL", None)
@@ -181,7 +182,7 @@ def group_options(config: ParallelConfig) -> object | None:
     """Process-group options for every group of the layout: the NCCL CTA cap on NCCL, else None."""
     if "nccl" not in str(dist.get_backend()):
         return None
-    return _nccl_options(config.reserved_sms)
+    return nccl_options(config.reserved_sms)
 
 
 def rank_grid(config: ParallelConfig, world: int) -> torch.Tensor:

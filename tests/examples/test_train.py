@@ -298,3 +298,21 @@ def test_deepep_buffer_destroyed_on_the_clean_path_only() -> None:
     # A failing step: no destroy() (DeepEP's syncs with peers that may be gone), just the one-line error.
     failed = run_ranks(_deepep_main, 2, args=([*argv, "--nan-at-step", "1"],), timeout=120)
     assert all(outcome.startswith("error:") and destroyed == [] for outcome, destroyed in failed), failed
+
+
+def test_a_checkpoint_reshards_across_pp_dp_ep(tmp_path: Path) -> None:
+    """Written at (pp=2, dp=2, ep=2), continued at (pp=1, dp=4, ep=4) and at (pp=2, dp=4, ep=1): the same
+    global batch of 16 sequences per step (micro-batches x size x dp), so the same losses."""
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
+    written = ["--pp", "2", "--dp", "2", "--ep", "2", "--num-chunks", "4", "--micro-batch-size", "2"]
+    full = losses(train(4, tmp_path, "full", *written, "--steps", "4"))
+    train(4, tmp_path, "first", *written, "--steps", "2", *ckpt)
+    layouts = {
+        "wide-ep": (4, ["--pp", "1", "--dp", "4", "--ep", "4", "--num-chunks", "2", "--micro-batch-size", "2"]),
+        "no-ep": (8, ["--pp", "2", "--dp", "4", "--ep", "1", "--num-chunks", "4", "--micro-batch-size", "1"]),
+    }
+    for name, (world, layout) in layouts.items():
+        resumed = losses(train(world, tmp_path, name, *layout, "--steps", "4", *ckpt[:2], "--resume"))
+        assert sorted(resumed) == [3, 4], name
+        for step in (3, 4):
+            assert resumed[step] == pytest.approx(full[step], rel=5e-5), (name, step)
