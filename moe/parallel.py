@@ -167,22 +167,28 @@ class ParallelLayout:
         return self.pp_rank > partner
 
 
-def nccl_options(comm_sms: int) -> object | None:
-    # NCCL's CTA cap (ncclConfig_t.maxCTAs through ProcessGroupNCCL.Options.config.max_ctas): every group the
-    # step uses gets it, so communication never spreads over the SMs the grouped GEMM was launched on.
+def nccl_options(comm_sms: int, *, high_priority: bool = False) -> object | None:
+    """``ProcessGroupNCCL.Options`` capping the group at ``comm_sms`` CTAs (None without NCCL or a cap).
+
+    ncclConfig_t.maxCTAs, through ``Options.config.max_ctas``: every group the step uses gets it, so no
+    communication spreads over the SMs the grouped GEMM was launched on. ``high_priority`` puts the group's
+    internal stream at the device's highest priority (``Options(is_high_priority_stream=True)``): the
+    expert all-to-all, whose latency the overlap hides, gets SMs ahead of queued compute kernels.
+    """
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     if nccl is None or comm_sms <= 0:
         return None
-    opts = nccl.Options()
+    opts = nccl.Options(is_high_priority_stream=high_priority)
     opts.config.max_ctas = comm_sms
     return opts
 
 
-def group_options(config: ParallelConfig) -> object | None:
-    """Process-group options for every group of the layout: the NCCL CTA cap on NCCL, else None."""
+def group_options(config: ParallelConfig, dim: str | None = None) -> object | None:
+    """Process-group options for a group of the layout (``dim`` a mesh dimension, None for the others): the
+    NCCL CTA cap on NCCL, with a high-priority stream for ``ep``; None on other backends."""
     if "nccl" not in str(dist.get_backend()):
         return None
-    return nccl_options(config.reserved_sms)
+    return nccl_options(config.reserved_sms, high_priority=dim == "ep")
 
 
 def rank_grid(config: ParallelConfig, world: int) -> torch.Tensor:
@@ -213,7 +219,7 @@ def init_layout(config: ParallelConfig, device_type: str = "cpu") -> ParallelLay
         raise RuntimeError("init_layout needs torch.distributed initialised (torchrun / init_process_group)")
     grid = rank_grid(config, dist.get_world_size())
     opts = group_options(config)
-    override = tuple((None, opts) for _ in MESH_DIMS) if opts is not None else None
+    override = tuple((None, group_options(config, d)) for d in MESH_DIMS) if opts is not None else None
     mesh = DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS, backend_override=override)
     # The dp group is the (edp, ep) submesh seen as one dimension. ``_flatten`` is DeviceMesh's own way to get
     # it (torchtitan's too); it is underscored in torch 2.13, hence this one call site.
