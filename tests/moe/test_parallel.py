@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moe.parallel import ParallelConfig, mirror_pairs, rank_grid
+from tests.distributed import run_ranks
 
 
 def test_rank_order_puts_the_inner_dimension_on_consecutive_ranks() -> None:
@@ -55,3 +57,37 @@ def test_stages_and_mirrors_come_from_the_schedule() -> None:
         ParallelConfig(pp=2, schedule="dualpipev", modules_per_rank=3)
     with pytest.raises(ValueError, match="unknown schedule"):
         ParallelConfig(schedule="gpipe")
+
+
+def _reduce_in_buckets(rank: int, world: int) -> tuple[list[torch.Tensor], list[int]]:
+    import torch.distributed as dist
+
+    from moe import grad_sync
+
+    sizes: list[int] = []
+    real = dist.all_reduce
+
+    def counting(t, *args, **kwargs):
+        sizes.append(t.numel() * t.element_size())
+        return real(t, *args, **kwargs)
+
+    grad_sync.dist.all_reduce = counting
+    gen = torch.Generator().manual_seed(rank)
+    tensors = [torch.randn(n, generator=gen) for n in (3, 5, 40, 2, 7)] + [torch.ones(4, dtype=torch.float64)]
+    grad_sync.all_reduce_buckets(tensors, None, scale=0.5, bucket_bytes=64)
+    return tensors, sizes
+
+
+def test_gradients_are_reduced_in_buckets_not_one_flat_copy() -> None:
+    results = run_ranks(_reduce_in_buckets, world_size=2, timeout=60)
+    want = [
+        (torch.randn(n, generator=g0) + torch.randn(n, generator=g1)) * 0.5
+        for g0, g1 in [(torch.Generator().manual_seed(0), torch.Generator().manual_seed(1))]
+        for n in (3, 5, 40, 2, 7)
+    ]
+    for tensors, sizes in results:
+        for got, expect in zip(tensors, want):
+            torch.testing.assert_close(got, expect)
+        assert torch.equal(tensors[-1], torch.ones(4, dtype=torch.float64))  # its own bucket: a new dtype
+        # 3+5 floats share a bucket (32 B), the 160-byte tensor is alone, 2+7 share one, the float64 is alone
+        assert sizes == [32, 160, 36, 32]
