@@ -101,8 +101,8 @@ def _flag_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
 
 
 def _where() -> str:
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        if "/torch/" not in frame.filename and not frame.filename.endswith("host_sync.py"):
+    for frame in reversed(traceback.extract_stack()):
+        if "/torch/" not in frame.filename and frame.filename != __file__:
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return "?"
 
