@@ -15,6 +15,9 @@ received counts::
 
     counts = exchange_counts(send_counts_WE, group)              # in Comm.prepare
     a2a = AllToAll(send_counts_WE.sum(1).tolist(), counts.wait().sum(1).tolist(), group)
+
+(:func:`exchange_counts_to_host` is the same exchange with both sides' counts read on the host once, as late
+as possible.)
     rows = a2a.forward(x_SD)                                     # Pending; rows.wait() -> [R, D]
     grad = a2a.backward(grad_RD)                                 # the gradient goes back: -> [S, D]
 """
@@ -27,7 +30,7 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["AllToAll", "Pending", "all_to_all", "exchange_counts"]
+__all__ = ["AllToAll", "Pending", "all_to_all", "exchange_counts", "exchange_counts_to_host"]
 
 T = TypeVar("T")
 
@@ -142,3 +145,48 @@ def exchange_counts(send_counts_W: torch.Tensor, group: dist.ProcessGroup | None
     recv = torch.empty_like(counts)
     work = dist.all_to_all_single(recv, counts, group=group, async_op=True)
     return Pending.after([work], recv)
+
+
+def exchange_counts_to_host(
+    send_counts_W: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> Pending[tuple[list[int], list[int]]]:
+    """:func:`exchange_counts`, read on the host: ``wait()`` returns ``(sent, received)`` as Python lists.
+
+    The host must know the split sizes of an uneven all-to-all, and reading them is a host sync. On CUDA both
+    count vectors are copied, on a side stream that waits for the exchange, into pinned memory behind an event:
+    ``wait()`` blocks the host only until those few bytes have landed, not until the compute queued on the
+    current stream since has finished, so call it as late as possible. Elsewhere ``wait()`` waits the exchange
+    and reads the tensors.
+    """
+    world = dist.get_world_size(group)
+    if send_counts_W.dim() != 1 or send_counts_W.shape[0] != world:
+        raise ValueError(f"exchange_counts_to_host needs [W={world}] counts, got {tuple(send_counts_W.shape)}")
+    counts = send_counts_W.contiguous()
+    recv = torch.empty_like(counts)
+    work = dist.all_to_all_single(recv, counts, group=group, async_op=True)
+    if counts.device.type != "cuda":
+
+        def read() -> tuple[list[int], list[int]]:
+            work.wait()
+            sent, received = torch.stack([counts, recv]).tolist()  # one read, as on CUDA
+            return sent, received
+
+        return Pending(read)
+    side = torch.cuda.Stream(device=counts.device)  # from torch's stream pool: no new stream per call
+    side.wait_stream(torch.cuda.current_stream(counts.device))  # the counts were computed there
+    host = torch.empty((2, world), dtype=counts.dtype, pin_memory=True)
+    with torch.cuda.stream(side):
+        work.wait()  # NCCL: the side stream waits for the exchange; the host does not
+        host[0].copy_(counts, non_blocking=True)
+        host[1].copy_(recv, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record(side)
+    counts.record_stream(side)
+    recv.record_stream(side)
+
+    def read_pinned() -> tuple[list[int], list[int]]:
+        landed.synchronize()
+        sent, received = host.tolist()
+        return sent, received
+
+    return Pending(read_pinned)

@@ -75,8 +75,9 @@ class Router(nn.Module):
             topk_idx_TK = topk_idx_TK.long()
             if self.training:
                 with torch.no_grad():
-                    counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
-                    self.expert_load += counts_E.float()
+                    # index_add_ on the device: bincount would read max(idx) and its output size on the host.
+                    flat = topk_idx_TK.reshape(-1)
+                    self.expert_load.index_add_(0, flat, torch.ones_like(flat, dtype=self.expert_load.dtype))
         scores_TE = torch.sigmoid(logits_TE.float())
         chosen_TK = scores_TE.gather(1, topk_idx_TK)
         weights_TK = chosen_TK / chosen_TK.sum(-1, keepdim=True) * self.route_scale

@@ -8,7 +8,10 @@ Every exchange goes through :mod:`dualpipe.collectives` (started with ``async_op
 Combine and the gradient of dispatch are :meth:`AllToAll.backward` of the dispatch pattern.
 
 Row counts travel first (``W`` integers, started in :meth:`plan` right after routing) because the receiving
-buffers must be allocated before the data exchange starts.
+buffers must be allocated before the data exchange starts; the host reads them once per layer, from pinned
+memory (:func:`exchange_counts_to_host`), when the dispatch starts. The send order is computed on the device
+(a stable sort, no ``nonzero``). ``sync_free=True`` pads every per-peer block to the worst case instead and
+reads nothing on the host (:class:`AllToAllDispatcher`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from dualpipe.collectives import AllToAll, Pending, exchange_counts
+from dualpipe.collectives import AllToAll, Pending, exchange_counts_to_host
 from moe.dispatch.base import Dispatched, Route, TokenDispatcher
 from moe.dispatch.registry import DispatcherSpec, register_dispatcher
 
@@ -28,25 +31,65 @@ __all__ = ["AllToAllDispatcher"]
 
 @dataclass(slots=True)
 class _A2ARoute(Route):
-    num_tokens: int
-    send_token_S: torch.Tensor
-    """Token id of every sent row, rows ordered by destination rank then token."""
-    send_local_idx_SK: torch.Tensor
-    """Per sent row, the destination's local expert id of each slot (-1 elsewhere)."""
-    send_counts_W: torch.Tensor
-    recv_counts: Pending[torch.Tensor]
+    """Rows sent in (destination rank, token) order; the split sizes come from the exchanged counts."""
+
+    topk_idx_TK: torch.Tensor
+    e_local: int
+    pairs_WT: torch.Tensor
+    """Flat (rank * T + token) ids of the [W, T] destination table, the pairs to send first (stably sorted)."""
+    counts: Pending[tuple[list[int], list[int]]]
     group: dist.ProcessGroup | None
+    send_token_S: torch.Tensor | None = None
+    """Token id of every sent row, rows ordered by destination rank then token."""
+    send_local_idx_SK: torch.Tensor | None = None
+    """Per sent row, the destination's local expert id of each slot (-1 elsewhere)."""
     _exchange: AllToAll | None = None
     exchanges_counts: ClassVar[bool] = True
+
+    @property
+    def num_tokens(self) -> int:
+        return self.topk_idx_TK.shape[0]
 
     def wait_counts(self) -> None:
         self.exchange()
 
     def exchange(self) -> AllToAll:
-        """The rows' exchange pattern, once the row counts have arrived."""
+        """The rows' exchange pattern, once the row counts have arrived (the one host read of a layer)."""
         if self._exchange is None:
-            self._exchange = AllToAll(self.send_counts_W.tolist(), self.recv_counts.wait().tolist(), self.group)
+            send, recv = self.counts.wait()
+            # The sorted table lists the sent pairs first: its first S entries, S now known on the host.
+            pairs_S = self.pairs_WT[: sum(send)]
+            dest_S = torch.div(pairs_S, self.num_tokens, rounding_mode="floor")
+            self.send_token_S = pairs_S - dest_S * self.num_tokens
+            chosen_SK = self.topk_idx_TK.index_select(0, self.send_token_S)
+            self.send_local_idx_SK = _local_ids(chosen_SK, dest_S, self.e_local)
+            self._exchange = AllToAll(send, recv, self.group)
         return self._exchange
+
+
+@dataclass(slots=True)
+class _PaddedRoute(Route):
+    """Sync-free: every token goes to every rank (a fixed ``[T, D]`` block per peer); rows a rank has no slot
+    for carry local ids -1 only, which is the valid-row mask: the experts skip them, and their outputs and
+    gradients are exact zeros, summed away."""
+
+    topk_idx_TK: torch.Tensor
+    send_token_S: torch.Tensor
+    send_local_idx_SK: torch.Tensor
+    _exchange: AllToAll
+
+    @property
+    def num_tokens(self) -> int:
+        return self.topk_idx_TK.shape[0]
+
+    def exchange(self) -> AllToAll:
+        return self._exchange
+
+
+def _local_ids(topk_idx_SK: torch.Tensor, dest_S: torch.Tensor, e_local: int) -> torch.Tensor:
+    # Global expert ids -> the destination's local ids; -1 for slots served by another rank.
+    local_SK = topk_idx_SK - (dest_S * e_local)[:, None]
+    return torch.where((local_SK >= 0) & (local_SK < e_local), local_SK, torch.full_like(local_SK, -1))
 
 
 def _scatter_sum(rows_SX: torch.Tensor, index_S: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -57,29 +100,40 @@ def _scatter_sum(rows_SX: torch.Tensor, index_S: torch.Tensor, num_rows: int) ->
 
 
 class AllToAllDispatcher(TokenDispatcher):
-    """Expert parallelism over ``group`` with uneven, possibly empty, per-rank row counts."""
+    """Expert parallelism over ``group`` with uneven, possibly empty, per-rank row counts.
 
-    def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None) -> None:
+    ``sync_free``: no host sync at all. Every rank sends a fixed ``[T, D]`` block to every peer (the worst
+    case: all its tokens), so the split sizes are known without a count exchange; the rows a peer has no slot
+    for travel with local ids -1 (the valid-row mask). It costs ``W x`` the traffic and expert-side rows of
+    the worst case and needs every rank of the group to route the same number of tokens per micro-batch (as
+    a pipeline's equal micro-batches do). Losses and gradients equal the normal mode's exactly.
+    """
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, *, sync_free: bool = False) -> None:
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
         self.group = group
+        self.sync_free = sync_free
 
     def plan(self, topk_idx_TK: torch.Tensor) -> Route:
         num_tokens, _ = topk_idx_TK.shape
         e_local, world = self.num_local_experts, self.ep_size
-        dest_TK = topk_idx_TK // e_local
-        in_rank_TW = torch.zeros(num_tokens, world, dtype=torch.bool, device=topk_idx_TK.device)
-        in_rank_TW.scatter_(1, dest_TK, True)
-        # nonzero() of the transpose lists (rank, token) pairs sorted by rank, then token.
-        pairs = in_rank_TW.t().nonzero()
-        dest_S, send_token_S = pairs[:, 0], pairs[:, 1]
-        local_SK = topk_idx_TK.index_select(0, send_token_S) - (dest_S * e_local)[:, None]
-        local_SK = torch.where((local_SK >= 0) & (local_SK < e_local), local_SK, torch.full_like(local_SK, -1))
-        send_counts_W = in_rank_TW.sum(0).to(torch.int64)
-        recv_counts = exchange_counts(send_counts_W, self.group)
-        return _A2ARoute(num_tokens, send_token_S, local_SK, send_counts_W, recv_counts, self.group)
+        device = topk_idx_TK.device
+        if self.sync_free:
+            send_token_S = torch.arange(num_tokens, device=device).repeat(world)
+            dest_S = torch.arange(world, device=device).repeat_interleave(num_tokens, output_size=world * num_tokens)
+            local_SK = _local_ids(topk_idx_TK.repeat(world, 1), dest_S, e_local)
+            a2a = AllToAll([num_tokens] * world, [num_tokens] * world, self.group)
+            return _PaddedRoute(topk_idx_TK, send_token_S, local_SK, a2a)
+        in_rank_WT = torch.zeros(world, num_tokens, dtype=torch.bool, device=device)
+        in_rank_WT.scatter_(0, (topk_idx_TK // e_local).t(), True)
+        # A stable sort of "not sent" puts the sent (rank, token) pairs first, by rank then token: the send
+        # order nonzero() gives, without its data-dependent output size.
+        pairs_WT = torch.sort((~in_rank_WT).reshape(-1).to(torch.uint8), stable=True).indices
+        counts = exchange_counts_to_host(in_rank_WT.sum(1), self.group)
+        return _A2ARoute(topk_idx_TK, e_local, pairs_WT, counts, self.group)
 
     def dispatch(self, route: Route, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending[Dispatched]:
-        assert isinstance(route, _A2ARoute)
+        assert isinstance(route, (_A2ARoute, _PaddedRoute))
         a2a = route.exchange()
         k = topk_weights_TK.shape[1]
         # Ids and weights travel together in one fp32 message (ids are exact in fp32 below 2**24).
@@ -96,14 +150,14 @@ class AllToAllDispatcher(TokenDispatcher):
         return Pending(finish)
 
     def combine(self, route: Route, y_RD: torch.Tensor) -> Pending[torch.Tensor]:
-        assert isinstance(route, _A2ARoute)
+        assert isinstance(route, (_A2ARoute, _PaddedRoute))
         y_SD = route.exchange().backward(y_RD)
         return Pending(lambda: _scatter_sum(y_SD.wait(), route.send_token_S, route.num_tokens))
 
     def dispatch_backward(
         self, route: Route, grad_x_RD: torch.Tensor, grad_weights_RK: torch.Tensor
     ) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
-        assert isinstance(route, _A2ARoute)
+        assert isinstance(route, (_A2ARoute, _PaddedRoute))
         a2a = route.exchange()
         grad_x_SD, grad_w_SK = a2a.backward(grad_x_RD), a2a.backward(grad_weights_RK)
 
@@ -116,14 +170,20 @@ class AllToAllDispatcher(TokenDispatcher):
         return Pending(finish)
 
     def combine_backward(self, route: Route, grad_y_TD: torch.Tensor) -> Pending[torch.Tensor]:
-        assert isinstance(route, _A2ARoute)
+        assert isinstance(route, (_A2ARoute, _PaddedRoute))
         return route.exchange().forward(grad_y_TD.index_select(0, route.send_token_S))
 
 
 def _make_alltoall(
-    num_experts: int, group: dist.ProcessGroup | None, *, hidden_size: int, dtype: torch.dtype, comm_sms: int
+    num_experts: int,
+    group: dist.ProcessGroup | None,
+    *,
+    hidden_size: int,
+    dtype: torch.dtype,
+    comm_sms: int,
+    sync_free: bool = False,
 ) -> TokenDispatcher:
-    return AllToAllDispatcher(num_experts, group)
+    return AllToAllDispatcher(num_experts, group, sync_free=sync_free)
 
 
-register_dispatcher(DispatcherSpec(name="alltoall", factory=_make_alltoall))
+register_dispatcher(DispatcherSpec(name="alltoall", factory=_make_alltoall, sync_free=True))

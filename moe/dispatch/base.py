@@ -50,6 +50,11 @@ class Route:
     """Whether :meth:`TokenDispatcher.plan` starts an exchange of row counts that ``dispatch`` must wait
     for (uneven all-to-all: the receive buffers are sized from them)."""
 
+    defers_dispatch: ClassVar[bool] = False
+    """Whether ``dispatch`` itself blocks the host until the peers' row counts arrive (DeepEP's non-cached
+    dispatch busy-waits on its host-mapped counter): the overlap then starts it one compute piece of the other
+    micro-batch later, so that compute is already queued on the device while the host waits."""
+
     def wait_counts(self) -> None:
         """Finish the row-count exchange :meth:`TokenDispatcher.plan` started (no-op without one)."""
 

@@ -68,6 +68,8 @@ class _DeepEPRoute(Route):
     num_tokens_per_expert: torch.Tensor
     is_token_in_rank: torch.Tensor
     layout_event: Any
+    defers_dispatch: bool = True
+    """Non-cached dispatch busy-waits on the host for the received counts, unless ``num_worst_tokens`` is set."""
     handle: Any = None
 
 
@@ -76,12 +78,30 @@ class DeepEPDispatcher(TokenDispatcher):
 
     ``hidden_bytes`` (hidden size times the element size of the rows sent) sizes the NVLink/RDMA buffers
     from DeepEP's own hints. ``comm_sms`` is applied with ``Buffer.set_num_sms`` (DeepEP requires it even).
+
+    ``sync_free``: dispatch passes DeepEP's ``num_worst_tokens`` = W x T (every token of every rank, all
+    ranks routing T tokens), so DeepEP allocates the worst case instead of busy-waiting on the host for the
+    received counts (deep_ep/buffers/legacy.py ``dispatch``: "if specified, there will be no CPU sync";
+    csrc/legacy/buffer.hpp ``intranode_dispatch``: ``num_recv_tokens = num_worst_tokens``). Received tensors
+    then have W x T rows: the real ones first, the rest with ``recv_topk_idx`` -1 (csrc/kernels/legacy/
+    intranode.cu cleans them) and rows and weights left unwritten, which the experts never read (no slot of
+    theirs is routed there). Intranode only (<= 8 ranks), as DeepEP asserts.
     """
 
     def __init__(
-        self, num_experts: int, group: dist.ProcessGroup, hidden_bytes: int, comm_sms: int = DEFAULT_COMM_SMS
+        self,
+        num_experts: int,
+        group: dist.ProcessGroup,
+        hidden_bytes: int,
+        comm_sms: int = DEFAULT_COMM_SMS,
+        *,
+        sync_free: bool = False,
     ) -> None:
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
+        if sync_free and self.ep_size > NVL_PEERS:
+            # legacy.py ``dispatch``: "Internode dispatch does not support `num_worst_tokens > 0`".
+            raise ValueError(f"sync-free DeepEP dispatch is intranode only (<= {NVL_PEERS} ranks), got {self.ep_size}")
+        self.sync_free = sync_free
         deep_ep = import_deep_ep()
         if comm_sms <= 0 or comm_sms % 2:
             raise ValueError(f"DeepEP needs a positive, even SM count, got comm_sms={comm_sms}")
@@ -116,13 +136,17 @@ class DeepEPDispatcher(TokenDispatcher):
         per_rank, per_rdma_rank, per_expert, in_rank, event = self.buffer.get_dispatch_layout(
             topk_idx_TK, self.num_experts, **self._launch_kwargs(topk_idx_TK.device)
         )
-        return _DeepEPRoute(topk_idx_TK, per_rank, per_rdma_rank, per_expert, in_rank, event)
+        return _DeepEPRoute(
+            topk_idx_TK, per_rank, per_rdma_rank, per_expert, in_rank, event, defers_dispatch=not self.sync_free
+        )
 
     def dispatch(self, route: Route, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending[Dispatched]:
         assert isinstance(route, _DeepEPRoute)
         kwargs = self._launch_kwargs(x_TD.device)
         if x_TD.device.type == "cuda":
             kwargs["previous_event"] = route.layout_event
+        if self.sync_free:
+            kwargs["num_worst_tokens"] = self.ep_size * x_TD.shape[0]
         recv_x, recv_idx, recv_w, _, handle, event = self.buffer.dispatch(
             x_TD.contiguous(),
             num_tokens_per_rank=route.num_tokens_per_rank,
@@ -182,11 +206,17 @@ class DeepEPDispatcher(TokenDispatcher):
 
 
 def _make_deepep(
-    num_experts: int, group: dist.ProcessGroup | None, *, hidden_size: int, dtype: torch.dtype, comm_sms: int
+    num_experts: int,
+    group: dist.ProcessGroup | None,
+    *,
+    hidden_size: int,
+    dtype: torch.dtype,
+    comm_sms: int,
+    sync_free: bool = False,
 ) -> TokenDispatcher:
     assert group is not None  # needs_group: make_dispatcher refused None already
     hidden_bytes = hidden_size * torch.empty((), dtype=dtype).element_size()
-    return DeepEPDispatcher(num_experts, group, hidden_bytes=hidden_bytes, comm_sms=comm_sms)
+    return DeepEPDispatcher(num_experts, group, hidden_bytes=hidden_bytes, comm_sms=comm_sms, sync_free=sync_free)
 
 
 def topology_problem(ep_ranks: Sequence[int], local_world_size: int) -> str | None:
@@ -255,5 +285,6 @@ register_dispatcher(
         rules=deepep_rules,
         package="deep_ep",
         install_hint=DEEPEP_INSTALL_HINT,
+        sync_free=True,
     )
 )

@@ -19,10 +19,14 @@ class _LocalRoute(Route):
 
 
 class LocalDispatcher(TokenDispatcher):
-    """No expert parallelism: received rows are the local tokens, local expert ids are the global ones."""
+    """No expert parallelism: received rows are the local tokens, local expert ids are the global ones.
 
-    def __init__(self, num_experts: int) -> None:
+    It never syncs the host, so ``sync_free`` changes nothing (it is accepted for a uniform interface).
+    """
+
+    def __init__(self, num_experts: int, *, sync_free: bool = False) -> None:
         super().__init__(num_experts, ep_size=1, ep_rank=0)
+        self.sync_free = sync_free
 
     def plan(self, topk_idx_TK: torch.Tensor) -> Route:
         return _LocalRoute(topk_idx_TK)
@@ -44,9 +48,15 @@ class LocalDispatcher(TokenDispatcher):
 
 
 def _make_local(
-    num_experts: int, group: dist.ProcessGroup | None, *, hidden_size: int, dtype: torch.dtype, comm_sms: int
+    num_experts: int,
+    group: dist.ProcessGroup | None,
+    *,
+    hidden_size: int,
+    dtype: torch.dtype,
+    comm_sms: int,
+    sync_free: bool = False,
 ) -> TokenDispatcher:
-    return LocalDispatcher(num_experts)
+    return LocalDispatcher(num_experts, sync_free=sync_free)
 
 
-register_dispatcher(DispatcherSpec(name="local", factory=_make_local))
+register_dispatcher(DispatcherSpec(name="local", factory=_make_local, sync_free=True))

@@ -42,6 +42,7 @@ class DispatcherFactory(Protocol):
         hidden_size: int,
         dtype: torch.dtype,
         comm_sms: int,
+        sync_free: bool = False,
     ) -> TokenDispatcher: ...
 
 
@@ -85,6 +86,9 @@ class DispatcherSpec:
     """How to get ``package`` (the backend raises it as an ImportError when the import fails)."""
     rules: Callable[[Launch], list[str]] | None = None
     """The backend's own limits on a launch (SM count, row width, topology): what breaks them, in words."""
+    sync_free: bool = False
+    """The backend has a sync-free mode (``make_dispatcher(..., sync_free=True)``): receive buffers of a
+    worst-case size, so a layer issues no host sync at all; the factory takes ``sync_free``."""
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -158,15 +162,20 @@ def make_dispatcher(
     dtype: torch.dtype = torch.bfloat16,
     comm_sms: int = DEFAULT_COMM_SMS,
     local_world_size: int | None = None,
+    sync_free: bool = False,
 ) -> TokenDispatcher:
     """Build the registered dispatcher ``kind`` over the expert-parallel ``group`` (``local`` ignores it).
 
     ``hidden_size`` and ``dtype`` describe the rows sent (DeepEP sizes its buffers from them); ``comm_sms`` is
     the SM budget of the communication kernels; ``local_world_size`` the ranks per node (None: torchrun's
-    ``LOCAL_WORLD_SIZE``, else every rank on one node). A launch the backend cannot run raises ValueError
-    before the backend builds anything.
+    ``LOCAL_WORLD_SIZE``, else every rank on one node). ``sync_free`` asks for the backend's sync-free mode
+    (worst-case receive buffers, no host sync in a layer; :attr:`DispatcherSpec.sync_free` says which have
+    one). A launch the backend cannot run raises ValueError before the backend builds anything.
     """
     spec = DISPATCHERS.lookup(kind)
+    if sync_free and not spec.sync_free:
+        have = sorted(name for name in DISPATCHERS if DISPATCHERS.lookup(name).sync_free)
+        raise ValueError(f"the {kind!r} dispatcher has no sync-free mode (dispatchers with one: {', '.join(have)})")
     if spec.needs_group and group is None:
         raise ValueError(f"the {kind!r} dispatcher needs an expert-parallel process group")
     if group is not None:
@@ -179,4 +188,6 @@ def make_dispatcher(
     )
     if problems := spec.violations(launch):
         raise ValueError(f"the {kind!r} dispatcher cannot run this launch: {'; '.join(problems)}")
+    if sync_free:
+        return spec.factory(num_experts, group, hidden_size=hidden_size, dtype=dtype, comm_sms=comm_sms, sync_free=True)
     return spec.factory(num_experts, group, hidden_size=hidden_size, dtype=dtype, comm_sms=comm_sms)

@@ -16,7 +16,12 @@ public surface the ``deepep`` dispatcher relies on, with DeepEP's documented sem
   ``allocate_on_comm_stream`` requires a ``previous_event``, as in DeepEP.
 
 The receive counts are exchanged synchronously inside ``dispatch``, like DeepEP's CPU-side wait for its
-``notify_dispatch`` counters.
+``notify_dispatch`` counters. ``num_worst_tokens > 0`` (no CPU sync in DeepEP) allocates that many received
+rows instead, as DeepEP does: the real rows first, then ``recv_topk_idx`` -1 and rows, source ids and weights
+left unwritten (NaN here, -1 for ids, so a consumer that reads them shows it); the counts list comes back empty,
+the handle keeps the padded size (cached dispatch returns it, combine takes it). It needs ``topk_idx`` and
+``topk_weights``; receiving more than ``num_worst_tokens`` rows would overrun DeepEP's buffers, a device
+assert here.
 
 It is as strict as DeepEP where DeepEP would fail: rows in bf16 (dispatch as documented; combine has one
 dtype case), contiguous 2-D inputs, int64 ``topk_idx``, fp32 ``topk_weights``, an even, positive SM count,
@@ -237,6 +242,7 @@ class Buffer:
         topk_idx=None,
         topk_weights=None,
         expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
         config: Config | None = None,
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
@@ -262,8 +268,10 @@ class Buffer:
             assert topk_idx is None and topk_weights is None
             self.calls.append("dispatch(cached)")
             send_counts, recv_counts, _, recv_src_idx, is_token_in_rank, send_token_idx = handle
-            recv_x = x.new_empty(recv_src_idx.shape[0], x.shape[1])
-            works = [self._a2a(recv_x, x.index_select(0, send_token_idx), recv_counts, send_counts)]
+            # buffer.hpp: cached mode allocates the handle's size (recv_src_idx.size(0), padded or not).
+            recv_x = x.new_full((recv_src_idx.shape[0], x.shape[1]), float("nan"))
+            out = recv_x[: sum(recv_counts)]
+            works = [self._a2a(out, x.index_select(0, send_token_idx), recv_counts, send_counts)]
             return recv_x, None, None, None, None, self._finish(works, None, async_finish)
 
         assert num_tokens_per_rank is not None and is_token_in_rank is not None
@@ -276,6 +284,8 @@ class Buffer:
         _host_assert(is_token_in_rank.dtype == torch.bool, "buffer.hpp", "is_token_in_rank.scalar_type() == kBool")
         for t in (num_tokens_per_rank, num_tokens_per_expert):
             _host_assert(t.dtype == torch.int32 and t.is_contiguous(), "buffer.hpp", "num_tokens_per_* int32")
+        if num_worst_tokens > 0:  # buffer.hpp: "Must be forward with top-k stuffs"
+            _host_assert(topk_idx is not None and topk_weights is not None, "buffer.hpp", "topk_idx.has_value()")
         self.calls.append("dispatch")
         num_experts = num_tokens_per_expert.shape[0]
         e_local = num_experts // w
@@ -295,19 +305,26 @@ class Buffer:
         on_dest = (local_idx >= 0) & (local_idx < e_local)
         local_idx = torch.where(on_dest, local_idx, torch.full_like(local_idx, -1))
         num_recv = sum(recv_counts)
+        num_rows = num_recv
+        if num_worst_tokens > 0:
+            # Real DeepEP writes past its buffers here; the emulation stops.
+            _device_assert(num_recv <= num_worst_tokens, "intranode::dispatch", "num_recv_tokens <= num_worst_tokens")
+            num_rows = num_worst_tokens
+            num_recv_tokens_per_expert_list = []
         k = topk_idx.shape[1]
-        recv_x = x.new_empty(num_recv, x.shape[1])
-        recv_topk_idx = torch.empty(num_recv, k, dtype=torch.int64)
+        nan = float("nan")
+        recv_x = x.new_full((num_rows, x.shape[1]), nan)
+        recv_topk_idx = torch.full((num_rows, k), -1, dtype=torch.int64)  # the kernel cleans the padding to -1
         src_token = send_token_idx.clone()
-        recv_src_idx = torch.empty(num_recv, dtype=torch.int64)
+        recv_src_idx = torch.full((num_rows,), -1, dtype=torch.int64)
         works = [
-            self._a2a(recv_x, x.index_select(0, send_token_idx), recv_counts, send_counts),
-            self._a2a(recv_topk_idx, local_idx, recv_counts, send_counts),
-            self._a2a(recv_src_idx, src_token, recv_counts, send_counts),
+            self._a2a(recv_x[:num_recv], x.index_select(0, send_token_idx), recv_counts, send_counts),
+            self._a2a(recv_topk_idx[:num_recv], local_idx, recv_counts, send_counts),
+            self._a2a(recv_src_idx[:num_recv], src_token, recv_counts, send_counts),
         ]
         send_w = torch.where(on_dest, topk_weights.index_select(0, send_token_idx), 0.0)
-        recv_topk_weights = torch.empty(num_recv, k, dtype=torch.float32)
-        works.append(self._a2a(recv_topk_weights, send_w, recv_counts, send_counts))
+        recv_topk_weights = torch.full((num_rows, k), nan, dtype=torch.float32)
+        works.append(self._a2a(recv_topk_weights[:num_recv], send_w, recv_counts, send_counts))
         handle = (send_counts, recv_counts, None, recv_src_idx, is_token_in_rank, send_token_idx)
         event = self._finish(works, None, async_finish)
         return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event
@@ -334,15 +351,17 @@ class Buffer:
         self._check_launch(previous_event, async_finish, allocate_on_comm_stream)
         self.calls.append("combine")
         send_counts, recv_counts, _, recv_src_idx, is_token_in_rank, send_token_idx = handle
-        assert x.shape[0] == recv_src_idx.shape[0]
+        _host_assert(x.shape[0] == recv_src_idx.shape[0], "buffer.hpp", "src_idx.size(0) == num_tokens")
+        num_recv = sum(recv_counts)  # rows past it (num_worst_tokens padding) are not read, as in DeepEP
         num_tokens = is_token_in_rank.shape[0]
         back_x = x.new_empty(send_token_idx.shape[0], x.shape[1])
-        works = [self._a2a(back_x, x, send_counts, recv_counts)]
+        works = [self._a2a(back_x, x[:num_recv], send_counts, recv_counts)]
         combined_x = x.new_empty(num_tokens, x.shape[1])
         combined_w = back_w = None
         if topk_weights is not None:
+            _host_assert(topk_weights.shape[0] == x.shape[0], "buffer.hpp", "topk_weights->size(0) == num_tokens")
             back_w = topk_weights.new_empty(send_token_idx.shape[0], topk_weights.shape[1])
-            works.append(self._a2a(back_w, topk_weights, send_counts, recv_counts))
+            works.append(self._a2a(back_w, topk_weights[:num_recv], send_counts, recv_counts))
             combined_w = topk_weights.new_empty(num_tokens, topk_weights.shape[1])
 
         def reduce() -> None:

@@ -1,0 +1,155 @@
+"""Host syncs inside one overlapped forward/backward pair, counted on CPU by :class:`HostSyncDetector`.
+
+The pair is the MoE stage's hook (:meth:`MoEStage.overlapped_forward_backward`): F of micro-batch B
+interleaved with B of micro-batch A, over 2 gloo ranks (``alltoall``, ``deepep`` over the emulation in bf16)
+and at ep=1 (``local``). In sync-free mode the routing and the dispatcher issue no op that would block the host
+on CUDA, and the losses and gradients equal the normal mode's bit for bit. The expert kernels run their CPU
+references here (kernels/reference.py), which size their outputs on the host; their syncs are counted apart,
+and so are the DeepEP emulation's own (it stands for kernels).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dualpipe.host_sync import HostSyncDetector
+from moe import MoEStage, lm_loss
+from moe.dispatch import make_dispatcher
+from tests.distributed import run_ranks
+from tests.moe.helpers import SEED, batch, tiny_config
+from tests.moe.test_ep import _use_fake_deep_ep
+
+REFERENCE_KERNELS = "kernels/reference.py"
+EMULATION = "tests/moe/fake_deep_ep.py"
+
+
+def _pair(rank: int, world: int, kind: str, sync_free: bool):
+    """F(A) plainly, then the hook pairs F(B) with B(A) under the detector; B(B) plainly.
+
+    Returns (losses, gradients by name, flagged ops outside the reference kernels by name, count inside).
+    """
+    cfg = tiny_config()
+    dtype = _use_fake_deep_ep(kind)
+    group = torch.distributed.group.WORLD if kind != "local" else None
+    dispatcher = make_dispatcher(
+        kind, cfg.num_experts, group, hidden_size=cfg.hidden_size, dtype=dtype, sync_free=sync_free
+    )
+    stage = MoEStage(cfg, range(1, 4), first=False, last=True, dispatcher=dispatcher)
+    stage.reset_parameters(SEED)
+    stage.to(dtype)
+    (_, labels_a), (_, labels_b) = (batch(cfg, 2, 16, seed=10 * rank + i) for i in range(2))
+    gen = torch.Generator().manual_seed(rank)
+    h_a, h_b = (torch.randn(2, 16, cfg.hidden_size, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    loss_a = lm_loss(stage(h_a), labels_a)
+    with HostSyncDetector() as syncs:
+        _, loss_b = MoEStage.overlapped_forward_backward(stage, [h_b], lm_loss, [labels_b], stage, loss_a, None, None)
+    loss_b.backward()
+    grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    grads["h_a"], grads["h_b"] = h_a.grad, h_b.grad
+    outside = HostSyncDetector()
+    outside.flagged = [f for f in syncs.flagged if REFERENCE_KERNELS not in f.where and EMULATION not in f.where]
+    inside = sum(REFERENCE_KERNELS in f.where for f in syncs.flagged)
+    loads = {n: b.clone() for n, b in stage.named_buffers() if n.endswith("expert_load")}
+    return [loss_a.item(), loss_b.item()], grads, loads, outside.counts(), outside.summary(), inside
+
+
+def _both_modes(rank: int, world: int, kind: str):
+    return _pair(rank, world, kind, False), _pair(rank, world, kind, True)
+
+
+# Measured: flagged ops of one pair in normal mode, outside the expert kernels' CPU references. Before the
+# host-sync fixes the pair flagged, on every rank, bincount x3 (router loads), nonzero x3 and tolist x6
+# (alltoall send order and counts); now the one read of the exchanged counts per MoE layer (3 layers) is left.
+NORMAL_MODE = {"alltoall": {"Tensor.tolist": 3}, "local": {}, "deepep": {}}
+REFERENCE_KERNEL_SYNCS = 27  # permute (int(sum), bincount) and the grouped GEMMs (offsets), 3 layers, F and B
+
+
+def _check_modes(normal, free, kind: str) -> None:
+    (losses, grads, loads, _, _, inside), (losses_f, grads_f, loads_f, counts_f, where_f, inside_f) = normal, free
+    assert losses == losses_f
+    assert grads.keys() == grads_f.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads_f[name]), name
+    for name in loads:
+        assert torch.equal(loads[name], loads_f[name]), name
+    assert counts_f == {}, where_f
+    assert normal[3] == NORMAL_MODE[kind], normal[4]
+    # The expert kernels' CPU references see the same routed rows in both modes, so they sync alike.
+    assert inside_f == inside == REFERENCE_KERNEL_SYNCS
+
+
+def test_alltoall_sync_free_pair():
+    results = run_ranks(_both_modes, world_size=2, args=("alltoall",), timeout=120)
+    for normal, free in results:
+        _check_modes(normal, free, "alltoall")
+
+
+def test_local_sync_free_pair():
+    normal, free = _both_modes(0, 1, "local")
+    _check_modes(normal, free, "local")
+
+
+def test_deepep_sync_free_pair():
+    # num_worst_tokens: DeepEP's own host wait is gone too (the emulation's syncs stand for kernels); the padded
+    # rows (NaN in the emulation) never reach a result.
+    for normal, free in run_ranks(_both_modes, world_size=2, args=("deepep",), timeout=120):
+        _check_modes(normal, free, "deepep")
+
+
+def test_sync_free_refused_where_unsupported():
+    from moe.dispatch import DISPATCHERS, DispatcherSpec, register_dispatcher, unregister_dispatcher
+
+    assert all(DISPATCHERS.lookup(name).sync_free for name in ("local", "alltoall", "deepep"))
+    spec = DispatcherSpec(name="test-no-sync-free", factory=lambda *a, **k: None)
+    register_dispatcher(spec)
+    try:
+        with pytest.raises(ValueError, match="'test-no-sync-free' dispatcher has no sync-free mode"):
+            make_dispatcher("test-no-sync-free", 8, sync_free=True)
+    finally:
+        unregister_dispatcher(spec.name)
+
+
+def _worst_tokens(rank: int, world: int):
+    """The emulation's ``num_worst_tokens`` against DeepEP's contract, and the dispatcher's padded shapes."""
+    _use_fake_deep_ep("deepep")
+    from tests.moe import fake_deep_ep
+
+    group = torch.distributed.group.WORLD
+    buffer = fake_deep_ep.Buffer(group, 1 << 20, explicitly_destroy=True)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, 32, generator=gen).to(torch.bfloat16)
+    topk_idx = torch.randint(0, 8, (6, 2), generator=gen)
+    weights = torch.rand(6, 2, generator=gen)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 8)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    got = {}
+    recv_x, recv_idx, recv_w, per_expert_list, handle, _ = buffer.dispatch(
+        x, topk_idx=topk_idx, topk_weights=weights, num_worst_tokens=world * 6, **layout
+    )
+    num_recv = sum(handle[1])
+    got["shapes"] = (tuple(recv_x.shape), tuple(recv_idx.shape), tuple(recv_w.shape), per_expert_list)
+    got["padding"] = bool((recv_idx[num_recv:] == -1).all()) and bool(recv_x[num_recv:].isnan().all())
+    back, _, _ = buffer.combine(torch.zeros_like(recv_x), handle)
+    got["combine"] = tuple(back.shape)
+    try:
+        buffer.combine(recv_x[:num_recv].contiguous(), handle)  # the handle's padded size is required
+    except RuntimeError as exc:
+        got["combine_unpadded"] = str(exc)
+    cached, *_ = buffer.dispatch(x, handle=handle)
+    got["cached"] = tuple(cached.shape)
+    try:  # fewer rows than this rank receives (every rank sends it at least one here)
+        buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_worst_tokens=1, **layout)
+    except RuntimeError as exc:
+        got["too_small"] = str(exc)
+    torch.distributed.barrier()
+    return got, num_recv
+
+
+def test_emulated_num_worst_tokens_is_strict():
+    for got, num_recv in run_ranks(_worst_tokens, world_size=2, timeout=60):
+        assert 1 < num_recv < 12  # some rows padded, and more than one row received
+        assert got["shapes"] == ((12, 32), (12, 2), (12, 2), [])
+        assert got["padding"] and got["combine"] == (6, 32) and got["cached"] == (12, 32)
+        assert "src_idx.size(0) == num_tokens" in got["combine_unpadded"]
+        assert "num_recv_tokens <= num_worst_tokens" in got["too_small"]
