@@ -100,6 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--comm-sms", type=int, default=DEFAULT_COMM_SMS, help="SMs reserved for communication (GPU)")
     p.add_argument("--recompute", action="store_true", help="recompute attention and MLP in backward")
     p.add_argument(
+        "--sync-free",
+        action="store_true",
+        help="worst-case all-to-all buffers: no host sync in routing and dispatch (ep x the bytes)",
+    )
+    p.add_argument(
         "--bias-update-rate",
         type=float,
         default=None,
@@ -331,6 +336,7 @@ def setup(args: argparse.Namespace) -> Run:
         dispatcher=args.dispatcher,
         comm_sms=args.comm_sms,
         recompute=args.recompute,
+        sync_free=args.sync_free,
     )
     if cfg.num_layers < pc.num_stages:
         raise OneLineError(

@@ -86,6 +86,10 @@ class ParallelConfig:
     saturate IB and NVLink on H800). Nothing is reserved at ep == 1: there is no all-to-all to hide."""
     recompute: bool = False
     """Recompute attention and MLP sub-stages in backward instead of keeping their activations."""
+    sync_free: bool = False
+    """Worst-case receive buffers, so a layer's routing and dispatch never wait on the host for row counts
+    (DeepEP's ``num_worst_tokens``; a padded capacity for ``alltoall``). Costs ep x the all-to-all bytes and
+    expert rows, and needs the same token count on every rank."""
 
     def __post_init__(self) -> None:
         if self.dp is None:
@@ -299,7 +303,13 @@ def build_stages(
         raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the expert-parallel size ep={pc.ep}")
     kind = "local" if pc.ep == 1 else pc.dispatcher
     dispatcher = make_dispatcher(
-        kind, cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size, dtype=dtype, comm_sms=pc.comm_sms
+        kind,
+        cfg.num_experts,
+        layout.ep_group,
+        hidden_size=cfg.hidden_size,
+        dtype=dtype,
+        comm_sms=pc.comm_sms,
+        sync_free=pc.sync_free,
     )
     ranges = split_layers(cfg.num_layers, pc.num_stages)
     stage_layout = pc.stage_layout
