@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from moe import MoEConfig, MoEStage
 from moe.dispatch import make_dispatcher
-from moe.dispatch.deepep import import_deep_ep
+from moe.dispatch.deepep import DEEPEP_INSTALL_HINT
+from moe.dispatch.deepep_common import import_deep_ep
 from moe.parallel import ParallelConfig, build_stages, init_layout
 from tests.distributed import run_ranks
 from tests.moe.helpers import tiny_config
@@ -41,7 +42,7 @@ def test_bad_parallel_input_raises_clear_errors():
 def test_deepep_missing_names_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # an import of deep_ep now fails
     with pytest.raises(ImportError, match="NVSHMEM"):
-        import_deep_ep()
+        import_deep_ep(DEEPEP_INSTALL_HINT)
 
 
 def test_top_k_larger_than_experts():
