@@ -21,7 +21,7 @@ How it maps onto :class:`~moe.dispatch.base.TokenDispatcher`:
   buffer is built deterministic.
 * The SM count: ``comm_sms > 0`` is passed as ``num_sms`` to every call; ``comm_sms == 0`` lets DeepEP pick
   (``get_theoretical_num_sms``, elastic.py:728-834, which models a balanced gate and says not to use it for
-  V3's group-limited gate, elastic.py:754-756: prefer an explicit count for such routers).
+  V3's group-limited gate, elastic.py:754-755: prefer an explicit count for such routers).
 * ``sync_free=True`` is V2's ``do_cpu_sync=False`` (its ``num_worst_tokens``): the host does not wait for the
   received-token count (buffer.hpp:1017-1064), every receive tensor is allocated for the worst case,
   ``num_max_tokens_per_rank * W`` rows (buffer.hpp:1065-1071), and only the first

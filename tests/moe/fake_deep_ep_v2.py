@@ -233,8 +233,21 @@ class ElasticBuffer:
     def get_physical_domain_size(self) -> tuple[int, int]:
         return self.num_rdma_ranks, self.num_nvlink_ranks
 
-    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, nvlink_gbs: float = 405.0) -> int:
-        """elastic.py:728-834 for one NVLink domain: the SMs that keep NVLink busy, even, at least 4."""
+    def get_theoretical_num_sms(
+        self,
+        num_experts: int,
+        num_topk: int,
+        num_scaleout_topk: int = 0,
+        rdma_gbs: float = 0,
+        nvlink_gbs: float = 0,
+        sm_read_gbs: float = 200,
+        sm_write_gbs: float = 50,
+    ) -> int:
+        """elastic.py:728-834 for one NVLink domain: the SMs that keep NVLink busy, even, at least 4.
+        ``nvlink_gbs=0``: DeepEP reads 0.9 x the links' sum from ``nvidia-smi nvlink -s`` (utils/envs.py
+        ``get_nvlink_gbs``); the emulation has no links and takes a fixed stand-in."""
+        assert num_scaleout_topk == 0
+        nvlink_gbs = nvlink_gbs or 405.0
         groups = self.num_ranks
         expected_topk = groups * (
             1 - math.comb(num_experts - num_experts // groups, num_topk) / math.comb(num_experts, num_topk)
@@ -243,7 +256,7 @@ class ElasticBuffer:
         traffic = 1 - 1 / self.num_ranks
         num_sms = _NUM_DEVICE_SMS
         if traffic > 0:
-            num_sms = max(nvlink_gbs / traffic * sm_read / 200, nvlink_gbs / traffic * sm_write / 50)
+            num_sms = max(nvlink_gbs / traffic * sm_read / sm_read_gbs, nvlink_gbs / traffic * sm_write / sm_write_gbs)
         num_sms = _align(max(4, math.ceil(num_sms * 1.25)), 2)
         num_sms = num_sms if self.prefer_overlap_with_compute else max(num_sms, 64)
         return min(num_sms, _NUM_DEVICE_SMS)
