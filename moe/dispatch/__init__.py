@@ -1,4 +1,5 @@
-"""Token dispatchers: ``local`` (no EP), ``alltoall`` (torch.distributed), ``deepep`` (DeepEP V1 Buffer).
+"""Token dispatchers: ``local`` (no EP), ``alltoall`` (torch.distributed), ``deepep`` (DeepEP V1 Buffer),
+``deepep-v2`` (DeepEP V2 ElasticBuffer).
 
 Each backend registers itself in its own file (see :mod:`moe.dispatch.registry`); importing it here is what
 makes it selectable by name.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from moe.dispatch.alltoall import AllToAllDispatcher
 from moe.dispatch.base import DEFAULT_COMM_SMS, Dispatched, Pending, Route, TokenDispatcher
 from moe.dispatch.deepep import DEEPEP_INSTALL_HINT, DeepEPDispatcher
+from moe.dispatch.deepep_v2 import DEEPEP_V2_INSTALL_HINT, DeepEPV2Dispatcher
 from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.registry import (
     DISPATCHERS,
@@ -21,10 +23,12 @@ from moe.dispatch.registry import (
 
 __all__ = [
     "DEEPEP_INSTALL_HINT",
+    "DEEPEP_V2_INSTALL_HINT",
     "DEFAULT_COMM_SMS",
     "DISPATCHERS",
     "AllToAllDispatcher",
     "DeepEPDispatcher",
+    "DeepEPV2Dispatcher",
     "Dispatched",
     "DispatcherSpec",
     "Launch",

@@ -19,7 +19,6 @@ path calls :meth:`DeepEPDispatcher.close`; an error path only drops the object (
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from moe.dispatch.base import DEFAULT_COMM_SMS, Dispatched, Pending, Route, TokenDispatcher
+from moe.dispatch.deepep_common import as_local_idx, as_topk_idx, as_topk_weights, import_deep_ep, row_bytes
 from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 
-__all__ = ["DEEPEP_INSTALL_HINT", "NVL_PEERS", "DeepEPDispatcher", "deepep_rules", "import_deep_ep", "topology_problem"]
+__all__ = ["DEEPEP_INSTALL_HINT", "NVL_PEERS", "DeepEPDispatcher", "deepep_rules", "topology_problem"]
 
 NVL_PEERS = 8
 """Ranks one node serves over NVLink (DeepEP's ``NUM_MAX_NVL_PEERS``, csrc/kernels/legacy/compiled.cuh)."""
@@ -50,14 +50,6 @@ DEEPEP_INSTALL_HINT = (
     "NVSHMEM_DIR=/path/to/nvshmem python setup.py install (see its README). Do not use the PyPI package "
     "'deep-ep' (an unbuildable re-upload). Or pick dispatcher='alltoall'."
 )
-
-
-def import_deep_ep() -> Any:
-    """Import ``deep_ep`` lazily; a missing install raises ImportError with build instructions."""
-    try:
-        return importlib.import_module("deep_ep")
-    except ImportError as exc:
-        raise ImportError(DEEPEP_INSTALL_HINT) from exc
 
 
 @dataclass(slots=True)
@@ -102,7 +94,7 @@ class DeepEPDispatcher(TokenDispatcher):
             # legacy.py ``dispatch``: "Internode dispatch does not support `num_worst_tokens > 0`".
             raise ValueError(f"sync-free DeepEP dispatch is intranode only (<= {NVL_PEERS} ranks), got {self.ep_size}")
         self.sync_free = sync_free
-        deep_ep = import_deep_ep()
+        deep_ep = import_deep_ep(DEEPEP_INSTALL_HINT)
         if comm_sms <= 0 or comm_sms % 2:
             raise ValueError(f"DeepEP needs a positive, even SM count, got comm_sms={comm_sms}")
         buffer_cls = deep_ep.Buffer
@@ -132,7 +124,7 @@ class DeepEPDispatcher(TokenDispatcher):
         return {"previous_event": None, "async_finish": True, "allocate_on_comm_stream": False}
 
     def plan(self, topk_idx_TK: torch.Tensor) -> Route:
-        topk_idx_TK = topk_idx_TK.contiguous()  # DeepEP asserts dense inputs rather than copying them
+        topk_idx_TK = as_topk_idx(topk_idx_TK)
         per_rank, per_rdma_rank, per_expert, in_rank, event = self.buffer.get_dispatch_layout(
             topk_idx_TK, self.num_experts, **self._launch_kwargs(topk_idx_TK.device)
         )
@@ -154,14 +146,14 @@ class DeepEPDispatcher(TokenDispatcher):
             is_token_in_rank=route.is_token_in_rank,
             num_tokens_per_expert=route.num_tokens_per_expert,
             topk_idx=route.topk_idx_TK,
-            topk_weights=topk_weights_TK.float().contiguous(),
+            topk_weights=as_topk_weights(topk_weights_TK),
             **kwargs,
         )
         route.handle = handle
 
         def finish() -> Dispatched:
             event.current_stream_wait()
-            return Dispatched(recv_x, recv_idx.long(), recv_w)
+            return Dispatched(recv_x, as_local_idx(recv_idx), recv_w)
 
         return Pending(finish)
 
@@ -182,7 +174,7 @@ class DeepEPDispatcher(TokenDispatcher):
         grad_x_TD, grad_w_TK, event = self.buffer.combine(
             grad_x_RD.contiguous(),
             route.handle,
-            topk_weights=grad_weights_RK.float().contiguous(),
+            topk_weights=as_topk_weights(grad_weights_RK),
             **self._launch_kwargs(grad_x_RD.device),
         )
 
@@ -215,7 +207,7 @@ def _make_deepep(
     sync_free: bool = False,
 ) -> TokenDispatcher:
     assert group is not None  # needs_group: make_dispatcher refused None already
-    hidden_bytes = hidden_size * torch.empty((), dtype=dtype).element_size()
+    hidden_bytes = row_bytes(hidden_size, dtype)
     return DeepEPDispatcher(num_experts, group, hidden_bytes=hidden_bytes, comm_sms=comm_sms, sync_free=sync_free)
 
 
@@ -257,11 +249,11 @@ def deepep_rules(launch: Launch) -> list[str]:
         # is no channel at all (csrc/legacy/buffer.hpp: num_channels = config.num_sms / 2).
         found.append(f"a positive, even --comm-sms (got {launch.comm_sms})")
     if launch.hidden_size and launch.dtype is not None:
-        row_bytes = launch.hidden_size * torch.empty((), dtype=launch.dtype).element_size()
-        if row_bytes > MAX_INTRANODE_ROW_BYTES or row_bytes % ROW_BYTES_MULTIPLE:
+        nbytes = row_bytes(launch.hidden_size, launch.dtype)
+        if nbytes > MAX_INTRANODE_ROW_BYTES or nbytes % ROW_BYTES_MULTIPLE:
             found.append(
                 f"rows of at most {MAX_INTRANODE_ROW_BYTES} bytes, a multiple of {ROW_BYTES_MULTIPLE} "
-                f"(hidden {launch.hidden_size} x {launch.dtype} = {row_bytes})"
+                f"(hidden {launch.hidden_size} x {launch.dtype} = {nbytes})"
             )
         internode = launch.ep_ranks is not None and len(launch.ep_ranks) > NVL_PEERS
         if internode and launch.hidden_size % INTERNODE_HIDDEN_MULTIPLE:

@@ -255,48 +255,58 @@ def test_a_full_disk_stops_training_and_keeps_the_previous_checkpoint(tmp_path: 
         subprocess.run(["umount", str(disk)], check=False)
 
 
-def _deepep_main(rank: int, world: int, argv: list[str]) -> tuple[str, list[str]]:
-    """train.py's main over the DeepEP emulation: its error line (or "ok") and the Buffer calls it made."""
-    from examples.train import main
-    from tests.moe import fake_deep_ep
+def _deepep_main(
+    rank: int, world: int, argv: list[str], kind: str = "deepep", hidden: int | None = None
+) -> tuple[str, list[str]]:
+    """train.py's main over the DeepEP emulation (V1 ``Buffer``, or V2 ``ElasticBuffer`` for ``deepep-v2``):
+    its error line (or "ok") and the buffer calls it made. ``hidden`` overrides the preset's row width (V2's
+    combine needs hidden % 256 == 0; the tiny preset has 32)."""
+    import examples.train as train_module
+    from tests.moe import fake_deep_ep, fake_deep_ep_v2
 
-    sys.modules["deep_ep"] = fake_deep_ep
+    module = fake_deep_ep_v2 if kind == "deepep-v2" else fake_deep_ep
+    cls = module.ElasticBuffer if kind == "deepep-v2" else module.Buffer
+    sys.modules["deep_ep"] = module
     made = []
-    real_init = fake_deep_ep.Buffer.__init__
+    real_init, real_preset = cls.__init__, train_module.preset
 
     def init(self, *args, **kwargs) -> None:
         real_init(self, *args, **kwargs)
         made.append(self)
 
-    fake_deep_ep.Buffer.__init__ = init
+    cls.__init__ = init
+    if hidden is not None:
+        train_module.preset = lambda name, **changes: real_preset(name, **changes).replace(hidden_size=hidden)
     try:
-        main(argv)
+        train_module.main(argv)
         outcome = "ok"
     except SystemExit as exc:
         outcome = str(exc.code)
     finally:
-        fake_deep_ep.Buffer.__init__ = real_init
+        cls.__init__, train_module.preset = real_init, real_preset
     return outcome, [call for buf in made for call in buf.calls if call == "destroy"]
 
 
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("kind", "flags", "message"),
     [
-        (["--dtype", "float32"], "error: --dispatcher deepep: rows in torch.bfloat16 (got torch.float32)"),
-        (["--comm-sms", "0"], "error: --dispatcher deepep: a positive, even --comm-sms (got 0)"),
+        ("deepep", ["--dtype", "float32"], "error: --dispatcher deepep: rows in torch.bfloat16 (got torch.float32)"),
+        ("deepep", ["--comm-sms", "0"], "error: --dispatcher deepep: a positive, even --comm-sms (got 0)"),
+        ("deepep-v2", [], "error: --dispatcher deepep-v2: hidden % 256 == 0 (got 32)"),
     ],
 )
-def test_deepep_launch_refused_in_one_line(flags: list[str], message: str) -> None:
-    argv = [*COMMON, "--pp", "1", "--ep", "2", "--dispatcher", "deepep", "--dtype", "bfloat16", *flags]
-    for outcome, destroyed in run_ranks(_deepep_main, 2, args=(argv,), timeout=120):
+def test_deepep_launch_refused_in_one_line(kind: str, flags: list[str], message: str) -> None:
+    argv = [*COMMON, "--pp", "1", "--ep", "2", "--dispatcher", kind, "--dtype", "bfloat16", *flags]
+    for outcome, destroyed in run_ranks(_deepep_main, 2, args=(argv, kind), timeout=120):
         assert outcome == message and destroyed == []  # refused before any Buffer
 
 
-def test_deepep_buffer_destroyed_on_the_clean_path_only() -> None:
-    argv = [*COMMON, "--pp", "1", "--ep", "2", "--dispatcher", "deepep", "--dtype", "bfloat16", "--steps", "1"]
-    assert run_ranks(_deepep_main, 2, args=(argv,), timeout=120) == [("ok", ["destroy"])] * 2
+@pytest.mark.parametrize(("kind", "hidden"), [("deepep", None), ("deepep-v2", 256)])
+def test_deepep_buffer_destroyed_on_the_clean_path_only(kind: str, hidden: int | None) -> None:
+    argv = [*COMMON, "--pp", "1", "--ep", "2", "--dispatcher", kind, "--dtype", "bfloat16", "--steps", "1"]
+    assert run_ranks(_deepep_main, 2, args=(argv, kind, hidden), timeout=120) == [("ok", ["destroy"])] * 2
     # A failing step: no destroy() (DeepEP's syncs with peers that may be gone), just the one-line error.
-    failed = run_ranks(_deepep_main, 2, args=([*argv, "--nan-at-step", "1"],), timeout=120)
+    failed = run_ranks(_deepep_main, 2, args=([*argv, "--nan-at-step", "1"], kind, hidden), timeout=120)
     assert all(outcome.startswith("error:") and destroyed == [] for outcome, destroyed in failed), failed
 
 

@@ -33,18 +33,29 @@ def _skewed_bias(cfg) -> dict[int, torch.Tensor]:
 
 
 def _use_fake_deep_ep(kind: str) -> torch.dtype:
-    """Inject the emulation for ``deepep``; the row dtype the backend takes (bf16 for DeepEP)."""
-    if kind != "deepep":
+    """Inject the emulation for ``deepep`` (V1) or ``deepep-v2``; the row dtype the backend takes (bf16 for
+    DeepEP)."""
+    if kind == "deepep":
+        from tests.moe import fake_deep_ep as module
+    elif kind == "deepep-v2":
+        from tests.moe import fake_deep_ep_v2 as module
+    else:
         return torch.float32
-    from tests.moe import fake_deep_ep
-
-    sys.modules["deep_ep"] = fake_deep_ep
+    sys.modules["deep_ep"] = module
     return torch.bfloat16
 
 
-def _ep_step(rank: int, world: int, kind: str, recompute: bool, skewed: bool, dtype: torch.dtype = torch.float32):
+def _ep_step(
+    rank: int,
+    world: int,
+    kind: str,
+    recompute: bool,
+    skewed: bool,
+    dtype: torch.dtype = torch.float32,
+    cfg_changes: dict | None = None,
+):
     _use_fake_deep_ep(kind)
-    cfg = tiny_config()
+    cfg = tiny_config(**(cfg_changes or {}))
     layout = init_layout(ParallelConfig(pp=1, ep=world, dispatcher=kind))
     dispatcher = make_dispatcher(kind, cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size, dtype=dtype)
     stage = MoEStage(cfg, range(cfg.num_layers), first=True, last=True, dispatcher=dispatcher, recompute=recompute)
@@ -102,14 +113,19 @@ def test_ep2_matches_single_process(kind: str, recompute: bool, skewed: bool):
         assert all(not load[cfg.num_experts // 2 :].any() for load in ref_loads.values())
 
 
-def test_ep2_deepep_in_bf16_equals_alltoall():
+# DeepEP V2's combine kernels need hidden % 256 == 0: its runs use rows of 256.
+DEEPEP_KINDS = [("deepep", {}), ("deepep-v2", {"hidden_size": 256})]
+
+
+@pytest.mark.parametrize(("deepep", "cfg_changes"), DEEPEP_KINDS)
+def test_ep2_deepep_in_bf16_equals_alltoall(deepep: str, cfg_changes: dict):
     # The fp32 single-process oracle does not hold in bf16; the same step over alltoall at bf16 does, exactly.
     runs = {
-        kind: run_ranks(_ep_step, world_size=EP, args=(kind, False, True, torch.bfloat16), timeout=120)
-        for kind in ("alltoall", "deepep")
+        kind: run_ranks(_ep_step, world_size=EP, args=(kind, False, True, torch.bfloat16, cfg_changes), timeout=120)
+        for kind in ("alltoall", deepep)
     }
     for (loss, grads, loads, experts), (want_loss, want_grads, want_loads, want_experts) in zip(
-        runs["deepep"], runs["alltoall"], strict=True
+        runs[deepep], runs["alltoall"], strict=True
     ):
         assert loss == want_loss and experts == want_experts
         assert grads.keys() == want_grads.keys() and loads.keys() == want_loads.keys()
@@ -245,12 +261,17 @@ def test_overlapped_event_order(kind: str):
 
 # -- the hook against plain autograd (dualpipe.testing), expert-parallel over 2 gloo ranks --------------
 def _moe_reports(
-    rank: int, world: int, kind: str, recompute: bool, dtype: torch.dtype = torch.float32
+    rank: int,
+    world: int,
+    kind: str,
+    recompute: bool,
+    dtype: torch.dtype = torch.float32,
+    cfg_changes: dict | None = None,
 ) -> list[OverlapReport]:
     """On every rank: the last stage (layers 2-3) from its loss, the first (layers 0-1, token ids) from its
     outputs, and both on one rank as DualPipeV holds them (F of the last stage with B of the first)."""
     _use_fake_deep_ep(kind)
-    cfg = tiny_config()
+    cfg = tiny_config(**(cfg_changes or {}))
     group = torch.distributed.group.WORLD
     dispatcher = make_dispatcher(kind, cfg.num_experts, group, hidden_size=cfg.hidden_size, dtype=dtype)
 
@@ -290,12 +311,14 @@ def test_moe_stage_hook_matches_plain(recompute: bool, kind: str):
         assert any(".experts." in c.name for c in last.checks)
 
 
-def test_moe_stage_hook_deepep_in_bf16_equals_alltoall():
+@pytest.mark.parametrize(("deepep", "cfg_changes"), DEEPEP_KINDS)
+def test_moe_stage_hook_deepep_in_bf16_equals_alltoall(deepep: str, cfg_changes: dict):
     # In bf16 the hook and plain autograd round differently (~5e-3 relative), so the fp32 bound above does not
     # apply; deepep must instead deviate exactly as alltoall does at bf16: the same checks, the same numbers.
-    deepep = run_ranks(_moe_reports, world_size=2, args=("deepep", False, torch.bfloat16), timeout=120)
-    alltoall = run_ranks(_moe_reports, world_size=2, args=("alltoall", False, torch.bfloat16), timeout=120)
-    for got_reports, want_reports in zip(deepep, alltoall, strict=True):
+    args = (False, torch.bfloat16, cfg_changes)
+    got = run_ranks(_moe_reports, world_size=2, args=(deepep, *args), timeout=120)
+    alltoall = run_ranks(_moe_reports, world_size=2, args=("alltoall", *args), timeout=120)
+    for got_reports, want_reports in zip(got, alltoall, strict=True):
         for got, want in zip(got_reports, want_reports, strict=True):
             assert [(c.phase, c.name, c.max_abs, c.rel) for c in got.checks] == [
                 (c.phase, c.name, c.max_abs, c.rel) for c in want.checks

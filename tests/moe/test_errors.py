@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from moe import MoEConfig, MoEStage
 from moe.dispatch import make_dispatcher
-from moe.dispatch.deepep import import_deep_ep
+from moe.dispatch.deepep import DEEPEP_INSTALL_HINT
+from moe.dispatch.deepep_common import import_deep_ep
 from moe.parallel import ParallelConfig, build_stages, init_layout
 from tests.distributed import run_ranks
 from tests.moe.helpers import tiny_config
@@ -17,7 +18,7 @@ from tests.moe.helpers import tiny_config
 
 def _bad_layouts(rank: int, world: int) -> list[str]:
     messages = []
-    with pytest.raises(ValueError, match=r"pp x ep = 2 x 2 = 4 does not equal the world size 2") as e:
+    with pytest.raises(ValueError, match=r"pp x dp = 2 x 2 = 4 does not equal the world size 2") as e:
         init_layout(ParallelConfig(pp=2, ep=2))
     messages.append(str(e.value))
     layout = init_layout(ParallelConfig(pp=1, ep=2))
@@ -41,7 +42,7 @@ def test_bad_parallel_input_raises_clear_errors():
 def test_deepep_missing_names_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # an import of deep_ep now fails
     with pytest.raises(ImportError, match="NVSHMEM"):
-        import_deep_ep()
+        import_deep_ep(DEEPEP_INSTALL_HINT)
 
 
 def test_top_k_larger_than_experts():
