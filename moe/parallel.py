@@ -78,7 +78,8 @@ class ParallelConfig:
     consecutive ranks (one node where it fits), ``("edp", "ep", "pp")`` each pipeline. A two-name order
     (``("ep", "pp")``) places ``edp`` just outside ``ep``."""
     dispatcher: str = "alltoall"
-    """Token dispatcher for ep > 1: ``alltoall`` or ``deepep`` (``local`` is forced at ep == 1)."""
+    """Token dispatcher for ep > 1, a name of :data:`moe.dispatch.DISPATCHERS` (``alltoall``, ``deepep``,
+    ``deepep-v2``); ``local`` is forced at ep == 1."""
     comm_sms: int = DEFAULT_COMM_SMS
     """SMs reserved for communication while experts compute: DeepEP's ``Buffer.set_num_sms`` and NCCL's CTA
     cap on every group the step uses (pipeline P2P, data-parallel reductions and all-to-all alike, so no
