@@ -26,9 +26,11 @@ Why not torch's own (torch 2.13):
 - FSDP2 (``fully_shard``) reduce-scatters in its post-backward (``FSDPParamGroup.post_backward``, run when
   the module's autograd backward finishes, or by the root's final callback queued on the autograd
   engine): a weight gradient that ``WeightGradStore`` computes later, outside autograd (a zero-bubble
-  ``W`` slot, the overlapped runtime's dW), is added after that reduction has read ``.grad``. It also turns
-  the parameters into dim-0-sharded DTensors gathered for every forward (ZeRO-3/2 memory traffic), which
-  the pipeline's stage modules and their raw-tensor kernels do not expect.
+  ``W`` slot, the overlapped runtime's dW), is added after that reduction has read ``.grad`` (with
+  ``set_requires_gradient_sync(False)`` on earlier micro-batches, the last one's deferred dW still comes
+  too late). It also replaces the parameters with ``Shard(0)`` DTensors all-gathered before each forward
+  (ZeRO-3, or ZeRO-2 with ``reshard_after_forward=False``): more traffic than ZeRO-1, and not what the
+  stages' raw-tensor kernels take.
 
 What this class does not do: reduce gradients. The caller reduces the buffers of :meth:`grads` over each
 group (in buckets) between the backward and :meth:`clip_grad_norm_` / :meth:`step`.
