@@ -342,7 +342,7 @@ class DistributedAdamW:
         # fp64 for the sum of squares: the partial sums of many ranks must add up without losing digits.
         sq = torch.zeros((), dtype=torch.float64, device=device)
         if counted:
-            norms = torch._foreach_norm(counted)
+            norms = torch._foreach_norm(counted, 2, dtype=torch.float32)  # fp32 even for pure-bf16 buffers
             sq = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]).pow(2).sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq)
@@ -408,6 +408,10 @@ class DistributedAdamW:
         p.copy_(value)
         if slot.master is not None and slot.master is not p:
             slot.master.copy_(value)
+
+    def grad_bytes(self) -> int:
+        """Bytes of this rank's gradient buffers (every parameter's ``main_grad``: ZeRO-1 does not shard them)."""
+        return sum(flat.numel() * flat.element_size() for flats in self._grad_buffers for flat in flats)
 
     def state_bytes(self) -> int:
         """Optimizer-state bytes on this rank: AdamW moments plus masters where separate from the parameters

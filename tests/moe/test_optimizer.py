@@ -100,6 +100,7 @@ def test_bf16_steps_fp32_masters_and_copies_them_into_the_params() -> None:
         assert all(t.dtype == torch.float32 for k, t in opt.state_for(p).items() if k != "step")
     n = sum(p.numel() for p in params)
     assert opt.state_bytes() == 3 * 4 * n  # fp32 moments + fp32 master
+    assert opt.grad_bytes() == 4 * n
 
     pure = DistributedAdamW([ShardGroup(list(_Tiny(torch.bfloat16).parameters()))], master_weights=False)
     p0 = pure.shard_groups[0].params[0]
