@@ -49,6 +49,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 __all__ = ["DistributedAdamW", "ShardGroup", "partition"]
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+# Parameter broadcasts in flight at once: each message is a flat copy of an owner's parameters, so this
+# bounds the temporary memory (a large group's messages together are a second copy of its parameters).
+_MAX_IN_FLIGHT_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,7 @@ class DistributedAdamW:
         self._group_slots: list[list[_Slot]] = []
         self._inner: list[torch.optim.AdamW | None] = []
         self._grad_buffers: list[list[torch.Tensor]] = []
+        self._buckets: list[list[tuple[int, list[torch.Tensor], bool]]] = []
         self._hooks = []
         for g in self.shard_groups:
             self._check_same_params(g)
@@ -170,6 +174,7 @@ class DistributedAdamW:
                 for m in owned:
                     _init_state(inner, m)
             self._inner.append(inner)
+            self._buckets.append(self._broadcast_buckets(len(self._buckets)) if zero else [])
         for p in self.params():
             self._hooks.append(p.register_post_accumulate_grad_hook(self._move_grad))
         self.zero_grad()
@@ -292,32 +297,45 @@ class DistributedAdamW:
                 self._broadcast(gi)
         self.steps += 1
 
-    def _broadcast(self, group_index: int) -> None:
+    def _broadcast_buckets(self, group_index: int) -> list[tuple[int, list[torch.Tensor], bool]]:
+        """(global source rank, the parameters it owns of one dtype, whether it is this rank) per message."""
         g = self.shard_groups[group_index]
         size, rank = _group_size_rank(g.group)
-        if size == 1:
-            return
-        pending = []
-        for owner in range(size):
-            src = dist.get_global_rank(g.group, owner)
+        buckets = []
+        for owner in range(size if size > 1 else 0):
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for s in self._group_slots[group_index]:
                 if s.owner == owner:
                     by_dtype.setdefault(s.param.dtype, []).append(s.param.data)
-            for tensors in by_dtype.values():
-                if owner == rank:
-                    flat = _flatten_dense_tensors(tensors)
-                else:
-                    flat = torch.empty(
-                        sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device
-                    )
-                work = dist.broadcast(flat, src=src, group=g.group, async_op=True)
-                pending.append((work, flat, tensors, owner == rank))
-        for work, flat, tensors, mine in pending:
-            work.wait()
-            if not mine:
-                for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-                    t.copy_(new)
+            src = dist.get_global_rank(g.group, owner)
+            buckets += [(src, tensors, owner == rank) for tensors in by_dtype.values()]
+        return buckets
+
+    def _broadcast(self, group_index: int) -> None:
+        group = self.shard_groups[group_index].group
+        pending: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor], bool]] = []
+        in_flight = 0
+
+        def drain() -> None:
+            for work, flat, tensors, mine in pending:
+                work.wait()
+                if not mine:
+                    for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+                        t.copy_(new)
+            pending.clear()
+
+        for src, tensors, mine in self._buckets[group_index]:
+            if mine:
+                flat = _flatten_dense_tensors(tensors)
+            else:
+                n = sum(t.numel() for t in tensors)
+                flat = torch.empty(n, dtype=tensors[0].dtype, device=tensors[0].device)
+            pending.append((dist.broadcast(flat, src=src, group=group, async_op=True), flat, tensors, mine))
+            in_flight += flat.numel() * flat.element_size()
+            if in_flight > _MAX_IN_FLIGHT_BYTES:
+                drain()
+                in_flight = 0
+        drain()
 
     # clipping
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import moe.optimizer
 from dualpipe.weight_grad import GradStore
 from moe import MoEModel, lm_loss
 from moe.layers import Linear, RMSNorm
@@ -208,6 +209,8 @@ def _zero_on_off(rank: int) -> dict:
     edp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # new_group is collective: all ranks make all
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
+        # bf16: one broadcast in flight at a time (the cap that bounds the temporary copies)
+        moe.optimizer._MAX_IN_FLIGHT_BYTES = 256 << 20 if dtype == torch.float32 else 0
         finals, bytes_ = [], []
         for zero in (False, True):
             dense, experts = _dense(dtype), _experts(ep, dtype)
