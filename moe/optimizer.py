@@ -161,8 +161,9 @@ class DistributedAdamW:
         self._grad_buffers: list[list[torch.Tensor]] = []
         self._buckets: list[list[tuple[int, list[torch.Tensor], bool]]] = []
         self._hooks = []
-        for g in self.shard_groups:
+        for g in self.shard_groups:  # all checks before any parameter gets a buffer or a hook
             self._check_same_params(g)
+        for g in self.shard_groups:
             self._group_slots.append(self._make_slots(g))
             self._grad_buffers.append(self._make_grad_buffers(g.params))
             owned = [s.master for s in self._group_slots[-1] if s.master is not None]

@@ -303,6 +303,9 @@ def test_clip_grad_norm_equals_single_process(four_ranks: list) -> None:
 
 
 def _shard_state(rank: int, world: int) -> dict:
+    mismatched = [nn.Parameter(torch.zeros(2 + rank, 3))]  # the ranks of one group must pass equal shapes
+    with pytest.raises(ValueError, match=r"the ranks \[0, 1\] of a shard group passed different parameters"):
+        DistributedAdamW([ShardGroup(mismatched, dist.group.WORLD)], zero=True)
     dense = _dense(torch.bfloat16)
     opt = DistributedAdamW([ShardGroup(dense, dist.group.WORLD)], lr=1e-2, zero=True, **HYPER)
     for step in range(2):
