@@ -33,7 +33,16 @@ Why not torch's own (torch 2.13):
   stages' raw-tensor kernels take.
 
 What this class does not do: reduce gradients. The caller reduces the buffers of :meth:`grads` over each
-group (in buckets) between the backward and :meth:`clip_grad_norm_` / :meth:`step`.
+group (in buckets) between the backward and :meth:`clip_grad_norm_` / :meth:`step`. A step::
+
+    opt = DistributedAdamW([ShardGroup(dense, dp_group), ShardGroup(experts, edp_group)], lr=lr,
+                           zero=True, counts_in_norm=not mirror_duplicate)
+    opt.zero_grad()
+    pipe.step(...)                              # backward and deferred dW add into every p.main_grad
+    for i, sg in enumerate(opt.shard_groups):   # the caller's bucketed reduction, in place
+        reduce(opt.grad_buffers(i), sg.group)   # (DualPipe: the mirror sum first)
+    norm = opt.clip_grad_norm_(max_norm)        # collective over the world
+    opt.step()                                  # collective over each group with zero=True
 """
 
 from __future__ import annotations

@@ -109,6 +109,23 @@ def test_bf16_steps_fp32_masters_and_copies_them_into_the_params() -> None:
     assert pure.state_bytes() == 2 * 2 * n  # bf16 moments, no master
 
 
+def test_masters_keep_updates_smaller_than_a_bf16_step() -> None:
+    """lr 1e-4 against a weight of 1.0 (bf16 spacing 2**-7 there): pure bf16 rounds every update away."""
+    finals = {}
+    for master_weights in (True, False):
+        w = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        opt = DistributedAdamW([ShardGroup([w])], lr=1e-4, weight_decay=0.0, master_weights=master_weights)
+        for _ in range(100):
+            opt.zero_grad()
+            w.main_grad.fill_(1.0)
+            opt.step()
+        finals[master_weights] = (w.detach().float(), opt.master_for(w).float())
+    w, master = finals[True]
+    torch.testing.assert_close(master, torch.full((4,), 0.99), rtol=0, atol=1e-5)  # 100 steps of lr
+    assert torch.equal(w, master.bfloat16().float())
+    assert torch.equal(finals[False][0], torch.ones(4))
+
+
 def test_deferred_weight_grads_accumulate_in_fp32() -> None:
     """16 micro-batches of a bf16 Linear whose dW runs later from the WeightGradStore: the fp32 buffer ends
     closer to the fp64 sum than bf16 accumulation in .grad does."""
