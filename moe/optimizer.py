@@ -299,9 +299,10 @@ class DistributedAdamW:
                 for s in slots:
                     s.master.grad = s.param.main_grad  # type: ignore[union-attr]
                 inner.step()
-                for s in slots:
-                    if s.master is not s.param:
-                        s.param.copy_(s.master)  # type: ignore[arg-type]
+                separate = [s for s in slots if s.master is not s.param]
+                if separate:  # masters -> parameters (rounded to their dtype), one grouped copy
+                    torch._foreach_copy_([s.param for s in separate], [s.master for s in separate])
+                    for s in separate:
                         s.master.grad = None  # type: ignore[union-attr]
             if self.zero:
                 self._broadcast(gi)
