@@ -154,6 +154,8 @@ class DistributedAdamW:
                 seen.add(id(p))
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in betas):  # checked here too: a rank that owns nothing has no AdamW
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
         self.shard_groups = list(groups)
         self.zero = zero
         self.master_weights = master_weights

@@ -77,6 +77,8 @@ def test_fp32_equals_torch_adamw_exactly() -> None:
     assert opt.state_bytes() == 2 * 4 * sum(p.numel() for p in ours.parameters())  # two fp32 moments
     with pytest.raises(ValueError, match="already has a main_grad"):
         DistributedAdamW([ShardGroup(list(ours.parameters()))])
+    with pytest.raises(ValueError, match="betas"):
+        DistributedAdamW([ShardGroup(list(_Tiny().parameters()))], betas=(0.9, 1.0))
 
 
 def test_bf16_steps_fp32_masters_and_copies_them_into_the_params() -> None:
