@@ -129,7 +129,16 @@ def swiglu(x_MF2: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """``param.grad += grad`` the way autograd's AccumulateGrad would (first write takes the tensor)."""
+    """``param.grad += grad`` the way autograd's AccumulateGrad would (first write takes the tensor).
+
+    A parameter with a ``main_grad`` attribute (a gradient buffer an optimizer allocated, e.g. fp32 for a
+    bf16 weight) gets ``main_grad += grad`` instead, in the buffer's dtype: micro-batches and deferred
+    weight gradients then accumulate at the buffer's precision, not the weight's.
+    """
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(grad)
+        return
     if param.grad is None:
         param.grad = grad.to(param.dtype)
     else:
