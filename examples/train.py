@@ -41,9 +41,10 @@ from moe.checkpoint import (
 from moe.config import PRESETS, preset
 from moe.data import ByteCorpus
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, Launch
-from moe.grad_sync import balance_routers, reduce_gradients
+from moe.grad_sync import balance_routers, make_optimizer, reduce_gradients
 from moe.guard import find_nonfinite, weights_are_finite
 from moe.model import lm_loss
+from moe.optimizer import DistributedAdamW
 from moe.parallel import MESH_DIMS, ParallelConfig, build_stages, init_layout, nccl_options, rank_grid
 
 
@@ -117,7 +118,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay to 10%%")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="compute dtype; bfloat16 keeps fp32 master weights, gradient accumulation and AdamW states",
+    )
+    p.add_argument(
+        "--master-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --dtype bfloat16: fp32 master weights and gradients (--no-master-weights: pure bf16)",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        default=0,
+        choices=(0, 1),
+        help="1: ZeRO-1, AdamW state sharded over the data-parallel group (experts over their replicas)",
+    )
+    p.add_argument(
+        "--clip-grad", type=float, default=0.0, help="clip the global gradient norm to this (0: no clipping)"
+    )
     p.add_argument("--data", default=None, help="a directory of text files or a uint16 .bin token file")
     p.add_argument("--val-every", type=int, default=20, help="held-out loss every N steps (0: never)")
     p.add_argument("--val-batches", type=int, default=2)
@@ -293,12 +315,13 @@ class Run:
     args: argparse.Namespace
     layout: object
     pipe: Pipeline
-    optimizer: torch.optim.Optimizer
+    optimizer: DistributedAdamW
     corpus: ByteCorpus
     device: torch.device
     num_chunks: int
     owns_process_group: bool
     nonfinite_skips: int = 0
+    grad_norm: float = float("nan")
 
     @property
     def global_batch(self) -> int:
@@ -355,8 +378,15 @@ def setup(args: argparse.Namespace) -> Run:
     # posted ahead of the compute that consumes them (no per-message shape header to wait for).
     pipe.set_p2p_tensor_shapes([(args.micro_batch_size, args.seq_len, cfg.hidden_size)])
     pipe.set_p2p_tensor_dtype(dtype)
-    params = list({id(p): p for p in pipe.parameters()}.values())
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    optimizer = make_optimizer(
+        stages,
+        layout,
+        zero=bool(args.zero),
+        master_weights=args.master_weights,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        betas=(0.9, 0.95),
+    )
     chunks = num_chunks(args)
     for stage in stages:
         # The step averages the LM loss over micro-batches (loss_reduction="mean"); the balance loss, added
@@ -431,6 +461,7 @@ def train_step(run: Run, step: int) -> tuple[float, float]:
     if not guard_nonfinite(run, step, loss):
         return global_mean_loss(run, loss), imbalance
     reduce_gradients(list(run.pipe.module), run.layout)
+    run.grad_norm = run.optimizer.clip_grad_norm_(run.args.clip_grad or math.inf)
     run.optimizer.step()
     balance_routers(list(run.pipe.module), run.layout)
     if run.args.ckpt_every and step % run.args.ckpt_every == 0 and not weights_are_finite(list(run.pipe.module)):
@@ -579,6 +610,7 @@ def main(argv: list[str] | None = None) -> None:
             "lr": lr_at(args, step),
             "expert_imbalance": imbalance,
             "nonfinite_skips": run.nonfinite_skips,
+            "grad_norm": run.grad_norm,
         }
         if args.val_every and step % args.val_every == 0:
             record["val_loss"] = validate(run, step)

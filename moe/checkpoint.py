@@ -40,6 +40,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from moe.manifest import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
+from moe.optimizer import DistributedAdamW
+
+Optimizer = torch.optim.Optimizer | DistributedAdamW
 
 __all__ = [
     "CheckpointError",
@@ -80,7 +83,10 @@ def _global_tensors(
                     yield f"{name}.e{offset + row}", t[row], param, row
 
 
-def _adam_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dict[str, torch.Tensor]:
+def _adam_state(optimizer: Optimizer, p: nn.Parameter) -> dict[str, torch.Tensor] | None:
+    """``p``'s AdamW state to save or load in place; None where another rank holds it (ZeRO-1)."""
+    if isinstance(optimizer, DistributedAdamW):
+        return optimizer.state_for(p)
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise TypeError(f"checkpointing supports Adam/AdamW state, not {type(optimizer).__name__}")
     state = optimizer.state[p]
@@ -91,13 +97,37 @@ def _adam_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dict[str, 
     return state
 
 
-def _state_dict(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+def _has_master(optimizer: Optimizer | None, param: nn.Parameter | None) -> bool:
+    """Whether ``param``'s weight lives in a separate fp32 master (bf16 training with master weights)."""
+    return (
+        isinstance(optimizer, DistributedAdamW)
+        and param is not None
+        and param.dtype != torch.float32
+        and optimizer.master_weights
+    )
+
+
+def _state_dict(
+    modules: Sequence[nn.Module], optimizer: Optimizer | None, staged: dict[nn.Parameter, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The flat DCP state under global names. A weight with an fp32 master is saved from the master, by the
+    ranks that hold it (so every copy of a key has one dtype); to load, pass ``staged``: such weights are
+    read into fp32 tensors collected there, for :meth:`DistributedAdamW.load_weight_` to set afterwards."""
     flat: dict[str, torch.Tensor] = {}
     for key, t, param, row in _global_tensors(modules):
-        flat[f"model.{key}"] = t
+        if not _has_master(optimizer, param):
+            flat[f"model.{key}"] = t
+        elif staged is not None:
+            whole = staged.setdefault(param, torch.empty_like(param, dtype=torch.float32))
+            flat[f"model.{key}"] = whole if row is None else whole[row]
+        else:
+            master = optimizer.master_for(param)  # type: ignore[union-attr]
+            if master is not None:  # None: another rank of its group owns it (ZeRO-1) and saves it
+                flat[f"model.{key}"] = master if row is None else master[row]
         if optimizer is None or param is None or not param.requires_grad:
             continue
-        for name, s in _adam_state(optimizer, param).items():
+        state = _adam_state(optimizer, param)
+        for name, s in (state or {}).items():
             # "step" is a scalar shared by every row of an expert tensor
             flat[f"optim.{key}.{name}"] = s if row is None or s.dim() == 0 else s[row]
     return flat
@@ -227,7 +257,7 @@ def save_checkpoint(
     ckpt_dir: str | Path,
     step: int,
     modules: Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizer | None,
     meta: dict[str, Any],
     rank_state: dict[str, Any] | None = None,
     keep_last: int = 3,
@@ -300,7 +330,7 @@ def save_checkpoint(
 def load_checkpoint(
     path: str | Path,
     modules: Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizer | None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Load ``path`` (a ``step_*`` directory, from :func:`find_checkpoint`) into ``modules`` and
     ``optimizer`` in place; collective.
@@ -322,12 +352,15 @@ def load_checkpoint(
         except (OSError, EOFError, RuntimeError) as exc:
             error = f"{rank_file}: {_reason(exc)}"
     _agree(error, f"loading checkpoint {path}")
-    state = _state_dict(modules, optimizer)
+    staged: dict[nn.Parameter, torch.Tensor] = {}
+    state = _state_dict(modules, optimizer, staged)
     try:
         with torch.no_grad():
             dcp.load(state, checkpoint_id=path)
     except (Exception, dcp.CheckpointException) as exc:  # dcp raises on every rank alike
         raise CheckpointError(f"loading checkpoint {path} failed: {_reason(exc)}") from exc
+    for param, weight in staged.items():  # fp32 weights of a bf16 model: into the parameter and its master
+        optimizer.load_weight_(param, weight)  # type: ignore[union-attr]
     return meta, rank_state
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moe.block import Block
+from moe.optimizer import DistributedAdamW, ShardGroup, grad_of
 from moe.parallel import ParallelLayout
 from moe.stage import MoEStage
 
@@ -32,7 +33,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "all_reduce_buckets",
     "balance_routers",
-    "grad_of",
+    "make_optimizer",
     "reduce_gradients",
     "split_params",
 ]
@@ -61,16 +62,6 @@ def split_params(modules: Sequence[MoEStage]) -> tuple[list[nn.Parameter], list[
             seen.add(id(p))
             (expert if id(p) in expert_ids else dense).append(p)
     return dense, expert
-
-
-def grad_of(p: nn.Parameter) -> torch.Tensor:
-    """The tensor holding ``p``'s gradient (fp32 ``main_grad`` under mixed precision), zeros if none yet."""
-    main = getattr(p, "main_grad", None)
-    if main is not None:
-        return main
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
 
 
 def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
@@ -114,6 +105,21 @@ def all_reduce_buckets(
         in_flight = (work, flat, bucket)
     if in_flight is not None:
         finish(*in_flight)
+
+
+def make_optimizer(
+    modules: Sequence[MoEStage], layout: ParallelLayout, *, zero: bool = False, master_weights: bool = True, **adamw
+) -> DistributedAdamW:
+    """AdamW over ``modules`` sharded the way :func:`reduce_gradients` reduces: dense parameters over the dp
+    group, expert parameters over their edp replicas (ZeRO-1 with ``zero``). The gradient norm counts each
+    parameter once in the world: its owner in its group, and never on the DualPipe mirror copy.
+    ``adamw``: ``lr``, ``betas``, ``eps``, ``weight_decay``. Collective; build it after the modules are on
+    their device and in their dtype (bf16 parameters get fp32 masters unless ``master_weights=False``)."""
+    dense, expert = split_params(modules)
+    groups = [ShardGroup(dense, layout.dp_group), ShardGroup(expert, layout.edp_group)]
+    return DistributedAdamW(
+        groups, zero=zero, master_weights=master_weights, counts_in_norm=not layout.is_mirror_copy, **adamw
+    )
 
 
 @torch.no_grad()

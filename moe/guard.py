@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe.optimizer import grad_of
+
 __all__ = ["NonFinite", "find_nonfinite", "weights_are_finite"]
 
 
@@ -56,7 +58,7 @@ def find_nonfinite(
     if loss is not None:
         flags[0] = (~torch.isfinite(loss.detach())).any().float()
     for index, module in _stage_modules(modules):
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        grads = [grad_of(p) for p in module.parameters() if p.grad is not None or hasattr(p, "main_grad")]
         if grads:
             # the norm is non-finite if an element is, or if it overflows (the "gradient norm")
             norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])

@@ -55,12 +55,22 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["DistributedAdamW", "ShardGroup", "partition"]
+__all__ = ["DistributedAdamW", "ShardGroup", "grad_of", "partition"]
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 # Parameter broadcasts in flight at once: each message is a flat copy of an owner's parameters, so this
 # bounds the temporary memory (a large group's messages together are a second copy of its parameters).
 _MAX_IN_FLIGHT_BYTES = 256 << 20
+
+
+def grad_of(p: nn.Parameter) -> torch.Tensor:
+    """The tensor holding ``p``'s gradient (fp32 ``main_grad`` under mixed precision), zeros if none yet."""
+    main = getattr(p, "main_grad", None)
+    if main is not None:
+        return main
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
 
 
 @dataclass(frozen=True, slots=True)

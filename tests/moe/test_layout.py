@@ -2,8 +2,10 @@
 
 8 gloo ranks at pp=2 x dp=4 x ep=2: each stage's 4 data-parallel ranks form 2 expert replicas of 2 ranks.
 Every rank feeds its quarter of the global batch; after ``reduce_gradients`` every gradient must be the
-single-process gradient of the whole global batch (summed over micro-batches, averaged over dp), and three
-AdamW steps later the losses must still be the single process's.
+single-process gradient of the whole global batch (summed over micro-batches, averaged over dp). The
+optimizer is the trainer's: ZeRO-1 AdamW with the global gradient norm clipped to a value every step
+exceeds; the norms must be the single process's ``clip_grad_norm_`` and, three steps later, so must the
+losses.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import torch
 
 from dualpipe import DualPipe, DualPipeV
 from moe import lm_loss
-from moe.grad_sync import reduce_gradients, split_params
+from moe.grad_sync import make_optimizer, reduce_gradients
 from moe.model import MoEModel
 from moe.parallel import ParallelConfig, build_stages, init_layout
 from tests.distributed import run_ranks
 from tests.moe.helpers import SEED, assert_rel_close, batch, tiny_config
 
-PP, DP, EP, PER_RANK, CHUNKS, STEPS, LR = 2, 4, 2, 4, 4, 3, 1e-2
+PP, DP, EP, PER_RANK, CHUNKS, STEPS, LR, CLIP = 2, 4, 2, 4, 4, 3, 1e-2, 0.5
 PIPELINES = {"dualpipev": DualPipeV, "dualpipe": DualPipe}
 
 
@@ -27,8 +29,7 @@ def _global_batch(cfg, step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     return batch(cfg, dp * PER_RANK, 16, seed=step)
 
 
-def _adamw(params) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01, betas=(0.9, 0.95))
+ADAMW = {"lr": LR, "weight_decay": 0.01, "betas": (0.9, 0.95)}
 
 
 def _train(rank: int, world: int, schedule: str, dp: int):
@@ -36,10 +37,9 @@ def _train(rank: int, world: int, schedule: str, dp: int):
     layout = init_layout(ParallelConfig(pp=PP, dp=dp, ep=EP, schedule=schedule))
     stages = build_stages(cfg, layout, seed=SEED)
     pipe = PIPELINES[schedule](stages, batch_dim=0, process_group=layout.pp_group, overlap=True)
-    dense, expert = split_params(stages)
-    optimizer = _adamw(dense + expert)
+    optimizer = make_optimizer(stages, layout, zero=True, **ADAMW)
     mine = slice(layout.dp_rank * PER_RANK, (layout.dp_rank + 1) * PER_RANK)
-    losses, first_grads = [], {}
+    losses, norms, first_grads = [], [], {}
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
         ids, labels = _global_batch(cfg, step, dp)
@@ -48,18 +48,20 @@ def _train(rank: int, world: int, schedule: str, dp: int):
         reduce_gradients(stages, layout)
         if step == 0:
             first_grads = {n: p.grad.clone() for m in stages for n, p in m.named_parameters()}
+        norms.append(optimizer.clip_grad_norm_(CLIP))
         optimizer.step()
         losses.append(None if loss is None else loss.detach().clone())
     experts = list(stages[0].dispatcher.local_experts)
     coords = (layout.pp_rank, layout.edp_rank, layout.ep_rank)
-    return coords, losses, first_grads, experts
+    return coords, losses, first_grads, experts, norms
 
 
-def _reference(cfg, dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Mean micro-batch loss per step and the first step's gradients of one process on the global batch."""
+def _reference(cfg, dp: int) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """Mean micro-batch loss per step, the first step's gradients and every step's gradient norm of one
+    process on the global batch."""
     model = MoEModel(cfg, seed=SEED)
-    optimizer = _adamw(model.parameters())
-    means, first = [], {}
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    means, first, norms = [], {}, []
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
         ids, labels = _global_batch(cfg, step, dp)
@@ -74,19 +76,21 @@ def _reference(cfg, dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
             p.grad /= dp  # summed over micro-batches, averaged over the dp ranks
         if step == 0:
             first = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         optimizer.step()
         means.append(total / (dp * CHUNKS))
-    return means, first
+    return means, first, norms
 
 
 @pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
 def test_pp2_dp4_ep2_trains_like_one_process(schedule: str, dp: int = DP) -> None:
     cfg = tiny_config()
-    ref_means, ref_grads = _reference(cfg, dp)
+    ref_means, ref_grads, ref_norms = _reference(cfg, dp)
     results = run_ranks(_train, world_size=PP * dp, args=(schedule, dp), timeout=240)
 
     seen: dict[tuple[int, int], set[str]] = {}
-    for (pp_rank, edp_rank, ep_rank), _, grads, experts in results:
+    for (pp_rank, edp_rank, ep_rank), _, grads, experts, norms in results:
+        assert norms == pytest.approx(ref_norms, rel=1e-5)  # every rank: each parameter counted once
         for name, g in grads.items():
             want = ref_grads[name]
             if ".experts." in name:
@@ -100,3 +104,4 @@ def test_pp2_dp4_ep2_trains_like_one_process(schedule: str, dp: int = DP) -> Non
         got = torch.cat([r[1][step].flatten() for r in results if r[1][step] is not None])
         assert got.numel() == dp * CHUNKS
         assert abs(got.mean().item() - ref_means[step]) <= 2e-5 * abs(ref_means[step]), (step, got, ref_means)
+    assert all(n > CLIP for n in ref_norms)  # the clipping acted at every step
