@@ -318,12 +318,15 @@ _META_RESULTS = {
     "swiglu": lambda m, x: _meta(x.shape[0], x.shape[1] // 2, dtype=x.dtype),
     "swiglu_backward": lambda m, dy, x: _meta(*x.shape, dtype=x.dtype),
     "permute": lambda m, x, idx, e: (
-        _meta(m, x.shape[1], dtype=x.dtype), _meta(m, dtype=torch.int64), _meta(e, dtype=torch.int64)
+        _meta(m, x.shape[1], dtype=x.dtype),
+        _meta(m, dtype=torch.int64),
+        _meta(e, dtype=torch.int64),
     ),
     "permute_backward": lambda m, dx, row_id, t, k: _meta(t, dx.shape[1], dtype=dx.dtype),
     "unpermute": lambda m, y, row_id, w: _meta(w.shape[0], y.shape[1], dtype=y.dtype),
     "unpermute_backward": lambda m, dout, y, row_id, w: (
-        _meta(*y.shape, dtype=y.dtype), _meta(*w.shape, dtype=w.dtype)
+        _meta(*y.shape, dtype=y.dtype),
+        _meta(*w.shape, dtype=w.dtype),
     ),
     "router_topk": lambda m, logits, bias, k, *a, **kw: (
         _meta(logits.shape[0], k, dtype=torch.float32),
