@@ -220,14 +220,17 @@ def _expert_runs(shapes: KernelShapes) -> list[tuple[int, int]]:
 
 
 def _routing(r: int, m: int, shapes: KernelShapes, device: torch.device) -> torch.Tensor:
-    """local_idx [R, K]: m of the R*K slots routed, round-robin over the local experts, the rest -1."""
+    """local_idx [R, K]: m of the R*K slots routed, the rest -1 (slots served by other ranks).
+
+    Routed slot s sits at token s % R, top-k position s // R: the routed slots spread over all tokens
+    before any token gets a second one, as after a real dispatch. Its expert is (token + position) % E:
+    distinct within a token (as top-k picks are) and balanced over the local experts.
+    """
     k, e = shapes.top_k, shapes.num_local_experts
-    flat = torch.full((r * k,), -1, dtype=torch.int64, device=device)
     slots = torch.arange(m, device=device)
-    # Slot s goes to token s // K... spread the m routed slots over all tokens first so that every
-    # token with a routed slot is a distinct row (as after a real dispatch), then over its K slots.
-    where = (slots % r) * k + slots // r
-    flat[where] = slots % e
+    token, position = slots % r, slots // r
+    flat = torch.full((r * k,), -1, dtype=torch.int64, device=device)
+    flat[token * k + position] = (token + position) % e
     return flat.view(r, k)
 
 
@@ -353,4 +356,8 @@ def warm_up(shapes: KernelShapes, device: torch.device | str, *, comm_sms: int =
         torch.manual_seed(0)
         _run_all(shapes, device, comm_sms)
     torch.cuda.synchronize(device)
+    # The balanced run held one MoE layer's expert weights, their gradients and T x K rows of activations
+    # (about 6 GB at DeepSeek-V3's per-rank shapes): hand the blocks back rather than leave them cached in
+    # sizes the training step may never reuse.
+    torch.cuda.empty_cache()
     return tuple(sorted(shape_classes(shapes)))

@@ -143,3 +143,15 @@ def test_no_compile_or_tuning_after_warm_up():
         triton.knobs.runtime.jit_cache_hook = None
     assert misses == [], f"{len(misses)} kernel compiles after the warm-up"
     assert {name: dict(triton_grouped_gemm._autotuned(name).cache) for name in tuned} == tuned
+
+
+def test_warm_up_routing_is_like_a_real_dispatch():
+    # m routed slots over R rows, spread over the rows first, distinct local experts within a row.
+    shapes = KernelShapes.from_config(tiny_config(), tokens=32, ep=1)
+    for r, m in [(5, 7), (32, 64), (33, 0), (1, 1)]:
+        idx = warmup._routing(r, m, shapes, torch.device("cpu"))
+        assert idx.shape == (r, shapes.top_k) and int((idx >= 0).sum()) == m
+        assert int((idx >= 0).any(1).sum()) == min(r, m)
+        for row in idx:
+            picked = row[row >= 0]
+            assert picked.unique().numel() == picked.numel() and (picked < shapes.num_local_experts).all()
