@@ -47,7 +47,7 @@ def _routing(case: str, rank: int, num_tokens: int) -> torch.Tensor:
 
 
 def _expected_recv(
-    rank: int, world: int, everyone: list, dtype: torch.dtype
+    rank: int, world: int, everyone: list, dtype: torch.dtype, hidden: int = HIDDEN
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows this rank must receive: by source rank, then token; local ids (-1 elsewhere), local weights."""
     e_local = NUM_EXPERTS // world
@@ -61,21 +61,23 @@ def _expected_recv(
                 ids.append(local)
                 ws.append(w_TK[t])
     if not xs:
-        return torch.zeros(0, HIDDEN, dtype=dtype), torch.zeros(0, TOP_K, dtype=torch.long), torch.zeros(0, TOP_K)
+        return torch.zeros(0, hidden, dtype=dtype), torch.zeros(0, TOP_K, dtype=torch.long), torch.zeros(0, TOP_K)
     return torch.stack(xs), torch.stack(ids), torch.stack(ws)
 
 
-def _check_dispatcher(dispatcher, rank: int, world: int, case: str, dtype: torch.dtype) -> list[torch.Tensor]:
+def _check_dispatcher(
+    dispatcher, rank: int, world: int, case: str, dtype: torch.dtype, hidden: int = HIDDEN
+) -> list[torch.Tensor]:
     """Rows moved (dispatch, combine backward) against the oracle, exactly; sums (combine, dispatch backward)
     against it in fp32 only. Returns every output, for comparing backends at one dtype."""
     num_tokens = TOKENS[rank]
     gen = torch.Generator().manual_seed(rank)
-    x_TD = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
+    x_TD = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
     w_TK = torch.rand(num_tokens, TOP_K, generator=gen) + 0.1
     idx_TK = _routing(case, rank, num_tokens)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, (x_TD, idx_TK, w_TK))
-    exp_x, exp_idx, exp_w = _expected_recv(rank, world, everyone, dtype)
+    exp_x, exp_idx, exp_w = _expected_recv(rank, world, everyone, dtype, hidden)
     exact_sums = dtype == torch.float32
 
     route = dispatcher.plan(idx_TK)

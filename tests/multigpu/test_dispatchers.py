@@ -21,11 +21,18 @@ from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, Dispatched, Pending, mak
 from moe.parallel import ParallelConfig, init_layout, reduce_gradients
 from tests.distributed import run_ranks
 from tests.moe.helpers import SEED, assert_rel_close, batch, tiny_config
-from tests.moe.test_dispatch import HIDDEN, NUM_EXPERTS, _check_dispatcher
+from tests.moe.test_dispatch import NUM_EXPERTS, _check_dispatcher
 
 pytestmark = pytest.mark.multigpu
 KINDS = ("alltoall", "deepep", "deepep-v2")
 BF16 = torch.bfloat16
+# Rows every backend takes: DeepEP V2's combine needs hidden % 256 == 0, V1 intranode rows of whole 32-byte
+# pairs up to 16,368 bytes (512 bytes here).
+HIDDEN = 256
+
+
+def _config():
+    return tiny_config(hidden_size=HIDDEN)
 
 
 def _skip_unless_available(kind: str) -> None:
@@ -77,7 +84,7 @@ def _round_trips(rank: int, world: int, kind: str) -> int:
     inner = make_dispatcher(kind, NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=BF16)
     dispatcher = _OnDevice(inner, device)
     for case in ("random", "skewed"):
-        _check_dispatcher(dispatcher, rank, world, case, BF16)
+        _check_dispatcher(dispatcher, rank, world, case, BF16, HIDDEN)
     if nccl:
         torch.cuda.synchronize()
     if hasattr(inner, "close"):
@@ -94,7 +101,7 @@ def test_rows_move_exactly(kind: str, world: int):
 
 
 def _ep_step(rank: int, world: int, kind: str):
-    cfg = tiny_config()
+    cfg = _config()
     layout = init_layout(ParallelConfig(pp=1, ep=world, dispatcher=kind), device_type="cuda")
     dispatcher = make_dispatcher(kind, cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size, dtype=BF16)
     stage = MoEStage(
@@ -122,7 +129,7 @@ def _ep_step(rank: int, world: int, kind: str):
 def test_ep_step_matches_local(kind: str):
     _skip_unless_available(kind)
     world = 2
-    cfg = tiny_config()
+    cfg = _config()
     ids, labels = batch(cfg, 2 * world, 16)
     # The oracle: the whole batch in one process on one GPU, all experts local (MoEModel's local dispatcher).
     model = MoEModel(cfg, seed=SEED, piecewise=True).to("cuda", BF16)
