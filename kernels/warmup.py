@@ -352,7 +352,8 @@ def warm_up(shapes: KernelShapes, device: torch.device | str, *, comm_sms: int =
     if device.type != "cuda" or ops.backend_for(torch.empty(0, device=device)) != "triton":
         return ()
     # The warm-up's random inputs must not move the caller's generator (the model's init, data order).
-    with torch.random.fork_rng(devices=[device]):
+    # enable_grad: the backward kernels are warmed through autograd, also when the caller is in no_grad.
+    with torch.random.fork_rng(devices=[device]), torch.enable_grad():
         torch.manual_seed(0)
         _run_all(shapes, device, comm_sms)
     torch.cuda.synchronize(device)

@@ -125,6 +125,8 @@ def test_no_compile_or_tuning_after_warm_up():
     # On the GPU: after warm_up, a forward and backward of the model compiles nothing and adds no
     # autotune entry (triton.knobs.runtime.jit_cache_hook is called on every compile-cache miss).
     triton = pytest.importorskip("triton")
+    if not hasattr(triton, "knobs"):  # triton.knobs (and its compile hooks) came with Triton 3.4
+        pytest.skip(f"Triton {triton.__version__} has no triton.knobs.runtime.jit_cache_hook")
     from kernels import triton_grouped_gemm
 
     cfg = tiny_config(hidden_size=64, moe_intermediate_size=32, dense_intermediate_size=96)
