@@ -30,6 +30,7 @@ import torch.distributed as dist
 from dualpipe import PIPELINES, Pipeline
 from dualpipe.observer import ProfilerObserver
 from dualpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, schedule_spec
+from kernels.warmup import KernelShapes, warm_up
 from moe.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -371,6 +372,10 @@ def setup(args: argparse.Namespace) -> Run:
     layout = init_layout(pc, device.type)
     dtype = getattr(torch, args.dtype)
     stages = build_stages(cfg, layout, seed=args.seed, dtype=dtype, device=device)
+    # Triton compiles and autotunes at the real shapes now, on every rank alike, not inside the first
+    # pipe.step while all-to-alls are in flight (a no-op off CUDA).
+    tokens = args.micro_batch_size * args.seq_len
+    warm_up(KernelShapes.from_config(cfg, tokens=tokens, ep=pc.ep, dtype=dtype), device, comm_sms=pc.reserved_sms)
     pipe = PIPELINES[args.schedule](
         list(stages), process_group=layout.pp_group, timeout=args.timeout, overlap=args.overlap
     )

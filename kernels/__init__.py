@@ -3,9 +3,10 @@
 Layers: :mod:`kernels.registry` (the op table), :mod:`kernels.reference` (the oracle, and the backend off
 CUDA), ``kernels.triton_*`` (Triton kernels and their launchers, imported lazily), :mod:`kernels.ops` (the
 switch, raw ops), :mod:`kernels.functional` (autograd Functions, among them the expert MLP
-:func:`~kernels.functional.grouped_experts`), and :mod:`kernels.aot` (compiles every kernel for sm_90
-without a GPU and reports registers, spills and shared memory). A new kernel is a ``triton_*.py`` module
-plus its reference, each function marked with :func:`kernels.registry.register`.
+:func:`~kernels.functional.grouped_experts`), :mod:`kernels.aot` (compiles every kernel for sm_90
+without a GPU and reports registers, spills and shared memory), and :mod:`kernels.warmup` (compiles and
+autotunes every kernel at a model's shapes once per rank, before the first training step). A new kernel is
+a ``triton_*.py`` module plus its reference, each function marked with :func:`kernels.registry.register`.
 Importing this package has no side effects and does not import Triton.
 """
 

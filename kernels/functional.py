@@ -124,8 +124,14 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(x_MF2: torch.Tensor) -> torch.Tensor:
-    """Differentiable silu(gate) * up with x = [gate | up]: [M, 2F] -> [M, F]."""
-    return _SwiGLU.apply(x_MF2.contiguous())
+    """Differentiable silu(gate) * up with x = [gate | up]: [..., 2F] -> [..., F].
+
+    Leading dimensions are flattened into rows for the op (the Triton launcher takes a 2-D [M, 2F]; a
+    dense MLP passes [B, S, 2F]) and restored on the result.
+    """
+    lead = x_MF2.shape[:-1]
+    y_MF = _SwiGLU.apply(x_MF2.contiguous().reshape(-1, x_MF2.shape[-1]))
+    return y_MF.reshape(*lead, y_MF.shape[-1])
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -19,6 +19,8 @@ path calls :meth:`DeepEPDispatcher.close`; an error path only drops the object (
 
 from __future__ import annotations
 
+import importlib.metadata
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,11 +28,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe.dispatch import deepep_common
 from moe.dispatch.base import DEFAULT_COMM_SMS, Dispatched, Pending, Route, TokenDispatcher
-from moe.dispatch.deepep_common import as_local_idx, as_topk_idx, as_topk_weights, import_deep_ep, row_bytes
+from moe.dispatch.deepep_common import as_local_idx, as_topk_idx, as_topk_weights, row_bytes
 from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 
-__all__ = ["DEEPEP_INSTALL_HINT", "NVL_PEERS", "DeepEPDispatcher", "deepep_rules", "topology_problem"]
+__all__ = [
+    "DEEPEP_INSTALL_HINT",
+    "DEEPEP_V1_COMMIT",
+    "NVL_PEERS",
+    "DeepEPApi",
+    "DeepEPDispatcher",
+    "deep_ep_api",
+    "deepep_rules",
+    "import_deep_ep",
+    "topology_problem",
+]
 
 NVL_PEERS = 8
 """Ranks one node serves over NVLink (DeepEP's ``NUM_MAX_NVL_PEERS``, csrc/kernels/legacy/compiled.cuh)."""
@@ -44,12 +57,98 @@ ROW_BYTES_MULTIPLE = 32
 # EP_DEVICE_ASSERT(hidden_int4 % 32 == 0)), i.e. hidden % 256 == 0 in bf16.
 INTERNODE_HIDDEN_MULTIPLE = 256
 
+DEEPEP_V1_COMMIT = "567632dd59810d77b3cc05553df953cc0f779799"
+"""The DeepEP this backend is written against: the last commit before V2 (2026-02-03; it installs as
+``deep_ep`` version ``1.2.1+567632d``). The backend calls only V1 ``Buffer`` entry points that every commit
+from ``0c984e2`` (2025-07-11, ``explicitly_destroy``; tag v1.2.1 has it) on provides, and V2 (2.x) keeps the
+same class as ``deep_ep.buffers.legacy.Buffer``; docs/gpu.md has the install steps."""
+
+# What this file calls on the Buffer class; a V1 build that lacks one is too old for this backend.
+_V1_ENTRY_POINTS = (
+    "set_num_sms", "capture", "get_dispatch_config", "get_combine_config",
+    "get_dispatch_layout", "dispatch", "combine", "destroy",
+)  # fmt: skip
+
 DEEPEP_INSTALL_HINT = (
     "the 'deepep' dispatcher needs DeepEP (module 'deep_ep'), which is built from source on a GPU machine "
-    "with NVSHMEM: git clone https://github.com/deepseek-ai/DeepEP && cd DeepEP && "
-    "NVSHMEM_DIR=/path/to/nvshmem python setup.py install (see its README). Do not use the PyPI package "
-    "'deep-ep' (an unbuildable re-upload). Or pick dispatcher='alltoall'."
+    "with NVSHMEM: git clone https://github.com/deepseek-ai/DeepEP && cd DeepEP && git checkout "
+    f"{DEEPEP_V1_COMMIT[:7]} && NVSHMEM_DIR=/path/to/nvshmem python setup.py install (docs/gpu.md has the "
+    "steps; DeepEP 2.x works too, through its legacy Buffer). Do not use the PyPI package 'deep-ep' (an "
+    "unbuildable re-upload). Or pick dispatcher='alltoall'."
 )
+
+
+@dataclass(frozen=True, slots=True)
+class DeepEPApi:
+    """Which DeepEP was imported and the V1-API ``Buffer`` class this backend drives in it."""
+
+    generation: int
+    """1: a V1 package (``deep_ep.Buffer`` is the V1 class); 2: a V2 package (``Buffer`` is its legacy copy)."""
+    version: str
+    """The installed distribution's version (V1: ``1.2.1+<commit>``), V2's ``__version__``, or "unknown"."""
+    buffer_cls: Any
+
+    def describe(self) -> str:
+        """One line for logs: which API the ``deepep`` backend found."""
+        if self.generation == 2:
+            return (
+                f"DeepEP {self.version} (V2): the 'deepep' backend uses its legacy V1 Buffer "
+                "(deep_ep/buffers/legacy.py, NVSHMEM for internode); 'deepep-v2' uses its ElasticBuffer"
+            )
+        return f"DeepEP {self.version} (V1 Buffer API, targeted at commit {DEEPEP_V1_COMMIT[:7]})"
+
+
+def _distribution_version(module: Any) -> str:
+    version = getattr(module, "__version__", None)  # V2 sets it in deep_ep/__init__.py; V1 does not
+    if version is None:
+        try:
+            version = importlib.metadata.version("deep_ep")  # setup.py: name='deep_ep', '1.2.1+<rev>'
+        except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, or a test stand-in
+            version = "unknown"
+    return str(version)
+
+
+def deep_ep_api(module: Any) -> DeepEPApi:
+    """Check that the imported ``deep_ep`` offers the V1 Buffer API this backend calls; say which it is.
+
+    Raises ImportError naming the problem: a V1 build older than ``explicitly_destroy`` (or missing another
+    entry point), or a build whose ``topk_idx_t`` is not int64 (``TOPK_IDX_BITS=32`` in V1,
+    ``EP_NUM_TOPK_IDX_BITS=32`` in V2; this backend passes int64 expert ids).
+    """
+    version = _distribution_version(module)
+    major = version.split(".")[0]
+    generation = 2 if hasattr(module, "ElasticBuffer") or (major.isdigit() and int(major) >= 2) else 1
+    where = getattr(module, "__file__", None) or "an unnamed module"
+    buffer_cls = getattr(module, "Buffer", None)
+    if buffer_cls is None:
+        raise ImportError(f"DeepEP {version} at {where} has no Buffer class; {DEEPEP_INSTALL_HINT}")
+    missing = [name for name in _V1_ENTRY_POINTS if not callable(getattr(buffer_cls, name, None))]
+    try:
+        if "explicitly_destroy" not in inspect.signature(buffer_cls.__init__).parameters:
+            missing.append("Buffer(explicitly_destroy=...)")
+    except (TypeError, ValueError):  # a compiled class without a signature: trust the entry points
+        pass
+    if missing:
+        raise ImportError(
+            f"DeepEP {version} at {where} is older than the V1 API the 'deepep' backend calls (missing "
+            f"{', '.join(missing)}; needs commit 0c984e2 or later, targets {DEEPEP_V1_COMMIT[:7]}). "
+            f"{DEEPEP_INSTALL_HINT}"
+        )
+    topk_idx_t = getattr(module, "topk_idx_t", torch.int64)  # absent before TOPK_IDX_BITS existed: int64
+    if topk_idx_t != torch.int64:
+        raise ImportError(
+            f"DeepEP {version} at {where} was built with topk_idx_t={topk_idx_t}; the 'deepep' backend passes "
+            "int64 expert ids: rebuild without TOPK_IDX_BITS / EP_NUM_TOPK_IDX_BITS (the default is 64)"
+        )
+    return DeepEPApi(generation, version, buffer_cls)
+
+
+def import_deep_ep() -> Any:
+    """Import ``deep_ep`` lazily (a missing install or V2's NCCL refusal: ImportError with build instructions,
+    :func:`moe.dispatch.deepep_common.import_deep_ep`) and check it offers the V1 API (:func:`deep_ep_api`)."""
+    module = deepep_common.import_deep_ep(DEEPEP_INSTALL_HINT)
+    deep_ep_api(module)
+    return module
 
 
 @dataclass(slots=True)
@@ -94,10 +193,10 @@ class DeepEPDispatcher(TokenDispatcher):
             # legacy.py ``dispatch``: "Internode dispatch does not support `num_worst_tokens > 0`".
             raise ValueError(f"sync-free DeepEP dispatch is intranode only (<= {NVL_PEERS} ranks), got {self.ep_size}")
         self.sync_free = sync_free
-        deep_ep = import_deep_ep(DEEPEP_INSTALL_HINT)
+        self.api = deep_ep_api(import_deep_ep())
         if comm_sms <= 0 or comm_sms % 2:
             raise ValueError(f"DeepEP needs a positive, even SM count, got comm_sms={comm_sms}")
-        buffer_cls = deep_ep.Buffer
+        buffer_cls = self.api.buffer_cls
         buffer_cls.set_num_sms(comm_sms)
         num_nvl_bytes = num_rdma_bytes = 0
         for cfg in (buffer_cls.get_dispatch_config(self.ep_size), buffer_cls.get_combine_config(self.ep_size)):

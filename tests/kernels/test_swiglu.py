@@ -40,3 +40,11 @@ def test_launcher_rejects_odd_width(device):
         triton_swiglu.swiglu(torch.randn(4, 7, device=device))
     with pytest.raises(ValueError, match="dy"):
         triton_swiglu.swiglu_backward(torch.randn(4, 3, device=device), torch.randn(4, 8, device=device))
+
+
+def test_functional_swiglu_takes_leading_dims(device):
+    # A dense MLP passes [B, S, 2F]; the Triton launcher takes [M, 2F], so the rows are flattened.
+    x = torch.randn(2, 3, 2 * 5, device=device)
+    y = functional.swiglu(x)
+    assert y.shape == (2, 3, 5)
+    assert_close(y, reference.swiglu(x))

@@ -1,0 +1,364 @@
+"""Compile and autotune every Triton kernel at a model's real shapes before the first training step.
+
+Legend for shape suffixes: T tokens of one micro-batch on this rank, R rows a rank receives after
+dispatch, M routed rows (R's slots that hit a local expert), D hidden, F intermediate width, E local
+experts (``E_all`` routed experts in the router), K top-k.
+
+Why a warm-up, and not fixed configs. Two things happen on the first Triton call with new arguments, and
+both must stay out of ``pipe.step``, where NCCL/DeepEP work of other ranks is in flight:
+
+* the grouped GEMM's ``triton.autotune`` benchmarks every config (``do_bench``: device syncs and
+  reruns, tens of milliseconds per key). Ranks tuning at different moments drift apart inside the
+  overlapped pair, and a rank blocked in ``do_bench`` behind a DeepEP kernel that waits for a peer can
+  hang. Fixed configs per shape class would avoid tuning but not compilation, and would freeze one GPU's
+  choice (H100, H800 and H200 differ in bandwidth per SM) into the code;
+* every ``@triton.jit`` kernel compiles once per *specialisation*: Triton specialises each integer
+  argument on ``== 1`` (folded into a constant) and ``% 16 == 0`` (a divisibility hint), and types it
+  i32 or i64 by range (``specialize_impl`` in ``python/triton/runtime/jit.py``; native code from
+  Triton 3.5). A compile costs 0.2-2 s of host time, and the row counts after dispatch (R, M) change
+  every step, so a kernel that takes them as arguments meets a new class on some later step unless all
+  were compiled up front.
+
+So :func:`warm_up` runs the expert path (permute, grouped GEMMs, SwiGLU, unpermute, and their
+backwards), the dense/shared SwiGLU and the router once per shape class on this rank, then synchronises.
+How the keys handle the moving M: the autotune key of the grouped GEMM is (N, K, w's strides) plus the
+tensor dtypes, and M is deliberately absent (it is not even a kernel argument: each program reads the
+per-expert counts on the device), so one tuning per key serves every routing. The warm-up tunes each key
+at the balanced-load M (T x K rows, the average a rank receives) first, because the autotuner keeps the
+config of the first call of a key; the later runs only add the compile classes of R and M. The kernels
+that do take R or M as arguments (the permute family, SwiGLU on expert rows) get one run per reachable
+class combination, enumerated by :func:`shape_classes`.
+
+Off CUDA (the torch reference, the Triton interpreter) there is nothing to tune or compile ahead:
+:func:`warm_up` returns an empty tuple and touches no kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from kernels import functional, ops
+
+__all__ = ["KernelShapes", "ShapeClass", "int_class", "shape_class", "shape_classes", "warm_up"]
+
+# Row counts tried for R and M besides the balanced ones: small, so a class costs a compile, not a GEMM.
+_SMALL_ROWS = 32
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelShapes:
+    """The sizes the model's Triton calls take on one rank."""
+
+    tokens: int
+    """T: tokens of one micro-batch on this rank (micro-batch size x sequence length)."""
+    hidden: int
+    """D: model width."""
+    expert_intermediate: int
+    """F: intermediate width of one routed expert."""
+    num_experts: int
+    """Routed experts of the router (all ranks together)."""
+    num_local_experts: int
+    """Experts this rank holds (num_experts / ep)."""
+    top_k: int
+    """K: routed experts per token."""
+    n_group: int = 1
+    """Expert groups of group-limited routing."""
+    topk_group: int = 1
+    """Groups a token may pick from."""
+    route_scale: float = 1.0
+    """Multiplier on the routing weights (does not change any class; passed so the router runs as in training)."""
+    dense_intermediates: tuple[int, ...] = ()
+    """Widths of the SwiGLU MLPs run on the T token rows: the dense layers' MLP and the fused shared experts."""
+    dtype: torch.dtype = torch.bfloat16
+    """Activation and weight dtype of the model."""
+
+    def __post_init__(self) -> None:
+        sizes = {
+            "tokens": self.tokens,
+            "hidden": self.hidden,
+            "expert_intermediate": self.expert_intermediate,
+            "num_experts": self.num_experts,
+            "num_local_experts": self.num_local_experts,
+            "top_k": self.top_k,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+        }
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"KernelShapes.{name} must be positive, got {value}")
+        if self.num_local_experts > self.num_experts or self.top_k > self.num_experts:
+            raise ValueError(
+                f"KernelShapes: num_local_experts={self.num_local_experts} and top_k={self.top_k} must not "
+                f"exceed num_experts={self.num_experts}"
+            )
+        if any(f < 1 for f in self.dense_intermediates):
+            raise ValueError(f"KernelShapes.dense_intermediates must be positive, got {self.dense_intermediates}")
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, tokens: int, ep: int, dtype: torch.dtype = torch.bfloat16) -> KernelShapes:
+        """The shapes of a model config on one rank of an ``ep``-way expert-parallel group.
+
+        cfg: any object with ``moe.MoEConfig``'s fields (hidden_size, moe_intermediate_size, num_experts,
+        top_k, n_group, topk_group, route_scale, num_shared_experts, num_dense_layers,
+        dense_intermediate_size, num_layers); read by name so that this package stays free of ``moe``.
+        tokens: micro-batch size x sequence length.
+        """
+        if ep < 1 or cfg.num_experts % ep:
+            raise ValueError(f"ep={ep} must be positive and divide num_experts={cfg.num_experts}")
+        dense = []
+        if cfg.num_dense_layers > 0:
+            dense.append(cfg.dense_intermediate_size)
+        if cfg.num_shared_experts > 0 and cfg.num_dense_layers < cfg.num_layers:
+            dense.append(cfg.num_shared_experts * cfg.moe_intermediate_size)
+        return cls(
+            tokens=tokens,
+            hidden=cfg.hidden_size,
+            expert_intermediate=cfg.moe_intermediate_size,
+            num_experts=cfg.num_experts,
+            num_local_experts=cfg.num_experts // ep,
+            top_k=cfg.top_k,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            route_scale=cfg.route_scale,
+            dense_intermediates=tuple(dict.fromkeys(dense)),
+            dtype=dtype,
+        )
+
+
+class ShapeClass(NamedTuple):
+    """One op call class: calls with equal classes hit the same compiled kernels and autotune entries."""
+
+    op: str
+    """The Triton-level op (``grouped_gemm_dgrad`` is the forward GEMM on a transposed view: "grouped_gemm")."""
+    key: tuple
+    """Fixed sizes, dtypes, and the :func:`int_class` of every row count that varies per step."""
+
+
+def int_class(value: int) -> str:
+    """Triton's specialisation class of an integer kernel argument: "1", "16" (divisible by 16, zero
+    included), "n" (anything else), with "64" appended from 2**31 on (the argument becomes i64)."""
+    cls = "1" if value == 1 else "16" if value % 16 == 0 else "n"
+    return cls + "64" if value >= 2**31 else cls
+
+
+def _dt(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _gemm_class(x_MK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> ShapeClass:
+    # The autotune key (N, K, stride_wk, stride_wn) plus what else the JIT specialises on: E (1 is folded)
+    # and the tensors' dtypes (triton.autotune adds every tensor argument's dtype to its key).
+    e, k, n = w_EKN.shape
+    return ShapeClass("grouped_gemm", (n, k, w_EKN.stride(1), w_EKN.stride(2), int_class(e), _dt(x_MK), _dt(counts_E)))
+
+
+def shape_class(op: str, *args: Any, **kwargs: Any) -> ShapeClass:
+    """The class of one call ``kernels.ops.<op>(*args, **kwargs)`` (any device, meta tensors included)."""
+    if op == "grouped_gemm":
+        return _gemm_class(*args[:3])
+    if op == "grouped_gemm_dgrad":
+        dy_MN, w_EKN, counts_E = args[:3]
+        return _gemm_class(dy_MN, w_EKN.transpose(1, 2), counts_E)
+    if op == "grouped_gemm_wgrad":
+        x_MK, dy_MN, counts_E = args[:3]
+        return ShapeClass(op, (dy_MN.shape[1], x_MK.shape[1], int_class(counts_E.shape[0]), _dt(x_MK), _dt(counts_E)))
+    if op == "swiglu":
+        (x_MF2,) = args
+        return ShapeClass(op, (x_MF2.shape[1] // 2, _dt(x_MF2), int_class(x_MF2.shape[0])))
+    if op == "swiglu_backward":
+        _, x_MF2 = args
+        return ShapeClass(op, (x_MF2.shape[1] // 2, _dt(x_MF2), int_class(x_MF2.shape[0])))
+    if op == "permute":
+        x_RD, idx_RK, num_experts = args
+        r, k = idx_RK.shape
+        return ShapeClass(op, (x_RD.shape[1], k, num_experts, _dt(x_RD), _dt(idx_RK), int_class(r), int_class(r * k)))
+    if op == "permute_backward":
+        dx_MD, _, num_tokens, top_k = args
+        return ShapeClass(op, (dx_MD.shape[1], top_k, _dt(dx_MD), int_class(dx_MD.shape[0]), int_class(num_tokens)))
+    if op == "unpermute":
+        y_MD, _, w_RK = args
+        r, k = w_RK.shape
+        return ShapeClass(op, (y_MD.shape[1], k, _dt(y_MD), _dt(w_RK), int_class(y_MD.shape[0]), int_class(r)))
+    if op == "unpermute_backward":
+        dout_RD, y_MD, _, w_RK = args
+        r, k = w_RK.shape
+        return ShapeClass(op, (y_MD.shape[1], k, _dt(dout_RD), _dt(w_RK), int_class(y_MD.shape[0]), int_class(r)))
+    if op == "router_topk":
+        logits_TE, bias_E, top_k = args[:3]
+        n_group = args[3] if len(args) > 3 else kwargs.get("n_group", 1)
+        topk_group = args[4] if len(args) > 4 else kwargs.get("topk_group", 1)
+        t, e = logits_TE.shape
+        return ShapeClass(op, (e, top_k, n_group, topk_group, _dt(logits_TE), _dt(bias_E), int_class(t)))
+    raise ValueError(f"shape_class: unknown op {op!r} (known: {', '.join(ops._OPS)})")
+
+
+def _class_representatives(candidates: list, cls) -> list:
+    """The first candidate of each distinct cls(candidate), in order."""
+    seen: dict = {}
+    for c in candidates:
+        seen.setdefault(cls(c), c)
+    return list(seen.values())
+
+
+def _expert_runs(shapes: KernelShapes) -> list[tuple[int, int]]:
+    """(R, M) pairs for the expert path: the balanced pair first (it is where each GEMM key is tuned),
+    then one pair per reachable combination of R's and M's classes (R: itself and R*K, which the permute
+    kernels take; M: 0 to R*K routed slots, where M=0 still launches the unpermute kernels on R rows)."""
+    k = shapes.top_k
+    balanced = (shapes.tokens, shapes.tokens * k)
+    rows = _class_representatives(
+        [1, *range(_SMALL_ROWS, _SMALL_ROWS + 16)], lambda r: (int_class(r), int_class(r * k))
+    )
+    runs = [balanced]
+    for r in rows:
+        routed = _class_representatives(list(range(min(r * k, 64) + 1)), int_class)
+        runs += [(r, m) for m in routed if (r, m) != balanced]
+    return runs
+
+
+def _routing(r: int, m: int, shapes: KernelShapes, device: torch.device) -> torch.Tensor:
+    """local_idx [R, K]: m of the R*K slots routed, the rest -1 (slots served by other ranks).
+
+    Routed slot s sits at token s % R, top-k position s // R: the routed slots spread over all tokens
+    before any token gets a second one, as after a real dispatch. Its expert is (token + position) % E:
+    distinct within a token (as top-k picks are) and balanced over the local experts.
+    """
+    k, e = shapes.top_k, shapes.num_local_experts
+    slots = torch.arange(m, device=device)
+    token, position = slots % r, slots // r
+    flat = torch.full((r * k,), -1, dtype=torch.int64, device=device)
+    flat[token * k + position] = (token + position) % e
+    return flat.view(r, k)
+
+
+def _randn(*shape: int, dtype: torch.dtype, device: torch.device, requires_grad: bool = False) -> torch.Tensor:
+    # Random data, not zeros: a kernel that skips work on zeros would be tuned on the wrong timings.
+    t = torch.randn(*shape, device=device, dtype=torch.float32).mul_(0.05).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def _run_expert_path(r: int, m: int, shapes: KernelShapes, device: torch.device, comm_sms: int) -> None:
+    """permute -> grouped experts -> unpermute, forward and backward, as the model's MoE layer runs them."""
+    d, f, e, k, dt = shapes.hidden, shapes.expert_intermediate, shapes.num_local_experts, shapes.top_k, shapes.dtype
+    x_RD = _randn(r, d, dtype=dt, device=device, requires_grad=True)
+    w1_EDF2 = _randn(e, d, 2 * f, dtype=dt, device=device, requires_grad=True)
+    w2_EFD = _randn(e, f, d, dtype=dt, device=device, requires_grad=True)
+    weights_RK = torch.rand(r, k, device=device, dtype=torch.float32, requires_grad=True)
+    x_MD, row_id_M, counts_E = functional.permute_tokens(x_RD, _routing(r, m, shapes, device), e)
+    y_MD = functional.grouped_experts(x_MD, w1_EDF2, w2_EFD, counts_E, comm_sms=comm_sms)
+    out_RD = functional.unpermute_tokens(y_MD, row_id_M, weights_RK)
+    out_RD.backward(_randn(r, d, dtype=dt, device=device))
+
+
+def _run_dense(rows: int, width: int, shapes: KernelShapes, device: torch.device) -> None:
+    h_MF2 = _randn(rows, 2 * width, dtype=shapes.dtype, device=device, requires_grad=True)
+    functional.swiglu(h_MF2).backward(_randn(rows, width, dtype=shapes.dtype, device=device))
+
+
+def _run_router(shapes: KernelShapes, device: torch.device) -> None:
+    logits_TE = _randn(shapes.tokens, shapes.num_experts, dtype=shapes.dtype, device=device)
+    bias_E = torch.zeros(shapes.num_experts, device=device, dtype=torch.float32)
+    ops.router_topk(logits_TE, bias_E, shapes.top_k, shapes.n_group, shapes.topk_group, shapes.route_scale)
+
+
+def _run_all(shapes: KernelShapes, device: torch.device, comm_sms: int, on_expert_run=None) -> None:
+    """Every call of the warm-up, on whatever backend the switch picks for ``device``.
+
+    on_expert_run(r, m) is told each expert-path run's sizes before it starts (the recording run needs M,
+    which meta tensors cannot compute).
+    """
+    for r, m in _expert_runs(shapes):
+        if on_expert_run is not None:
+            on_expert_run(r, m)
+        _run_expert_path(r, m, shapes, device, comm_sms)
+    for width in shapes.dense_intermediates:
+        _run_dense(shapes.tokens, width, shapes, device)
+    _run_router(shapes, device)
+
+
+def shape_classes(shapes: KernelShapes) -> frozenset[ShapeClass]:
+    """Every class :func:`warm_up` covers for ``shapes``: the classes of the calls it makes.
+
+    Computed by making the warm-up's own calls on meta tensors (no data, no kernel) with each op of
+    :mod:`kernels.ops` swapped for one that records its class and returns an empty result of the right
+    shape, so this set and what :func:`warm_up` runs cannot drift apart. ``kernels.functional`` looks the
+    ops up on the module at call time, which is what makes the swap reach it; it is undone on return.
+    """
+    seen: set[ShapeClass] = set()
+    rows = {"m": 0}
+
+    def record(name: str):
+        def op(*args: Any, **kwargs: Any) -> Any:
+            seen.add(shape_class(name, *args, **kwargs))
+            return _META_RESULTS[name](rows["m"], *args, **kwargs)
+
+        return op
+
+    saved = {name: getattr(ops, name) for name in ops._OPS}
+    try:
+        for name in ops._OPS:
+            setattr(ops, name, record(name))
+        _run_all(shapes, torch.device("meta"), 0, on_expert_run=lambda r, m: rows.update(m=m))
+    finally:
+        for name, fn in saved.items():
+            setattr(ops, name, fn)
+    return frozenset(seen)
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+# Result shapes of each op for shape_classes (m: routed rows of the current expert-path run; only permute,
+# whose M depends on the routing data, needs it).
+_META_RESULTS = {
+    "grouped_gemm": lambda m, x, w, c, **_: _meta(x.shape[0], w.shape[2], dtype=x.dtype),
+    "grouped_gemm_dgrad": lambda m, dy, w, c, **_: _meta(dy.shape[0], w.shape[1], dtype=dy.dtype),
+    "grouped_gemm_wgrad": lambda m, x, dy, c, **_: _meta(c.shape[0], x.shape[1], dy.shape[1], dtype=x.dtype),
+    "swiglu": lambda m, x: _meta(x.shape[0], x.shape[1] // 2, dtype=x.dtype),
+    "swiglu_backward": lambda m, dy, x: _meta(*x.shape, dtype=x.dtype),
+    "permute": lambda m, x, idx, e: (
+        _meta(m, x.shape[1], dtype=x.dtype),
+        _meta(m, dtype=torch.int64),
+        _meta(e, dtype=torch.int64),
+    ),
+    "permute_backward": lambda m, dx, row_id, t, k: _meta(t, dx.shape[1], dtype=dx.dtype),
+    "unpermute": lambda m, y, row_id, w: _meta(w.shape[0], y.shape[1], dtype=y.dtype),
+    "unpermute_backward": lambda m, dout, y, row_id, w: (
+        _meta(*y.shape, dtype=y.dtype),
+        _meta(*w.shape, dtype=w.dtype),
+    ),
+    "router_topk": lambda m, logits, bias, k, *a, **kw: (
+        _meta(logits.shape[0], k, dtype=torch.float32),
+        _meta(logits.shape[0], k, dtype=torch.int64),
+        _meta(*logits.shape, dtype=torch.float32),
+    ),
+}
+
+
+def warm_up(shapes: KernelShapes, device: torch.device | str, *, comm_sms: int = 0) -> tuple[ShapeClass, ...]:
+    """Compile and autotune every Triton kernel the model will call on this rank, then synchronise.
+
+    Call once per rank after the model is built and before the first ``pipe.step``, with the same
+    ``comm_sms`` the model's grouped GEMMs get (it sets their grid). Collective-free: ranks may finish at
+    different times, and the first step's communication lines them up again. Returns the classes warmed,
+    in no particular order; an empty tuple (and no kernel call at all) when ``device`` is not CUDA or the
+    backend switch (``DUALPIPE_KERNELS``) does not pick Triton for it.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or ops.backend_for(torch.empty(0, device=device)) != "triton":
+        return ()
+    # The warm-up's random inputs must not move the caller's generator (the model's init, data order).
+    # enable_grad: the backward kernels are warmed through autograd, also when the caller is in no_grad.
+    with torch.random.fork_rng(devices=[device]), torch.enable_grad():
+        torch.manual_seed(0)
+        _run_all(shapes, device, comm_sms)
+    torch.cuda.synchronize(device)
+    # The balanced run held one MoE layer's expert weights, their gradients and T x K rows of activations
+    # (about 6 GB at DeepSeek-V3's per-rank shapes): hand the blocks back rather than leave them cached in
+    # sizes the training step may never reuse.
+    torch.cuda.empty_cache()
+    return tuple(sorted(shape_classes(shapes)))
