@@ -34,7 +34,8 @@ class GroupedExperts(nn.Module):
 
     def max_rows(self, received: int, top_k: int) -> int:
         """Most expert-sorted rows ``received`` rows can make: each row's K experts are distinct (the
-        router's top-k), so a row feeds at most min(K, E) local experts. Known on the host."""
+        router's top-k), so a row feeds at most min(K, E) local experts. Known on the host. (Ids repeated
+        within a row could exceed it; permute would then drop the rows past the bound.)"""
         return received * min(top_k, self.num_local_experts)
 
     def forward(
@@ -54,7 +55,8 @@ class GroupedExperts(nn.Module):
 
         static_rows: size the expert-sorted rows by the bound :meth:`max_rows` (known on the host) instead
         of the routed count (a device value: one host sync per layer on CUDA). The sync-free mode's choice;
-        the results are the same, the padded rows cost memory and nothing else.
+        the results are the same bit for bit; the padded rows cost memory and the elementwise SwiGLU over
+        them (the grouped GEMMs and the combine never touch them).
         """
         num_rows = self.max_rows(*local_idx_RK.shape) if static_rows else None
         x_MD, row_id_M, tokens_per_expert_E = functional.permute_tokens(
