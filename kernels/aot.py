@@ -165,7 +165,7 @@ def _memory_bound_specs() -> list[KernelSpec]:
                    pointers={"idx_ptr": i64, "counts_ptr": "i32"}, ints={"S": _M, "E": _E}, constexprs=sort),
         KernelSpec(name="permute rank+scatter", kernel=tp._rank_scatter_kernel,
                    pointers={"idx_ptr": i64, "start_ptr": i64, "row_id_ptr": i64, "slot_row_ptr": i64},
-                   ints={"S": _M, "E": _E}, constexprs=sort),
+                   ints={"S": _M, "E": _E, "M": _M}, constexprs=sort),
         KernelSpec(name="permute scatter rows", kernel=tp._scatter_rows_kernel,
                    pointers={"src_ptr": "bf16", "slot_row_ptr": i64, "dst_ptr": "bf16", **no_dscale}, ints=rows,
                    constexprs={**scatter, "SCALED": False, "WITH_DSCALE": False}),

@@ -72,8 +72,8 @@ def grouped_mm(
 
 class _PermuteTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x_TD, topk_idx_TK, num_experts: int):
-        x_sorted_MD, row_id_M, tokens_per_expert_E = ops.permute(x_TD, topk_idx_TK, num_experts)
+    def forward(ctx: Any, x_TD, topk_idx_TK, num_experts: int, num_rows: int | None):
+        x_sorted_MD, row_id_M, tokens_per_expert_E = ops.permute(x_TD, topk_idx_TK, num_experts, num_rows)
         ctx.save_for_backward(row_id_M)
         ctx.num_tokens, ctx.top_k = topk_idx_TK.shape
         ctx.mark_non_differentiable(row_id_M, tokens_per_expert_E)
@@ -83,14 +83,18 @@ class _PermuteTokens(torch.autograd.Function):
     def backward(ctx: Any, dx_sorted_MD, _drow_id, _dcounts):
         (row_id_M,) = ctx.saved_tensors
         dx_TD = ops.permute_backward(dx_sorted_MD.contiguous(), row_id_M, ctx.num_tokens, ctx.top_k)
-        return dx_TD, None, None
+        return dx_TD, None, None, None
 
 
 def permute_tokens(
-    x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int
+    x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, num_rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Differentiable (w.r.t. x) permute -> (x_sorted [M, D], row_id [M] int64, tokens_per_expert [E])."""
-    return _PermuteTokens.apply(x_TD.contiguous(), topk_idx_TK.contiguous(), num_experts)
+    """Differentiable (w.r.t. x) permute -> (x_sorted [M, D], row_id [M] int64, tokens_per_expert [E]).
+
+    num_rows: a static M known on the host (an upper bound on the routed slots): the outputs are padded to it
+    and no op of the expert path reads a device value on the host. None: M is the routed count (one sync).
+    """
+    return _PermuteTokens.apply(x_TD.contiguous(), topk_idx_TK.contiguous(), num_experts, num_rows)
 
 
 class _UnpermuteTokens(torch.autograd.Function):

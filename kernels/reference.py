@@ -3,6 +3,13 @@
 Legend for shape suffixes: T tokens, D hidden size, E experts, K top-k, M routed rows (<= T*K),
 N / F output and intermediate feature sizes, G expert groups.
 
+Padded rows: with ``permute(..., num_rows=...)`` the expert path has a static row count, an upper bound on
+the routed slots known on the host (a sync-free dispatcher's padded receive size), instead of the routed
+count, which lives on the device. Rows past the routed ones are padding: their ``row_id`` is -1, the
+grouped GEMMs' counts sum to fewer than M (rows past the groups are neither read nor, on Triton, written),
+and the combine ops skip them. The references here write zeros into padded rows; the Triton kernels leave
+them unwritten, so compare padded outputs on the routed rows only.
+
 Each function here declares one op of :mod:`kernels.registry`: its name, signature and docstring are the
 op's, and its Triton twin (same name, same signature) lives in a ``kernels/triton_*.py`` module. Tests and
 benchmarks compare the two directly.
@@ -43,14 +50,14 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """y[rows of e] = x[rows of e] @ w[e]; rows are sorted by expert, group e has tokens_per_expert[e] rows.
 
-    x: [M, K], w: [E, K, N], tokens_per_expert: [E] int (sum == M, zeros allowed) -> y: [M, N] in x.dtype
-    (accumulated in fp32).
+    x: [M, K], w: [E, K, N], tokens_per_expert: [E] int (sum <= M, zeros allowed) -> y: [M, N] in x.dtype
+    (accumulated in fp32). Rows past the groups (padding, when the counts sum to less than M) are not read.
 
     comm_sms: SMs left to concurrent communication (the Triton kernel launches num_sms - comm_sms
     persistent programs; the reference ignores it, as do the other two grouped GEMMs here).
     """
     offs = _offsets(tokens_per_expert_E)
-    y_MN = x_MK.new_empty(x_MK.shape[0], w_EKN.shape[2])
+    y_MN = x_MK.new_zeros(x_MK.shape[0], w_EKN.shape[2])
     for e in range(w_EKN.shape[0]):
         lo, hi = offs[e], offs[e + 1]
         if hi > lo:
@@ -86,7 +93,7 @@ def grouped_gemm_wgrad(
 
 @register("torch")
 def permute(
-    x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int
+    x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, num_rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gather token rows into expert order.
 
@@ -94,28 +101,59 @@ def permute(
     Returns (x_sorted [M, D], row_id_M, tokens_per_expert [E] int64) where M is the number of routed
     entries, rows are ordered by expert and, within an expert, by flat position t*K + k (stable), and
     row_id[m] = t*K + k is the flat top-k slot that sorted row m came from (token = row_id // K).
+
+    num_rows: None, or a static M known on the host (an upper bound on the routed entries, e.g.
+    R * min(K, E) for R rows whose K experts are distinct), so that no output size depends on a device
+    value. Then the outputs have num_rows rows: the routed rows first, padding after (row_id -1, x zero);
+    should more entries be routed than num_rows, only the first num_rows in sorted order are kept (and
+    counted in tokens_per_expert).
     """
-    flat_M = topk_idx_TK.reshape(-1)
+    flat_S = topk_idx_TK.reshape(-1)
     k = topk_idx_TK.shape[1]
-    valid = flat_M >= 0
-    keys = torch.where(valid, flat_M, torch.full_like(flat_M, num_experts))
-    order = torch.sort(keys, stable=True).indices
-    row_id_M = order[: int(valid.sum())]
-    tokens_per_expert_E = torch.bincount(flat_M[valid].long(), minlength=num_experts)[:num_experts]
-    x_sorted_MD = x_TD.index_select(0, row_id_M // k)
-    return x_sorted_MD, row_id_M, tokens_per_expert_E.to(torch.int64)
+    valid_S = (flat_S >= 0) & (flat_S < num_experts)
+    keys_S = torch.where(valid_S, flat_S, torch.full_like(flat_S, num_experts)).long()
+    order_S = torch.sort(keys_S, stable=True).indices
+    # index_add_ rather than bincount: same counts, and no output length to read on the host.
+    counts_E = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat_S.device)
+    counts_E.index_add_(0, keys_S, torch.ones_like(keys_S))
+    tokens_per_expert_E = counts_E[:num_experts]
+    if num_rows is None:
+        row_id_M = order_S[: int(valid_S.sum())]
+        return x_TD.index_select(0, row_id_M // k), row_id_M, tokens_per_expert_E
+    if num_rows < 0:
+        raise ValueError(f"permute: num_rows={num_rows} must be >= 0")
+    routed = valid_S.sum()
+    row_id_M = torch.full((num_rows,), -1, dtype=torch.int64, device=flat_S.device)
+    kept = min(num_rows, order_S.numel())
+    row_id_M[:kept] = torch.where(torch.arange(kept, device=flat_S.device) < routed, order_S[:kept], -1)
+    end_E = torch.cumsum(tokens_per_expert_E, 0).clamp(max=num_rows)
+    tokens_per_expert_E = end_E - torch.cat([end_E.new_zeros(1), end_E[:-1]])
+    padded_M = row_id_M < 0
+    x_sorted_MD = x_TD.index_select(0, row_id_M.clamp(min=0) // k).masked_fill(padded_M[:, None], 0)
+    return x_sorted_MD, row_id_M, tokens_per_expert_E
+
+
+def _routed_rows(row_id_M: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(routed mask [M], slot [M], token [M]) of row ids where padding (-1) points at slot 0, masked out."""
+    routed_M = row_id_M >= 0
+    slot_M = row_id_M.clamp(min=0)
+    return routed_M, slot_M, slot_M // top_k
 
 
 @register("torch")
 def unpermute(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
     """Weighted scatter-add back to token order: out[t] = sum_k w[t, k] * y[row of (t, k)].
 
-    Slots that were not routed contribute nothing. Accumulates in fp32, returns y.dtype, shape [T, D].
+    Slots that were not routed, and padded rows (row_id -1), contribute nothing. Accumulates in fp32, returns
+    y.dtype, shape [T, D].
     """
     num_tokens, k = topk_weights_TK.shape
-    w_M = topk_weights_TK.reshape(-1).float().index_select(0, row_id_M)
+    routed_M, slot_M, token_M = _routed_rows(row_id_M, k)
+    w_M = topk_weights_TK.reshape(-1).float().index_select(0, slot_M)
+    # where, not a product with the mask: padded rows may hold anything, NaN included.
+    rows_MD = torch.where(routed_M[:, None], y_MD.float() * w_M[:, None], 0.0)
     out_TD = torch.zeros(num_tokens, y_MD.shape[1], dtype=torch.float32, device=y_MD.device)
-    out_TD.index_add_(0, row_id_M // k, y_MD.float() * w_M[:, None])
+    out_TD.index_add_(0, token_M, rows_MD)
     return out_TD.to(y_MD.dtype)
 
 
@@ -123,10 +161,12 @@ def unpermute(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch
 def permute_backward(dx_sorted_MD: torch.Tensor, row_id_M: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     """Gradient of :func:`permute` w.r.t. x: dx[t] = sum of the sorted rows that came from token t.
 
-    dx_sorted: [M, D], row_id: [M] from :func:`permute` -> [T, D] in dx_sorted.dtype (fp32 accumulation).
+    dx_sorted: [M, D], row_id: [M] from :func:`permute` (padded rows, -1, are skipped) -> [T, D] in
+    dx_sorted.dtype (fp32 accumulation).
     """
+    routed_M, _, token_M = _routed_rows(row_id_M, top_k)
     dx_TD = torch.zeros(num_tokens, dx_sorted_MD.shape[1], dtype=torch.float32, device=dx_sorted_MD.device)
-    dx_TD.index_add_(0, row_id_M // top_k, dx_sorted_MD.float())
+    dx_TD.index_add_(0, token_M, torch.where(routed_M[:, None], dx_sorted_MD.float(), 0.0))
     return dx_TD.to(dx_sorted_MD.dtype)
 
 
@@ -137,14 +177,17 @@ def unpermute_backward(
     """Gradients of :func:`unpermute` -> (dy [M, D] in y.dtype, dweights [T, K] in topk_weights.dtype).
 
     dy[m] = w[slot m] * dout[token of m]; dweights[t, k] = <dout[t], y[row of (t, k)]>, zero where the
-    slot was not routed. Computed in fp32.
+    slot was not routed. Padded rows (row_id -1) get dy = 0. Computed in fp32.
     """
     num_tokens, k = topk_weights_TK.shape
-    dout_MD = dout_TD.float().index_select(0, row_id_M // k)
-    w_M = topk_weights_TK.reshape(-1).float().index_select(0, row_id_M)
+    routed_M, slot_M, token_M = _routed_rows(row_id_M, k)
+    dout_MD = torch.where(routed_M[:, None], dout_TD.float().index_select(0, token_M), 0.0)
+    w_M = topk_weights_TK.reshape(-1).float().index_select(0, slot_M)
     dy_MD = (dout_MD * w_M[:, None]).to(y_MD.dtype)
+    dot_M = torch.where(routed_M, (dout_MD * y_MD.float()).sum(-1), 0.0)
+    # Padded rows add their 0 to slot 0; routed rows own their slot alone.
     dweights_S = torch.zeros(num_tokens * k, dtype=torch.float32, device=y_MD.device)
-    dweights_S[row_id_M] = (dout_MD * y_MD.float()).sum(-1)
+    dweights_S.index_add_(0, slot_M, dot_M)
     return dy_MD, dweights_S.view(num_tokens, k).to(topk_weights_TK.dtype)
 
 

@@ -13,7 +13,9 @@ Forward work items are (expert, m-tile, n-tile) triples. Their number depends on
 live on the device; to avoid a host synchronisation each program rebuilds the per-expert tile prefix sums
 from ``tokens_per_expert`` itself (E is at most a few hundred, so this costs nothing next to one tile) and
 loops while its tile index is below the device-side total. The host only needs an upper bound for the
-grid: ``sum_e ceil(c_e / BM) <= ceil(M / BM) + E``.
+grid: ``sum_e ceil(c_e / BM) <= ceil(M / BM) + E``. No launcher reads the counts on the host, so the
+counts may sum to less than M: with a static M (padded rows, ``permute(..., num_rows=...)``) the rows past
+the groups are neither read nor written, and the grid is sized from the static M.
 """
 
 from __future__ import annotations
@@ -243,7 +245,8 @@ def grouped_gemm(
     """y[rows of e] = x[rows of e] @ w[e] -> [M, N] in x.dtype, fp32 accumulation.
 
     x: [M, K] contiguous; w: [E, K, N], any strides (the input-grad passes a transposed view);
-    tokens_per_expert: [E] int32/int64 on x's device, summing to M. comm_sms SMs are left free.
+    tokens_per_expert: [E] int32/int64 on x's device, summing to M or less (rows past the groups are
+    padding: not read, y left unwritten there). comm_sms SMs are left free.
     """
     _check_operands("grouped_gemm", x_MK, w_EKN, tokens_per_expert_E)
     num_experts, k, n = w_EKN.shape
@@ -261,7 +264,12 @@ def grouped_gemm(
     args = (x_MK, w_EKN, y_MN, tokens_per_expert_E, n, k, num_experts, *w_EKN.stride())
 
     def max_tiles(meta: dict) -> int:
-        # sum_e ceil(c_e / BM) <= ceil(M / BM) + E: a bound known without reading the counts.
+        # sum_e ceil(c_e / BM) <= ceil(M / BM) + E: a bound known without reading the counts. With a padded
+        # M the bound is the worst case, and what that costs is small: the grid is capped at the SMs left to
+        # compute anyway (persistent programs), so a padded M only adds programs when the real tile count is
+        # below the SM count; those programs load E counts, find their first tile past the device-side total
+        # and exit (a few microseconds of launch, no GEMM work). Real work is what the counts say, however
+        # large M is.
         return (triton.cdiv(m, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"])
 
     _launch("forward", args, x_MK, max_tiles, comm_sms,
@@ -283,7 +291,8 @@ def grouped_gemm_wgrad(
 ) -> torch.Tensor:
     """Weight gradient dw[e] = x[rows of e]^T @ dy[rows of e] -> [E, K, N] in x.dtype (zeros if empty).
 
-    x: [M, K] and dy: [M, N], both contiguous with the same dtype; tokens_per_expert: [E] summing to M.
+    x: [M, K] and dy: [M, N], both contiguous with the same dtype; tokens_per_expert: [E] summing to M or
+    less (padded rows past the groups are not read). Work items are the E output tiles, whatever the counts.
     """
     _check_operands("grouped_gemm_wgrad", x_MK, dy_MN, tokens_per_expert_E)
     if not dy_MN.is_contiguous() or dy_MN.shape[0] != x_MK.shape[0]:

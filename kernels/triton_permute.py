@@ -19,6 +19,13 @@ deterministic and equal to the reference's (expert, then flat slot):
 Unpermute is the mirror image: each program reads the K rows of its tokens through slot_row, sums them
 in fp32 registers and writes each token row once: (M + T)*D bytes, no atomics, deterministic. Its
 backward scatters like step 4 and fuses the combine weights' gradient (a dot product per slot).
+
+Host syncs: the routed row count M lives on the device, so sizing the outputs by it costs one sync per
+call (``int(tokens_per_expert.sum())``). ``permute(..., num_rows=...)`` takes a static M known on the host
+instead (an upper bound, e.g. a sync-free dispatcher's padded receive size R times min(K, E)): the routed
+rows come first and the rest is padding, row_id -1 and x_sorted unwritten. Every op downstream (grouped
+GEMM, unpermute, the backward passes) reads rows through row_id or the counts only, so padding is never
+read, and none of them reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -48,10 +55,10 @@ def _block_histogram_kernel(idx_ptr, counts_ptr, S, E, BLOCK_S: tl.constexpr, BL
 
 @triton.jit
 def _rank_scatter_kernel(
-    idx_ptr, start_ptr, row_id_ptr, slot_row_ptr, S, E, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr
+    idx_ptr, start_ptr, row_id_ptr, slot_row_ptr, S, E, M, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr
 ):
     """row = start[b, e] + rank of the slot among block b's slots of expert e; row_id[row] = slot and
-    slot_row[slot] = row (-1 for slots that are not routed)."""
+    slot_row[slot] = row (-1 for slots that are not routed, or whose row is not below the M rows allocated)."""
     block = tl.program_id(0)
     slots = block * BLOCK_S + tl.arange(0, BLOCK_S)
     experts = tl.arange(0, BLOCK_E)
@@ -61,6 +68,7 @@ def _rank_scatter_kernel(
     start_E = tl.load(start_ptr + block * E + experts, mask=experts < E, other=0)
     routed = (idx >= 0) & (idx < E)  # an id outside [0, E) would otherwise claim row 0; treat it as -1
     dest = tl.sum(onehot * (start_E[None, :] + rank_incl - 1), axis=1)
+    routed = routed & (dest < M)  # more routed slots than a static row count: the excess is dropped
     tl.store(row_id_ptr + dest, slots.to(tl.int64), mask=(slots < S) & routed)
     tl.store(slot_row_ptr + slots, tl.where(routed, dest, -1).to(tl.int64), mask=slots < S)
 
@@ -107,10 +115,11 @@ def _scatter_rows_kernel(
 
 @triton.jit
 def _invert_kernel(row_id_ptr, slot_row_ptr, M, BLOCK: tl.constexpr):
-    """slot_row[row_id[m]] = m (slots never routed keep the -1 they were filled with)."""
+    """slot_row[row_id[m]] = m (slots never routed keep the -1 they were filled with; padded rows, whose
+    row_id is -1, are skipped)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    slot = tl.load(row_id_ptr + rows, mask=rows < M, other=0)
-    tl.store(slot_row_ptr + slot, rows.to(tl.int64), mask=rows < M)
+    slot = tl.load(row_id_ptr + rows, mask=rows < M, other=-1)
+    tl.store(slot_row_ptr + slot, rows.to(tl.int64), mask=(rows < M) & (slot >= 0))
 
 
 @triton.jit
@@ -166,10 +175,11 @@ def _check_rows(name: str, x: torch.Tensor, index: torch.Tensor, index_name: str
         raise ValueError(f"{name}: {index_name} is on {index.device}, rows on {x.device}")
 
 
-def _sort_slots(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+def _sort_slots(topk_idx_TK: torch.Tensor, num_experts: int, num_rows: int | None) -> tuple[torch.Tensor, ...]:
     """Stable counting sort of the flat slots by expert.
 
-    Returns (row_id [M] int64, slot_row [S] int64 with -1 for unrouted slots, tokens_per_expert [E] int64).
+    Returns (row_id [M] int64, slot_row [S] int64 with -1 for unrouted slots, tokens_per_expert [E] int64);
+    M is num_rows when given (row_id -1 past the routed rows), else the routed count (one host sync).
     """
     idx_S = topk_idx_TK.reshape(-1)
     s = idx_S.numel()
@@ -180,13 +190,21 @@ def _sort_slots(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     tokens_per_expert_E = counts_BE.sum(0, dtype=torch.int64)
     expert_start_E = torch.cumsum(tokens_per_expert_E, 0) - tokens_per_expert_E
     start_BE = expert_start_E[None, :] + (torch.cumsum(counts_BE, 0, dtype=torch.int64) - counts_BE)
-    # The only host synchronisation: the output has M rows, and M is known only on the device.
-    m = int(tokens_per_expert_E.sum())
-    row_id_M = torch.empty(m, dtype=torch.int64, device=idx_S.device)
+    if num_rows is None:
+        # The only host synchronisation: the output has M rows, and M is known only on the device.
+        m = int(tokens_per_expert_E.sum())
+        row_id_M = torch.empty(m, dtype=torch.int64, device=idx_S.device)
+    else:
+        m = num_rows
+        row_id_M = torch.full((m,), -1, dtype=torch.int64, device=idx_S.device)  # padding stays -1
+        # Rows past num_rows are dropped by the kernel; the counts must then stop at num_rows too, or the
+        # grouped GEMM would read past x_sorted. Tiny [E] ops, no sync.
+        end_E = torch.cumsum(tokens_per_expert_E, 0).clamp_(max=m)
+        tokens_per_expert_E = end_E - torch.cat([end_E.new_zeros(1), end_E[:-1]])
     slot_row_S = torch.empty(s, dtype=torch.int64, device=idx_S.device)
     if s > 0:
         _rank_scatter_kernel[(n_blocks,)](
-            idx_S, start_BE, row_id_M, slot_row_S, s, num_experts, BLOCK_S=block_s, BLOCK_E=block_e
+            idx_S, start_BE, row_id_M, slot_row_S, s, num_experts, m, BLOCK_S=block_s, BLOCK_E=block_e
         )
     return row_id_M, slot_row_S, tokens_per_expert_E
 
@@ -235,18 +253,21 @@ def _combine(y_MD, row_id_M, num_tokens, top_k, weights_S=None):
 
 @register("triton")
 def permute(
-    x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int
+    x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, num_rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows in expert order -> (x_sorted [M, D], row_id [M] int64, tokens_per_expert [E] int64).
 
     topk_idx: [T, K] int32/int64, entries in [0, num_experts) or -1 (skipped); same order as the reference.
+    num_rows: a static M (no host sync); rows past the routed ones are padding, row_id -1, x_sorted unwritten.
     """
     _check_rows("permute", x_TD, topk_idx_TK, "topk_idx")
     if topk_idx_TK.dim() != 2 or topk_idx_TK.shape[0] != x_TD.shape[0]:
         raise ValueError(f"permute: topk_idx {tuple(topk_idx_TK.shape)} must be [T={x_TD.shape[0]}, K]")
     if num_experts < 1:
         raise ValueError(f"permute: num_experts={num_experts} must be positive")
-    row_id_M, slot_row_S, tokens_per_expert_E = _sort_slots(topk_idx_TK, num_experts)
+    if num_rows is not None and num_rows < 0:
+        raise ValueError(f"permute: num_rows={num_rows} must be >= 0")
+    row_id_M, slot_row_S, tokens_per_expert_E = _sort_slots(topk_idx_TK, num_experts, num_rows)
     x_sorted_MD = _scatter(x_TD, slot_row_S, row_id_M.numel(), topk_idx_TK.shape[1], x_TD.dtype)
     return x_sorted_MD, row_id_M, tokens_per_expert_E
 

@@ -99,7 +99,9 @@ class Block(nn.Module):
         if not self.is_moe:
             return self.mlp(z_BSD), None
         assert recv is not None
-        y_RD = self.experts(recv.x_RD, recv.local_idx_RK, recv.weights_RK, self.comm_sms)
+        # A sync-free dispatcher's rows come padded to a host-known size: the experts keep to static sizes too.
+        static = self._dispatcher is not None and self._dispatcher.sync_free
+        y_RD = self.experts(recv.x_RD, recv.local_idx_RK, recv.weights_RK, self.comm_sms, static_rows=static)
         shared_BSD = self.shared(z_BSD) if self.shared is not None else None
         return y_RD, shared_BSD
 

@@ -62,6 +62,10 @@ class Route:
 class TokenDispatcher(ABC):
     """Moves token rows to the ranks that hold their experts and back."""
 
+    sync_free: bool = False
+    """Worst-case receive buffers, no host sync in dispatch or combine (backends that have the mode set it
+    per instance); the expert computation then sizes its rows statically too."""
+
     def __init__(self, num_experts: int, ep_size: int, ep_rank: int) -> None:
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {ep_size}")

@@ -122,3 +122,24 @@ def test_autotuned_launch_path(device, monkeypatch):
         assert tgg._autotuned.cache_info().currsize == 2  # both autotuners were built and used
     finally:
         tgg._autotuned.cache_clear()  # the next caller builds its autotuner from the real configs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padded_rows_are_not_read(device, dtype):
+    """Counts summing to fewer than M (a static row count with padding after the groups): the real rows
+    match the reference and the unpadded call, whatever the padding holds (NaN here: a read would show)."""
+    counts_E = torch.tensor([7, 0, 12, 3], dtype=torch.int64)
+    x_MK, w_EKN, dy_MN, counts_E = _operands(device, dtype, counts_E, 24, 20, seed=4)
+    m, pad = x_MK.shape[0], 9
+    x_pad = torch.cat([x_MK, torch.full((pad, 24), float("nan"), dtype=dtype, device=device)])
+    dy_pad = torch.cat([dy_MN, torch.full((pad, 20), float("nan"), dtype=dtype, device=device)])
+    y_MN = ops.grouped_gemm(x_pad, w_EKN, counts_E)
+    assert y_MN.shape == (m + pad, 20)
+    assert torch.equal(y_MN[:m], ops.grouped_gemm(x_MK, w_EKN, counts_E))
+    assert_close(y_MN[:m], reference.grouped_gemm(x_pad, w_EKN, counts_E)[:m])
+    dx_MK = ops.grouped_gemm_dgrad(dy_pad, w_EKN, counts_E)
+    assert torch.equal(dx_MK[:m], ops.grouped_gemm_dgrad(dy_MN, w_EKN, counts_E))
+    assert_close(dx_MK[:m], reference.grouped_gemm_dgrad(dy_pad, w_EKN, counts_E)[:m])
+    dw_EKN = ops.grouped_gemm_wgrad(x_pad, dy_pad, counts_E)
+    assert torch.equal(dw_EKN, ops.grouped_gemm_wgrad(x_MK, dy_MN, counts_E))
+    assert_close(dw_EKN, reference.grouped_gemm_wgrad(x_pad, dy_pad, counts_E))

@@ -115,3 +115,72 @@ def test_launchers_reject_bad_arguments(device):
         tp.permute(x_TD, torch.zeros(5, 2, dtype=torch.long, device=device), 3)
     with pytest.raises(ValueError, match="row ids"):
         tp.unpermute(x_TD, torch.arange(3, device=device), torch.rand(2, 2, device=device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("extra", [0, 7, -3], ids=["exact", "padded", "truncated"])
+def test_static_num_rows_match_reference(device, dtype, extra):
+    """permute with a host-known row count: routed rows first, padding (row_id -1) after; too small a count
+    keeps the first rows in sorted order. The combine ops and both backward passes skip the padding, whatever
+    it holds (NaN here), and agree with the reference."""
+    num_tokens, top_k, num_experts, hidden = 11, 3, 4, 20
+    idx_TK = _routing(num_tokens, top_k, num_experts, seed=7).to(device)
+    routed = int((idx_TK >= 0).sum())
+    num_rows = routed + extra
+    gen = torch.Generator().manual_seed(extra + 10)
+    x_TD = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
+    w_TK = torch.rand(num_tokens, top_k, generator=gen).to(device)
+    dout_TD = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
+
+    x_sorted_MD, row_id_M, counts_E = ops.permute(x_TD, idx_TK, num_experts, num_rows)
+    ref_sorted_MD, ref_row_id_M, ref_counts_E = reference.permute(x_TD, idx_TK, num_experts, num_rows)
+    _, full_row_id, full_counts = reference.permute(x_TD, idx_TK, num_experts)
+    kept = min(routed, num_rows)
+    assert row_id_M.shape == (num_rows,) and x_sorted_MD.shape == (num_rows, hidden)
+    assert torch.equal(row_id_M, ref_row_id_M) and torch.equal(row_id_M[:kept], full_row_id[:kept])
+    assert bool((row_id_M[kept:] == -1).all())
+    assert torch.equal(counts_E, ref_counts_E) and int(counts_E.sum()) == kept
+    if extra >= 0:
+        assert torch.equal(counts_E, full_counts)
+    assert torch.equal(x_sorted_MD[:kept], ref_sorted_MD[:kept])
+    assert torch.count_nonzero(ref_sorted_MD[kept:]) == 0  # the reference zeroes its padding
+
+    y_MD = (x_sorted_MD * 1.5).clone()
+    y_MD[kept:] = float("nan")  # padding the kernels leave unwritten: it must never be read
+    assert_close(ops.unpermute(y_MD, row_id_M, w_TK), reference.unpermute(y_MD, row_id_M, w_TK))
+    assert_close(
+        ops.permute_backward(y_MD, row_id_M, num_tokens, top_k),
+        reference.permute_backward(y_MD, row_id_M, num_tokens, top_k),
+    )
+    dy_MD, dw_TK = ops.unpermute_backward(dout_TD, y_MD, row_id_M, w_TK)
+    ref_dy_MD, ref_dw_TK = reference.unpermute_backward(dout_TD, y_MD, row_id_M, w_TK)
+    assert_close(dy_MD[:kept], ref_dy_MD[:kept])
+    assert_close(dw_TK, ref_dw_TK)
+
+
+def test_static_num_rows_through_functional_equals_unpadded(device):
+    """permute_tokens -> unpermute_tokens forward and backward with padded rows gives the unpadded results
+    bit for bit (the padding changes sizes, not arithmetic)."""
+    num_tokens, top_k, num_experts, hidden = 10, 2, 3, 16
+    idx_TK = _routing(num_tokens, top_k, num_experts, seed=5).to(device)
+    gen = torch.Generator().manual_seed(2)
+    x_TD = torch.randn(num_tokens, hidden, generator=gen).to(device)
+    w_TK = torch.rand(num_tokens, top_k, generator=gen).to(device)
+    dout_TD = torch.randn(num_tokens, hidden, generator=gen).to(device)
+
+    def run(num_rows):
+        x, w = x_TD.clone().requires_grad_(), w_TK.clone().requires_grad_()
+        x_sorted, row_id, counts = functional.permute_tokens(x, idx_TK, num_experts, num_rows)
+        out = functional.unpermute_tokens(x_sorted * 2.0, row_id, w)
+        (out * dout_TD).sum().backward()
+        return out.detach(), x.grad, w.grad, counts
+
+    for got, want in zip(run(num_tokens * top_k), run(None)):
+        assert torch.equal(got, want)
+
+
+def test_static_num_rows_rejected_when_negative(device):
+    from kernels import triton_permute as tp
+
+    with pytest.raises(ValueError, match="num_rows=-1"):
+        tp.permute(torch.randn(2, 16, device=device), torch.zeros(2, 2, dtype=torch.long, device=device), 3, -1)

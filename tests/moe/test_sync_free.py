@@ -4,8 +4,9 @@ The pair is the MoE stage's hook (:meth:`MoEStage.overlapped_forward_backward`):
 interleaved with B of micro-batch A, over 2 gloo ranks (``alltoall``, ``deepep`` over the emulation in bf16)
 and at ep=1 (``local``). In sync-free mode the routing and the dispatcher issue no op that would block the host
 on CUDA, and the losses and gradients equal the normal mode's bit for bit. The expert kernels run their CPU
-references here (kernels/reference.py), which size their outputs on the host; their syncs are counted apart,
-and so are the DeepEP emulation's own (it stands for kernels).
+references here (kernels/reference.py), which read the group sizes on the host; their syncs are counted apart,
+and so are the DeepEP emulation's own (it stands for kernels). In sync-free mode the experts take a static row
+count (padded permute); the Triton path then issues none (tests/kernels/test_sync_free_experts.py).
 """
 
 from __future__ import annotations
@@ -62,10 +63,17 @@ def _both_modes(rank: int, world: int, kind: str):
 # host-sync fixes the pair flagged, on every rank, bincount x3 (router loads), nonzero x3 and tolist x6
 # (alltoall send order and counts); now the one read of the exchanged counts per MoE layer (3 layers) is left.
 NORMAL_MODE = {"alltoall": {"Tensor.tolist": 3}, "local": {}, "deepep": {}}
-REFERENCE_KERNEL_SYNCS = 27  # permute (int(sum), bincount) and the grouped GEMMs (offsets), 3 layers, F and B
+# The references' own (they are the CPU oracle and may sync), 3 layers: the grouped GEMMs' offsets (tolist, 2
+# forward + 2 dgrad + 2 wgrad per layer) in both modes, plus permute's int(sum) where the rows are not padded
+# to a static count. tests/kernels/test_sync_free_experts.py shows the Triton path at zero.
+REFERENCE_KERNEL_SYNCS = {False: 3 * (6 + 1), True: 3 * 6}
 
 
-def _check_modes(normal, free, kind: str) -> None:
+# On the Triton path (the CUDA path) normal mode adds permute's read of the routed row count, once per MoE layer.
+TRITON_PERMUTE = {"aten._local_scalar_dense": 3}
+
+
+def _check_modes(normal, free, kind: str, triton: bool = False) -> None:
     (losses, grads, loads, _, _, inside), (losses_f, grads_f, loads_f, counts_f, where_f, inside_f) = normal, free
     assert losses == losses_f
     assert grads.keys() == grads_f.keys()
@@ -74,15 +82,25 @@ def _check_modes(normal, free, kind: str) -> None:
     for name in loads:
         assert torch.equal(loads[name], loads_f[name]), name
     assert counts_f == {}, where_f
-    assert normal[3] == NORMAL_MODE[kind], normal[4]
-    # The expert kernels' CPU references see the same routed rows in both modes, so they sync alike.
-    assert inside_f == inside == REFERENCE_KERNEL_SYNCS
+    assert normal[3] == (NORMAL_MODE[kind] | TRITON_PERMUTE if triton else NORMAL_MODE[kind]), normal[4]
+    want_inside = (0, 0) if triton else (REFERENCE_KERNEL_SYNCS[False], REFERENCE_KERNEL_SYNCS[True])
+    assert (inside, inside_f) == want_inside
 
 
 def test_alltoall_sync_free_pair():
     results = run_ranks(_both_modes, world_size=2, args=("alltoall",), timeout=120)
     for normal, free in results:
         _check_modes(normal, free, "alltoall")
+
+
+@pytest.mark.slow
+def test_alltoall_sync_free_pair_on_triton():
+    """The same pair with the expert kernels on Triton (the interpreter here, which runs kernels outside aten):
+    in sync-free mode nothing at all syncs, experts included, and the results still equal normal mode's."""
+    pytest.importorskip("triton")
+    env = {"DUALPIPE_KERNELS": "triton"}
+    for normal, free in run_ranks(_both_modes, world_size=2, args=("alltoall",), timeout=300, env=env):
+        _check_modes(normal, free, "alltoall", triton=True)
 
 
 def test_local_sync_free_pair():
