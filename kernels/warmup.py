@@ -172,9 +172,11 @@ def shape_class(op: str, *args: Any, **kwargs: Any) -> ShapeClass:
         _, x_MF2 = args
         return ShapeClass(op, (x_MF2.shape[1] // 2, _dt(x_MF2), int_class(x_MF2.shape[0])))
     if op == "permute":
-        x_RD, idx_RK, num_experts = args
+        x_RD, idx_RK, num_experts = args[:3]
+        num_rows = args[3] if len(args) > 3 else kwargs.get("num_rows")
         r, k = idx_RK.shape
-        return ShapeClass(op, (x_RD.shape[1], k, num_experts, _dt(x_RD), _dt(idx_RK), int_class(r), int_class(r * k)))
+        m = r * k if num_rows is None else num_rows  # the output rows: every slot, or the sync-free bound
+        return ShapeClass(op, (x_RD.shape[1], k, num_experts, _dt(x_RD), _dt(idx_RK), int_class(r), int_class(m)))
     if op == "permute_backward":
         dx_MD, _, num_tokens, top_k = args
         return ShapeClass(op, (dx_MD.shape[1], top_k, _dt(dx_MD), int_class(dx_MD.shape[0]), int_class(num_tokens)))
@@ -320,9 +322,9 @@ _META_RESULTS = {
     "grouped_gemm_wgrad": lambda m, x, dy, c, **_: _meta(c.shape[0], x.shape[1], dy.shape[1], dtype=x.dtype),
     "swiglu": lambda m, x: _meta(x.shape[0], x.shape[1] // 2, dtype=x.dtype),
     "swiglu_backward": lambda m, dy, x: _meta(*x.shape, dtype=x.dtype),
-    "permute": lambda m, x, idx, e: (
-        _meta(m, x.shape[1], dtype=x.dtype),
-        _meta(m, dtype=torch.int64),
+    "permute": lambda m, x, idx, e, n=None: (
+        _meta(m if n is None else n, x.shape[1], dtype=x.dtype),
+        _meta(m if n is None else n, dtype=torch.int64),
         _meta(e, dtype=torch.int64),
     ),
     "permute_backward": lambda m, dx, row_id, t, k: _meta(t, dx.shape[1], dtype=dx.dtype),
