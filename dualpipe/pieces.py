@@ -73,7 +73,8 @@ class Comm:
     False (nothing to send, e.g. one rank) records no events. ``stream``: the CUDA stream the transfer runs
     on, when the backend exposes one (DeepEP's ``Buffer.get_comm_stream()``); its ``wait`` events are
     recorded there (:func:`dualpipe.events.record_edge`). None (NCCL collectives: the process group's
-    stream is internal) records them on the current stream."""
+    stream is internal) records them on the current stream. A zero-argument callable is asked at each
+    record (a backend that creates its stream lazily, at the first transfer)."""
 
     name: str
     forward: Callable[..., Pending[Any]]
@@ -210,6 +211,8 @@ class BlockRun:
     def _edge(self, piece: Comm, name: str, direction: str, edge: str) -> None:
         if piece.communicates:
             stream = piece.stream if edge == "wait" else None
+            if callable(stream):
+                stream = stream()
             record_edge(self.recorder, name, direction, self.decl.layer, edge, stream=stream)
 
     def span(self, name: str, direction: str) -> contextlib.AbstractContextManager[None]:

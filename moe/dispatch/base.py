@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -83,6 +83,12 @@ class TokenDispatcher(ABC):
     def communicates(self) -> bool:
         """Whether dispatch/combine move data between ranks (False: nothing to overlap)."""
         return self.ep_size > 1
+
+    @property
+    def comm_stream(self) -> Any:
+        """The CUDA stream this backend's transfers run on, where it exposes one (DeepEP's comm stream), so
+        that profiling records a transfer's end there; None: not exposed (NCCL's is internal) or not CUDA."""
+        return None
 
     def close(self) -> None:
         """Release what the backend holds beyond Python objects; the clean path calls it once on every rank

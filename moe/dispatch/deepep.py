@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from moe.dispatch import deepep_common
 from moe.dispatch.base import DEFAULT_COMM_SMS, Dispatched, Pending, Route, TokenDispatcher
-from moe.dispatch.deepep_common import as_local_idx, as_topk_idx, as_topk_weights, row_bytes
+from moe.dispatch.deepep_common import as_local_idx, as_topk_idx, as_topk_weights, buffer_comm_stream, row_bytes
 from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 
 __all__ = [
@@ -204,6 +204,10 @@ class DeepEPDispatcher(TokenDispatcher):
             num_rdma_bytes = max(num_rdma_bytes, cfg.get_rdma_buffer_size_hint(hidden_bytes, self.ep_size))
         self.buffer = buffer_cls(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True)
         self._buffer_cls = buffer_cls
+
+    @property
+    def comm_stream(self) -> Any:
+        return buffer_comm_stream(self.buffer)
 
     def close(self) -> None:
         """Release the Buffer (``Buffer.destroy()``: a device sync and a barrier with the NVLink peers).

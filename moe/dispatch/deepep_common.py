@@ -39,6 +39,15 @@ def import_deep_ep(install_hint: str, *, needs: str | None = None) -> Any:
     return module
 
 
+def buffer_comm_stream(buffer: Any) -> Any:
+    """A built DeepEP buffer's communication stream on CUDA, else None. Both APIs have it:
+    ``Buffer.get_comm_stream()`` (V1, deep_ep/buffer.py:191 at 567632d) and ``ElasticBuffer.get_comm_stream()``
+    (V2, deep_ep/buffers/elastic.py:539)."""
+    if buffer is None or not torch.cuda.is_available():
+        return None
+    return buffer.get_comm_stream()
+
+
 def row_bytes(hidden_size: int, dtype: torch.dtype) -> int:
     """Bytes of one row of ``hidden_size`` elements of ``dtype``."""
     return hidden_size * dtype.itemsize

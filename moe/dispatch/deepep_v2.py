@@ -52,7 +52,13 @@ import torch
 import torch.distributed as dist
 
 from moe.dispatch.base import DEFAULT_COMM_SMS, Dispatched, Pending, Route, TokenDispatcher
-from moe.dispatch.deepep_common import as_local_idx, as_topk_idx, as_topk_weights, import_deep_ep
+from moe.dispatch.deepep_common import (
+    as_local_idx,
+    as_topk_idx,
+    as_topk_weights,
+    buffer_comm_stream,
+    import_deep_ep,
+)
 from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 
 __all__ = ["DEEPEP_V2_INSTALL_HINT", "DeepEPV2Dispatcher", "deepep_v2_rules", "nvlink_domain_problem"]
@@ -126,6 +132,10 @@ class DeepEPV2Dispatcher(TokenDispatcher):
         self.num_sms = comm_sms
         """SMs of every call; with ``comm_sms=0``, DeepEP's own count once the buffer exists."""
         self._closed = False
+
+    @property
+    def comm_stream(self) -> Any:
+        return buffer_comm_stream(self.buffer)
 
     def close(self) -> None:
         """Release the ElasticBuffer (``destroy()``: a barrier with every peer and a device sync).

@@ -905,11 +905,13 @@ def _run_block(decl: Pieces, h: torch.Tensor, recorder: Any) -> torch.Tensor:
     return run.output()
 
 
-def test_a_comm_stream_carries_the_wait_edges() -> None:
+@pytest.mark.parametrize("lazy", [False, True], ids=["stream", "callable"])
+def test_a_comm_stream_carries_the_wait_edges(lazy: bool) -> None:
     net = Net(1, embed=False, head=False)
     decl = net.blocks[0].pieces(net)
     comm_stream = object()  # stands in for a CUDA stream: only passed through
-    pieces = tuple(dataclasses.replace(p, stream=comm_stream) if isinstance(p, Comm) else p for p in decl.pieces)
+    given = (lambda: comm_stream) if lazy else comm_stream  # a callable is asked at each record
+    pieces = tuple(dataclasses.replace(p, stream=given) if isinstance(p, Comm) else p for p in decl.pieces)
     decl = Pieces(pieces, input=decl.input, output=decl.output, layer=decl.layer, paired=decl.paired)
     h = _floats(1).requires_grad_()
     log = _StreamLog()

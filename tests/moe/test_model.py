@@ -186,3 +186,16 @@ def test_recompute_keeps_only_sub_stage_inputs():
         assert all(v.grad_fn is None for v in br.values.values() if isinstance(v, torch.Tensor))
     lm_loss(logits, labels).backward()
     assert logits.grad_fn.run is None  # the stage's state was released by its backward
+
+
+def test_moe_comm_pieces_record_on_the_dispatchers_comm_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dualpipe.pieces import Comm
+
+    model = MoEModel(tiny_config(), seed=SEED)
+    block = next(b for b in model.blocks.values() if b.is_moe)
+    comms = [p for p in block.pieces(1.0).pieces if isinstance(p, Comm)]
+    assert [p.name for p in comms] == ["dispatch", "combine"]
+    assert [p.stream() for p in comms] == [None, None]  # the local dispatcher exposes none
+    sentinel = object()  # a DeepEP buffer's get_comm_stream() on CUDA
+    monkeypatch.setattr(type(block._dispatcher), "comm_stream", property(lambda self: sentinel))
+    assert [p.stream() for p in comms] == [sentinel, sentinel]  # asked at record time, not at declaration
