@@ -1,11 +1,11 @@
 """Train the MoE transformer with a DualPipe-family pipeline and expert parallelism.
 
-    torchrun --standalone --nproc-per-node 4 examples/train.py --pp 2 --ep 2 --schedule dualpipev --steps 40
+    torchrun --standalone --nproc-per-node 8 examples/train.py --pp 2 --dp 4 --ep 2 --zero 1 --steps 40
 
-World size must equal pp x ep. CPU ranks use gloo, CUDA ranks NCCL. Byte-level language modelling on text
+World size = pp x dp; ep divides dp (dp/ep expert replicas per stage). CPU ranks use gloo, CUDA ranks NCCL. Byte-level language modelling on text
 already on the machine (``--data`` for your own). Rank 0 prints progress; ``--metrics-file`` gets one JSON
 line per step; ``--ckpt-dir`` with ``--ckpt-every`` writes atomic distributed checkpoints and ``--resume``
-continues from the newest one (also at another pp/ep layout). A NaN or infinite loss or gradient stops
+continues from the newest one (also at another pp/dp/ep layout). A NaN or infinite loss or gradient stops
 the run before its optimizer step (``--skip-nonfinite`` skips the step instead). A failure the flags or
 the machine cause is one line on rank 0 (``--debug``: every rank's traceback).
 """

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.examples.test_train import COMMON
 
@@ -143,10 +144,33 @@ def test_the_readme_main_command(tmp_path: Path) -> None:
         ["bash", str(ROOT / "scripts/run.sh"), "--steps", "25", "--val-every", "0", "--metrics-file", str(metrics)],
         timeout=600,
     )
-    assert "pp=2 ep=2 dualpipev overlap=True" in log
+    assert "pp=2 dp=2 ep=2 dualpipev overlap=True" in log
     loss = _metrics(metrics)
     assert sorted(loss) == list(range(1, 26))
     assert loss[25] < loss[1] - 1.0  # byte-level LM from ~ln(256)=5.5: clearly learning
+
+
+def test_the_readme_deepseek_v3_command_passes_every_launch_check() -> None:
+    """The README's 2,048-GPU command: its flags parse, its layout is valid, and every one of its 2048 / 64
+    expert groups sits where DeepEP's internode kernels need it (8 consecutive ranks per node)."""
+    from examples.train import check_args, parse_args
+    from moe.config import preset
+    from moe.dispatch import DISPATCHERS, Launch
+    from moe.parallel import ParallelConfig, rank_grid
+
+    text = (ROOT / "README.md").read_text()
+    command = text[text.index("sbatch --nodes 256") :].split("\n\n")[0].replace("\\\n", " ")
+    argv = command.split()[4:]  # after "sbatch --nodes 256 examples/launch/slurm.sbatch"
+    args = parse_args(argv)
+    check_args(args, world=256 * 8)
+    assert (args.pp, args.dp, args.ep, args.zero, args.dtype) == (16, 128, 64, 1, "bfloat16")
+    spec = DISPATCHERS.lookup(args.dispatcher)
+    rows = Launch(dtype=getattr(torch, args.dtype), hidden_size=preset(args.preset).hidden_size, comm_sms=args.comm_sms)
+    assert spec.violations(rows) == []
+    config = ParallelConfig(pp=args.pp, dp=args.dp, ep=args.ep, schedule=args.schedule)
+    groups = rank_grid(config, 2048).reshape(-1, args.ep).tolist()
+    assert len(groups) == 32
+    assert all(spec.violations(Launch(ep_ranks=tuple(g), local_world_size=8)) == [] for g in groups)
 
 
 def test_the_minimal_dualpipev_example_learns() -> None:
