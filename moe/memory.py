@@ -22,11 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from dualpipe.memory import SavedTensorTracker, storage_key
+
 __all__ = ["MemoryMeter", "SavedTensorTracker", "gradient_bytes", "optimizer_state_bytes", "parameter_bytes"]
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
 
 
 def _unique_params(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
@@ -46,7 +44,7 @@ def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         if t.device.type == "meta":
             continue
-        key = _storage_key(t)
+        key = storage_key(t)
         nbytes = t.untyped_storage().nbytes()
         if key[1] == 0:  # empty storages share the null pointer
             continue
@@ -81,94 +79,6 @@ def optimizer_state_bytes(optimizer: Any) -> int:
         return int(optimizer.state_bytes())
     tensors = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return _tensor_bytes(tensors)
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.storage_offset() == b.storage_offset()
-    )
-
-
-class _Packed:
-    """What a saved-tensors pack hook returns: holds the tensor, and tells the tracker when autograd drops it."""
-
-    __slots__ = ("key", "tensor", "tracker")
-
-    def __init__(self, tracker: SavedTensorTracker, tensor: torch.Tensor, key: tuple[str, int] | None) -> None:
-        self.tracker, self.tensor, self.key = tracker, tensor, key
-
-    def __del__(self) -> None:
-        if self.key is not None:
-            self.tracker._release(self.key)
-
-
-class SavedTensorTracker:
-    """Counts the bytes of tensors autograd keeps for backward while active (``saved_tensors_hooks``).
-
-    ``live_bytes`` is the sum over distinct storages currently saved by some live graph; ``peak_bytes`` its
-    maximum since :meth:`reset_peak`. Storages in ``exclude`` (parameters, buffers) are not counted. Works
-    on every device; activation recomputation shows as a lower peak, since a recomputed piece saves its
-    tensors only during its own backward.
-    """
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._exclude: dict[tuple[str, int], list[torch.Tensor]] = {}
-        for t in exclude:
-            self._exclude.setdefault(_storage_key(t), []).append(t)
-        self._refs: dict[tuple[str, int], tuple[int, int]] = {}  # storage -> (saved references, bytes)
-        self.live_bytes = 0
-        self.peak_bytes = 0
-        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-
-    def _pack(self, t: torch.Tensor) -> _Packed:
-        if t.device.type == "meta" or t.untyped_storage().data_ptr() == 0:
-            return _Packed(self, t, None)
-        key = _storage_key(t)
-        if key in self._exclude:
-            # The hook sees an alias of a saved parameter, not the parameter: hand the parameter itself back,
-            # since backward functions that accumulate into ``weight.grad`` (deferred weight gradients)
-            # must reach the real one.
-            same = (p for p in self._exclude[key] if _same_view(p, t))
-            return _Packed(self, next(same, t.detach()), None)
-        # Hold an alias, not ``t`` itself: a pipeline frees a sent output by swapping its ``.data``, which
-        # must not empty what backward reads (autograd's own saved output is such an alias too).
-        t = t.detach()
-        count, nbytes = self._refs.get(key, (0, t.untyped_storage().nbytes()))
-        if count == 0:
-            self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self._refs[key] = (count + 1, nbytes)
-        return _Packed(self, t, key)
-
-    @staticmethod
-    def _unpack(packed: _Packed) -> torch.Tensor:
-        return packed.tensor
-
-    def _release(self, key: tuple[str, int]) -> None:
-        count, nbytes = self._refs[key]
-        if count == 1:
-            del self._refs[key]
-            self.live_bytes -= nbytes
-        else:
-            self._refs[key] = (count - 1, nbytes)
-
-    def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
-
-    def __enter__(self) -> SavedTensorTracker:
-        if self._hooks is not None:
-            raise RuntimeError("SavedTensorTracker is already active")
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        hooks, self._hooks = self._hooks, None
-        if hooks is not None:
-            hooks.__exit__(*exc)
 
 
 class MemoryMeter:

@@ -107,3 +107,19 @@ def test_tracker_counts_a_shared_storage_once() -> None:
         assert tracker.live_bytes == 40  # exp's graph (held by y) still saves y
     del y
     assert tracker.live_bytes == 0 and tracker.peak_bytes == 40
+
+
+def test_stage_outputs_are_not_views() -> None:
+    """The pipeline frees a sent output's storage only when it is not a view (a view's base may still be
+    needed): a stage's output, plain or recomputed, must own its storage."""
+    from moe import MoEStage
+
+    cfg = tiny_config()
+    ids, _ = batch(cfg)
+    for recompute in (False, True):
+        stage = MoEStage(cfg, [0, 1], first=True, last=False, recompute=recompute)
+        stage.reset_parameters(SEED)
+        out = stage(ids)
+        assert out.requires_grad and out._base is None
+        again = MoEStage(cfg, [2, 3], first=False, last=False, recompute=recompute)
+        assert again(out.detach().requires_grad_())._base is None
