@@ -46,7 +46,7 @@ class _Loss:
 class _Sent:
     works: list[dist.Work]
     tensors: list[torch.Tensor]  # stage outputs to free once sent (none for gradients: dropping the works frees them)
-    key: MessageKey  # the message, for the arrival proofs (:func:`_arrival_proofs`)
+    key: MessageKey | None  # the message, for the arrival proofs (:func:`_arrival_proofs`); None: not used
 
 
 @dataclass(slots=True)
@@ -371,7 +371,9 @@ class Pipeline(nn.Module):
             if self.p2p.eager_data and pending.tensors is None:
                 self.p2p.start_data(pending)
         for ops_slice, freed, key in sends:
-            st.in_flight.append(_Sent(works[ops_slice] if per_op else works, freed, key))
+            # A grouped (NCCL) work reports its completion; waiting on it would also make the stream wait
+            # for the group's receives, so the arrival proofs serve per-operation works (gloo) only.
+            st.in_flight.append(_Sent(works[ops_slice], freed, key) if per_op else _Sent(works, freed, None))
 
     def _take(self, st: _StepState, kind: str, key: Key) -> list[torch.Tensor | None]:
         pending = st.inbox.pop((kind, key))
@@ -396,7 +398,7 @@ class Pipeline(nn.Module):
         """
         remaining = []
         for entry in st.in_flight:
-            if block or entry.key in st.arrived:
+            if block or (entry.key is not None and entry.key in st.arrived):
                 self.p2p.wait(entry.works, "outstanding sends at the end of the step")
             elif not all(w.is_completed() for w in entry.works):
                 remaining.append(entry)
