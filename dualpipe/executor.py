@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dualpipe import comm
-from dualpipe.checks import check_schedule
+from dualpipe.checks import MessageKey, check_schedule, message_key, needed_receives
 from dualpipe.hooks import has_overlap_hook
 from dualpipe.observer import PipelineObserver, SpanKind
 from dualpipe.p2p import P2P, Message, PendingRecv
@@ -42,6 +43,13 @@ class _Loss:
 
 
 @dataclass(slots=True)
+class _Sent:
+    works: list[dist.Work]
+    tensors: list[torch.Tensor]  # stage outputs to free once sent (none for gradients: dropping the works frees them)
+    key: MessageKey | None  # the message, for the arrival proofs (:func:`_arrival_proofs`); None: not used
+
+
+@dataclass(slots=True)
 class _StepState:
     forward_only: bool
     return_outputs: bool
@@ -54,7 +62,10 @@ class _StepState:
     input_grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
     losses: dict[Key, _Loss] = field(default_factory=dict)
     inbox: dict[tuple[str, Key], PendingRecv] = field(default_factory=dict)
-    in_flight: list[tuple[list[dist.Work], list[torch.Tensor]]] = field(default_factory=list)
+    in_flight: list[_Sent] = field(default_factory=list)
+    schedule: Schedule | None = None
+    recv_keys: dict[tuple[str, Key], MessageKey] = field(default_factory=dict)  # inbox entry -> its message
+    arrived: set[MessageKey] = field(default_factory=set)  # sends of this rank known to have arrived
     kept_outputs: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
 
 
@@ -244,6 +255,7 @@ class Pipeline(nn.Module):
         for m in last:
             st.labels[m] = scatter(tuple(labels), per_path, self.batch_dim) if labels else [()] * per_path
 
+        st.schedule = schedule
         self.grad_store.clear()
         try:
             self._run(schedule.ranks[self.rank], st)
@@ -324,8 +336,7 @@ class Pipeline(nn.Module):
     def _post_batch(self, batch: list[Action], st: _StepState) -> None:
         ops: list[dist.P2POp] = []
         recvs: list[tuple[PendingRecv, slice]] = []
-        send_slots: list[int] = []
-        sent: list[torch.Tensor] = []
+        sends: list[tuple[slice, list[torch.Tensor], MessageKey]] = []
         for a in batch:
             is_grad = a.op in (Op.SEND_B, Op.RECV_B)
             if st.forward_only and is_grad:
@@ -336,17 +347,20 @@ class Pipeline(nn.Module):
                 # inference never revisits its outputs; training keeps them for the backward graph
                 tensors = st.outputs.pop(key) if st.forward_only else st.outputs[key]
                 ops += self.p2p.send_ops(a.peer, self._message(a, False), tensors)
-                if not st.return_outputs:
-                    sent += [t for t in tensors if t is not None]
+                # A sent output's values are never read again (a last stage's outputs, which return_outputs
+                # keeps, are never sent): its storage is freed once the send completes.
+                freed = [t for t in tensors if t is not None]
+                sends.append((slice(start, len(ops)), freed, message_key(st.schedule, self.rank, a)))
             elif a.op is Op.SEND_B:
                 ops += self.p2p.send_ops(a.peer, self._message(a, True), st.input_grads.pop(key))
+                sends.append((slice(start, len(ops)), [], message_key(st.schedule, self.rank, a)))
             else:
                 pending = PendingRecv(self._message(a, is_grad), a.peer)
                 ops += self.p2p.recv_ops(pending)
-                st.inbox[("B" if is_grad else "F", key)] = pending
+                kind = "B" if is_grad else "F"
+                st.inbox[(kind, key)] = pending
+                st.recv_keys[(kind, key)] = message_key(st.schedule, self.rank, a)
                 recvs.append((pending, slice(start, len(ops))))
-            if a.op.name.startswith("SEND"):
-                send_slots += range(start, len(ops))
         works = self.p2p.issue(ops)
         # gloo returns one work per operation: a receive must wait on its own works only, since a send
         # completes only once the peer posts its receive, maybe much later. NCCL returns one work for the
@@ -356,13 +370,16 @@ class Pipeline(nn.Module):
             pending.works = works[ops_slice] if per_op else works
             if self.p2p.eager_data and pending.tensors is None:
                 self.p2p.start_data(pending)
-        sends = [works[i] for i in send_slots] if per_op else works
-        if sends:
-            st.in_flight.append((sends, sent))
+        for ops_slice, freed, key in sends:
+            # A grouped (NCCL) work reports its completion; waiting on it would also make the stream wait
+            # for the group's receives, so the arrival proofs serve per-operation works (gloo) only.
+            st.in_flight.append(_Sent(works[ops_slice], freed, key) if per_op else _Sent(works, freed, None))
 
     def _take(self, st: _StepState, kind: str, key: Key) -> list[torch.Tensor | None]:
         pending = st.inbox.pop((kind, key))
         tensors = self._observed("recv", (kind, *key), self.p2p.complete, pending)
+        assert st.schedule is not None
+        st.arrived.update(_arrival_proofs(st.schedule, self.rank).get(st.recv_keys.pop((kind, key)), ()))
         if kind == "F" and not st.forward_only:
             for t in tensors:
                 if t is not None and t.is_floating_point():
@@ -371,15 +388,22 @@ class Pipeline(nn.Module):
 
     def _reap_sends(self, st: _StepState, block: bool) -> None:
         """Release sent activations once their sends completed (their storage is freed, as the reference
-        does: the autograd graph, not the output values, is what backward needs)."""
+        does: the autograd graph, not the output values, is what backward needs).
+
+        A gloo send reports completion only once waited on (``is_completed()`` stays False), and its work
+        holds the sent tensor until then: so a send is also taken as complete, and waited on (which then
+        returns at once), when a message has arrived that the peer sent after consuming it
+        (:func:`_arrival_proofs`). Without that, gloo would keep every sent activation and gradient of the
+        step until its end.
+        """
         remaining = []
-        for works, sent in st.in_flight:
-            if block:
-                self.p2p.wait(works, "outstanding sends at the end of the step")
-            elif not all(w.is_completed() for w in works):
-                remaining.append((works, sent))
+        for entry in st.in_flight:
+            if block or (entry.key is not None and entry.key in st.arrived):
+                self.p2p.wait(entry.works, "outstanding sends at the end of the step")
+            elif not all(w.is_completed() for w in entry.works):
+                remaining.append(entry)
                 continue
-            for t in sent:
+            for t in entry.tensors:
                 if t._base is None:  # freeing a view would free its base, which may still be needed
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         st.in_flight = remaining
@@ -507,6 +531,33 @@ class Pipeline(nn.Module):
 
 _HANDLERS = {Op.F: "_forward", Op.B: "_backward", Op.I: "_backward", Op.W: "_weight", Op.FB: "_forward_backward"}
 """The executor method that runs each compute op (looked up per action; no table is built per call)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _arrival_proofs(schedule: Schedule, rank: int) -> dict[MessageKey, tuple[MessageKey, ...]]:
+    """Which sends of ``rank`` a receive proves arrived: ``{received: (sent, ...)}``.
+
+    The peer's compute that consumes our message waits for it, so any message the peer posts to us after
+    that compute can only arrive once ours has: after receiving it, waiting on our send cannot block.
+    """
+    computes = {
+        peer: [(i, a) for i, a in enumerate(actions) if a.op.is_compute] for peer, actions in enumerate(schedule.ranks)
+    }
+    proofs: dict[MessageKey, list[MessageKey]] = defaultdict(list)
+    for a in schedule.ranks[rank]:
+        if a.op not in (Op.SEND_F, Op.SEND_B):
+            continue
+        sent = message_key(schedule, rank, a)
+        peer_actions = schedule.ranks[a.peer]
+        consumer = next((i for i, c in computes[a.peer] if sent in needed_receives(schedule, a.peer, c)), None)
+        if consumer is None:
+            continue
+        reply = next(
+            (b for b in peer_actions[consumer + 1 :] if b.op in (Op.SEND_F, Op.SEND_B) and b.peer == rank), None
+        )
+        if reply is not None:
+            proofs[message_key(schedule, a.peer, reply)].append(sent)
+    return {k: tuple(v) for k, v in proofs.items()}
 
 
 @functools.lru_cache(maxsize=256)

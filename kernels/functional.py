@@ -213,13 +213,17 @@ class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, comm_sms: int, defer):
         y_MD, h_MF2 = experts_forward(x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
-        ctx.save_for_backward(x_MD, h_MF2, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E)
+        # Weights on ctx, not saved: the deferred closure accumulates into their ``.grad``, which needs the
+        # parameter objects themselves (a saved tensor comes back as an alias under saved-tensors hooks).
+        ctx.save_for_backward(x_MD, h_MF2, tokens_per_expert_E)
+        ctx.weights = (w_gate_up_EDF2, w_down_EFD)
         ctx.comm_sms, ctx.defer = comm_sms, defer
         return y_MD
 
     @staticmethod
     def backward(ctx: Any, dy_MD):
-        x_MD, h_MF2, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E = ctx.saved_tensors
+        x_MD, h_MF2, tokens_per_expert_E = ctx.saved_tensors
+        w_gate_up_EDF2, w_down_EFD = ctx.weights
         dy_MD, sms = dy_MD.contiguous(), ctx.comm_sms
         dx_MD, dh_MF2 = experts_input_grad(dy_MD, h_MF2, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, comm_sms=sms)
         if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):

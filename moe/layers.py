@@ -45,12 +45,17 @@ def defer_wgrad(fn: Callable[[], None]) -> None:
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
+        # The weight is kept on ctx, not saved: its backward accumulates into ``weight.grad``, which needs the
+        # parameter object itself, and a saved tensor comes back as a new alias under saved-tensors hooks
+        # (activation checkpointing, offloading, moe.memory's tracker).
+        ctx.save_for_backward(x)
+        ctx.weight = weight
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None]:
-        x, weight = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
         dx = dy @ weight if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             # The weight never gets an autograd gradient: the closure accumulates into .grad directly, so a

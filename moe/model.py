@@ -6,9 +6,9 @@ Legend for shape suffixes: B batch, S sequence, V vocabulary.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moe.config import MoEConfig
+from moe.loss import chunked_cross_entropy
 from moe.stage import MoEStage
 
 __all__ = ["MoEModel", "lm_loss", "next_token_batch"]
@@ -27,8 +27,15 @@ class MoEModel(MoEStage):
 
 
 def lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32; ``labels`` are the target ids (already shifted)."""
-    return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
+    """Mean next-token cross-entropy in fp32; ``labels`` are the target ids (already shifted), int64 ``[B, S]``.
+
+    ``logits_BSV`` may be bf16: the loss is computed in fp32 chunks of tokens
+    (:func:`moe.loss.chunked_cross_entropy`), so no fp32 copy of the whole ``[B*S, V]`` logits exists in
+    forward or backward: the peak beyond the logits and their gradient is a few ``[chunk, V]`` fp32
+    temporaries (128 MiB each by default) plus ``[B*S]`` fp32 log-sum-exps, instead of the ``8 B S V`` bytes
+    of an fp32 copy plus its saved log-softmax.
+    """
+    return chunked_cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten())
 
 
 def next_token_batch(cfg: MoEConfig, batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
