@@ -2,12 +2,13 @@
 
     torchrun --standalone --nproc-per-node 8 examples/train.py --pp 2 --dp 4 --ep 2 --zero 1 --steps 40
 
-World size = pp x dp; ep divides dp (dp/ep expert replicas per stage). CPU ranks use gloo, CUDA ranks NCCL. Byte-level language modelling on text
-already on the machine (``--data`` for your own). Rank 0 prints progress; ``--metrics-file`` gets one JSON
-line per step; ``--ckpt-dir`` with ``--ckpt-every`` writes atomic distributed checkpoints and ``--resume``
-continues from the newest one (also at another pp/dp/ep layout). A NaN or infinite loss or gradient stops
-the run before its optimizer step (``--skip-nonfinite`` skips the step instead). A failure the flags or
-the machine cause is one line on rank 0 (``--debug``: every rank's traceback).
+World size = pp x dp; ep divides dp (dp/ep expert replicas per stage). CPU ranks use gloo, CUDA ranks
+NCCL. Byte-level language modelling on text already on the machine (``--data`` for your own). Rank 0 prints
+progress; ``--metrics-file`` gets one JSON line per step (loss, throughput, expert imbalance, gradient
+norm, memory per rank); ``--ckpt-dir`` with ``--ckpt-every`` writes atomic distributed checkpoints and
+``--resume`` continues from the newest one (also at another pp/dp/ep layout). A NaN or infinite loss or
+gradient stops the run before its optimizer step (``--skip-nonfinite`` skips the step instead). A failure
+the flags or the machine cause is one line on rank 0 (``--debug``: every rank's traceback).
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ from moe.data import ByteCorpus
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, Launch
 from moe.grad_sync import balance_routers, make_optimizer, reduce_gradients
 from moe.guard import find_nonfinite, weights_are_finite
+from moe.memory import MemoryMeter
 from moe.model import lm_loss
 from moe.optimizer import DistributedAdamW
 from moe.parallel import MESH_DIMS, ParallelConfig, build_stages, init_layout, nccl_options, rank_grid
+from moe.router import Router, bias_rate_at, routing_imbalance
 
 
 class OneLineError(SystemExit):
@@ -321,6 +324,7 @@ class Run:
     device: torch.device
     num_chunks: int
     owns_process_group: bool
+    meter: MemoryMeter
     nonfinite_skips: int = 0
     grad_norm: float = float("nan")
 
@@ -397,7 +401,8 @@ def setup(args: argparse.Namespace) -> Run:
         # The step averages the LM loss over micro-batches (loss_reduction="mean"); the balance loss, added
         # inside each stage per micro-batch, must be averaged the same way.
         stage.aux_loss_scale = 1.0 / chunks
-    return Run(args, layout, pipe, optimizer, corpus, device, chunks, owns_pg)
+    meter = MemoryMeter(list(pipe.module), optimizer)
+    return Run(args, layout, pipe, optimizer, corpus, device, chunks, owns_pg, meter)
 
 
 def lr_at(args: argparse.Namespace, step: int) -> float:
@@ -429,18 +434,16 @@ def global_mean_loss(run: Run, loss: torch.Tensor | None) -> float:
     return (total[0] / total[1]).item()
 
 
-def expert_imbalance(run: Run) -> float:
-    """max / mean tokens per expert over this rank's MoE layers (1.0 is perfect balance), before reset."""
-    worst = 1.0
-    for stage in run.pipe.module:
-        for block in stage.blocks.values():
-            router = getattr(block, "router", None)
-            if router is None or not getattr(block, "is_moe", False):
-                continue
-            load = router.expert_load.double()
-            if load.sum() > 0:
-                worst = max(worst, (load.max() / load.mean()).item())
-    return worst
+def routers(run: Run) -> list[Router]:
+    return [b.router for stage in run.pipe.module for b in stage.blocks.values() if getattr(b, "is_moe", False)]
+
+
+def worst_over_ranks(run: Run, figures: dict[str, float]) -> dict[str, float]:
+    """Each figure's maximum over every rank (one all-reduce): the expert imbalance of the worst layer
+    anywhere, and the memory of the fullest rank, the one that decides whether a layout fits."""
+    values = torch.tensor(list(figures.values()), dtype=torch.float64, device=run.device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {k: (v if k == "expert_imbalance" else int(v)) for k, v in zip(figures, values.tolist())}
 
 
 def validate(run: Run, step: int) -> float:
@@ -455,23 +458,37 @@ def validate(run: Run, step: int) -> float:
     return sum(losses) / len(losses)
 
 
-def train_step(run: Run, step: int) -> tuple[float, float]:
+def train_step(run: Run, step: int) -> dict[str, float]:
+    """One optimizer step; its metrics: the global mean loss, the expert imbalance after the balancing step
+    (max / mean tokens per expert over the global batch, the worst layer) and the memory figures of
+    :class:`moe.memory.MemoryMeter` (the fullest rank's)."""
+    lr = lr_at(run.args, step)
     for group in run.optimizer.param_groups:
-        group["lr"] = lr_at(run.args, step)
+        group["lr"] = lr
     run.optimizer.zero_grad(set_to_none=True)
     inputs, labels = step_inputs(run, step, "train")
-    loss, _ = run.pipe.step(*inputs, num_chunks=run.num_chunks, criterion=lm_loss, labels=labels, loss_reduction="mean")
-    maybe_nan(run, step)
-    imbalance = expert_imbalance(run)
-    if not guard_nonfinite(run, step, loss):
-        return global_mean_loss(run, loss), imbalance
-    reduce_gradients(list(run.pipe.module), run.layout)
-    run.grad_norm = run.optimizer.clip_grad_norm_(run.args.clip_grad or math.inf)
-    run.optimizer.step()
-    balance_routers(list(run.pipe.module), run.layout)
-    if run.args.ckpt_every and step % run.args.ckpt_every == 0 and not weights_are_finite(list(run.pipe.module)):
-        raise OneLineError(f"error: non-finite weights after step {step}; its checkpoint is not written: lower --lr")
-    return global_mean_loss(run, loss), imbalance
+    run.meter.start_step()
+    try:
+        loss, _ = run.pipe.step(
+            *inputs, num_chunks=run.num_chunks, criterion=lm_loss, labels=labels, loss_reduction="mean"
+        )
+        maybe_nan(run, step)
+        if guard_nonfinite(run, step, loss):
+            modules = list(run.pipe.module)
+            reduce_gradients(modules, run.layout)
+            run.grad_norm = run.optimizer.clip_grad_norm_(run.args.clip_grad or math.inf)
+            run.optimizer.step()
+            # The bias moves with the learning rate: routing scores drift about as fast as the weights do.
+            rate = bias_rate_at(modules[0].cfg.bias_update_rate, lr, run.args.lr)
+            balance_routers(modules, run.layout, rate=rate)
+            if run.args.ckpt_every and step % run.args.ckpt_every == 0 and not weights_are_finite(modules):
+                raise OneLineError(
+                    f"error: non-finite weights after step {step}; its checkpoint is not written: lower --lr"
+                )
+    finally:
+        memory = run.meter.stop_step()
+    figures = worst_over_ranks(run, {"expert_imbalance": routing_imbalance(routers(run)), **memory})
+    return {"loss": global_mean_loss(run, loss), **figures}
 
 
 def guard_nonfinite(run: Run, step: int, loss: torch.Tensor | None) -> bool:
@@ -559,25 +576,25 @@ def maybe_stop(args: argparse.Namespace, step: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def timed_step(run: Run, step: int, profile: bool) -> tuple[float, float, float]:
-    """(loss, expert imbalance, seconds) of one training step, under the torch profiler when asked."""
+def timed_step(run: Run, step: int, profile: bool) -> tuple[dict[str, float], float]:
+    """(metrics, seconds) of one training step (:func:`train_step`), under the torch profiler when asked."""
     t0 = time.monotonic()
     if not profile:
-        loss, imbalance = train_step(run, step)
-        return loss, imbalance, time.monotonic() - t0
+        figures = train_step(run, step)
+        return figures, time.monotonic() - t0
     from torch.profiler import profile as torch_profile
 
     observer = ProfilerObserver()  # schedule actions and pipeline messages as named spans in the trace
     run.pipe.add_observer(observer)
     try:
         with torch_profile() as prof:
-            loss, imbalance = train_step(run, step)
+            figures = train_step(run, step)
     finally:
         run.pipe.remove_observer(observer)
     dt = time.monotonic() - t0
     Path(run.args.trace_dir).mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(Path(run.args.trace_dir) / f"trace_rank{dist.get_rank()}.json"))
-    return loss, imbalance, dt
+    return figures, dt
 
 
 def progress_line(args: argparse.Namespace, record: dict, eta: float) -> str:
@@ -606,16 +623,17 @@ def main(argv: list[str] | None = None) -> None:
         maybe_kill(args, step)
         maybe_stop(args, step)
         profile = bool(args.trace_dir) and step == start_step + 2
-        loss, imbalance, dt = timed_step(run, step, profile)
+        figures, dt = timed_step(run, step, profile)
         record = {
             "step": step,
-            "loss": loss,
+            "loss": figures.pop("loss"),
             "tokens_per_s": tokens_per_step / dt,
             "step_time_s": dt,
             "lr": lr_at(args, step),
-            "expert_imbalance": imbalance,
+            "expert_imbalance": figures.pop("expert_imbalance"),
             "nonfinite_skips": run.nonfinite_skips,
             "grad_norm": run.grad_norm,
+            **figures,  # bytes: param, grad, optimizer_state, peak_activation (the fullest rank's)
         }
         if args.val_every and step % args.val_every == 0:
             record["val_loss"] = validate(run, step)

@@ -337,3 +337,27 @@ def test_bf16_with_fp32_master_weights_tracks_fp32(tmp_path: Path) -> None:
     assert sorted(bf16) == sorted(fp32) == list(range(1, 21))
     assert max(abs(bf16[s] - fp32[s]) for s in fp32) < 0.01, (bf16, fp32)
     assert fp32[20] < fp32[1] - 0.5 and bf16[20] < bf16[1] - 0.5
+
+
+def test_zero1_keeps_the_losses_and_shards_the_optimizer_state(tmp_path: Path) -> None:
+    """(pp=1, dp=4, ep=2), 4 ranks: ZeRO-1 on and off give the same losses, and the fullest rank's AdamW
+    state shrinks from every dense and local expert weight's two moments to about a quarter of each (dense
+    sharded over 4 dp ranks, the local experts over their 2 replicas)."""
+    from moe.config import preset
+    from moe.data import ByteCorpus
+    from moe.model import MoEModel
+
+    layout = ["--pp", "1", "--dp", "4", "--ep", "2", "--steps", "3", "--num-chunks", "2"]
+    off = train(4, tmp_path, "off", *layout, "--zero", "0")
+    on = train(4, tmp_path, "on", *layout, "--zero", "1")
+    assert losses(on) == losses(off)
+    model = MoEModel(preset("tiny", num_layers=4, vocab_size=ByteCorpus.vocab_size))
+    numels = {n: p.numel() for n, p in model.named_parameters()}
+    dense = sum(v for n, v in numels.items() if ".experts." not in n)
+    local_experts = sum(v for n, v in numels.items() if ".experts." in n) // 2  # ep=2: half on each rank
+    moments = 2 * 4  # exp_avg and exp_avg_sq, fp32
+    assert off[-1]["optimizer_state_bytes"] == moments * (dense + local_experts)
+    sharded = moments * (dense / 4 + local_experts / 2)
+    # The partition places whole tensors: the fullest rank may hold up to one tensor more than its share.
+    assert sharded <= on[-1]["optimizer_state_bytes"] <= sharded + moments * max(numels.values())
+    assert on[-1]["optimizer_state_bytes"] < 0.5 * off[-1]["optimizer_state_bytes"]
