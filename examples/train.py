@@ -47,7 +47,7 @@ from moe.grad_sync import balance_routers, make_optimizer, reduce_gradients
 from moe.guard import find_nonfinite, weights_are_finite
 from moe.memory import MemoryMeter
 from moe.model import lm_loss
-from moe.optimizer import DistributedAdamW
+from moe.optimizer import DistributedAdamW, grad_of
 from moe.parallel import MESH_DIMS, ParallelConfig, build_stages, init_layout, nccl_options, rank_grid
 from moe.router import Router, bias_rate_at, routing_imbalance
 
@@ -564,7 +564,7 @@ def maybe_nan(run: Run, step: int) -> None:
     if run.args.nan_at_step != step or dist.get_rank() != dist.get_world_size() - 1:
         return
     stage = run.pipe.module[0]
-    grad = next(p.grad for p in stage.parameters() if p.grad is not None)
+    grad = grad_of(next(p for p in stage.parameters() if p.requires_grad))  # main_grad under bf16
     grad[(0,) * grad.dim()] = float("nan")
     print(f"failure drill: a NaN in a gradient of stage {stage.stage_index} at step {step}", flush=True)
 

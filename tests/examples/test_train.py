@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -270,6 +271,7 @@ def _deepep_main(
     made = []
     real_init, real_preset = cls.__init__, train_module.preset
 
+    @functools.wraps(real_init)  # keeps the signature: the deepep backend checks it for explicitly_destroy
     def init(self, *args, **kwargs) -> None:
         real_init(self, *args, **kwargs)
         made.append(self)

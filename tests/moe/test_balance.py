@@ -8,7 +8,7 @@ import torch
 from moe import MoEModel, lm_loss, preset
 from moe.block import Block
 from moe.data import ByteCorpus
-from moe.parallel import balance_routers
+from moe.grad_sync import balance_routers
 from moe.router import bias_rate_at, routing_imbalance
 
 STEPS = 40
