@@ -1,0 +1,290 @@
+"""Every layout a cluster can run, timed by the schedule simulator and ranked.
+
+A :class:`Candidate` is a schedule of the registry with its pipeline ranks ``pp``, data-parallel ranks
+``dp = gpus / pp``, expert-parallel ranks ``ep`` (dividing ``dp`` and the expert count), micro-batches per
+step, communication SMs and recompute on or off. :func:`predict` turns one into a :class:`Prediction`:
+
+1. the per-block sub-stage times of the cost model (:class:`CostModel`) give each pipeline stage's blocks;
+2. :func:`moe.plan.pair.chunk_times` times each (forward stage, backward stage) combination the schedule
+   runs, alone and overlapped, on a compute and a communication stream;
+3. :func:`dualpipe.simulate.simulate` places every action of the schedule with those durations (P2P as the
+   message latency), which gives the step's makespan and bubble;
+4. the data-parallel gradient reduction follows the pipeline (not overlapped with it: an upper bound);
+5. memory per GPU from the cost model's footprint, and whether it fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dualpipe.schedule import SCHEDULES, Op, Schedule, build_schedule, schedule_spec
+from dualpipe.simulate import Costs, SimResult, simulate
+from moe.parallel import split_layers
+from moe.plan.pair import BlockTimes, ChunkTimes, chunk_times
+
+__all__ = ["Candidate", "CostModel", "Prediction", "candidates", "predict", "rank_predictions", "why_worse"]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Candidate:
+    """One way to run the step."""
+
+    schedule: str
+    pp: int
+    dp: int
+    ep: int
+    num_chunks: int
+    """Micro-batches per step, per data-parallel rank: global batch / (dp x micro-batch size)."""
+    comm_sms: int
+    recompute: bool
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
+
+    def describe(self) -> str:
+        rc = " recompute" if self.recompute else ""
+        return (
+            f"{self.schedule} pp={self.pp} dp={self.dp} ep={self.ep} chunks={self.num_chunks} "
+            f"comm_sms={self.comm_sms}{rc}"
+        )
+
+
+class CostModel(Protocol):
+    """What the planner needs to know of one candidate, in seconds and bytes (:mod:`moe.plan.costs`)."""
+
+    def block(self, layer: int) -> BlockTimes:
+        """Sub-stage times of block ``layer`` (dense or MoE) for one micro-batch."""
+
+    def embed(self) -> tuple[float, float]:
+        """(forward, backward) seconds of the embedding for one micro-batch."""
+
+    def head(self) -> tuple[float, float]:
+        """(forward, backward) seconds of the output head and loss for one micro-batch."""
+
+    def p2p(self) -> float:
+        """Seconds one stage boundary's activation takes to reach the next pipeline rank."""
+
+    def dp_reduce(self) -> float:
+        """Seconds of the data-parallel gradient reduction of one step, on the slowest rank."""
+
+    def memory(self, peak_modules: int) -> object:
+        """Memory per GPU (a footprint with ``total`` bytes and ``fits``), given the schedule's peak live
+        activations in modules."""
+
+    def model_flops(self) -> float:
+        """Model FLOPs of one step of the global batch (no recompute), for MFU."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What :func:`predict` says of one candidate."""
+
+    candidate: Candidate
+    step_time: float
+    pipeline_time: float
+    dp_reduce_time: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    exposed_a2a_fraction: float
+    """All-to-all time left exposed (not under compute), over all all-to-all time of the step."""
+    memory: object
+    fits: bool
+    sim: SimResult = field(repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        c = self.candidate
+        memory = self.memory.to_dict() if hasattr(self.memory, "to_dict") else {"total": self.memory.total}
+        return {
+            "schedule": c.schedule,
+            "pp": c.pp,
+            "dp": c.dp,
+            "ep": c.ep,
+            "edp": c.edp,
+            "num_chunks": c.num_chunks,
+            "comm_sms": c.comm_sms,
+            "recompute": c.recompute,
+            "step_time_s": self.step_time,
+            "pipeline_time_s": self.pipeline_time,
+            "dp_reduce_time_s": self.dp_reduce_time,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "bubble_fraction": self.bubble_fraction,
+            "exposed_a2a_fraction": self.exposed_a2a_fraction,
+            "memory_bytes": memory,
+            "fits": self.fits,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(
+    *,
+    num_gpus: int,
+    num_layers: int,
+    num_experts: int,
+    global_batch: int,
+    micro_batch: int,
+    schedules: Sequence[str] | None = None,
+    comm_sms: Sequence[int] = (20,),
+    recompute: Sequence[bool] = (False, True),
+    max_pp: int | None = None,
+) -> Iterator[Candidate]:
+    """Every valid candidate: the schedule accepts the ranks and micro-batches, the stages fit the layers,
+    ep divides dp and the experts, the global batch splits evenly. At ep == 1 no SMs are reserved."""
+    for name in schedules or sorted(SCHEDULES):
+        spec = schedule_spec(name)
+        for pp in _divisors(num_gpus):
+            if max_pp is not None and pp > max_pp:
+                continue
+            dp = num_gpus // pp
+            if global_batch % (dp * micro_batch):
+                continue
+            chunks = global_batch // (dp * micro_batch)
+            try:
+                spec.validate(pp, chunks)
+            except ValueError:
+                continue
+            if spec.stage_layout(pp).num_stages > num_layers:
+                continue
+            for ep in _divisors(dp):
+                if num_experts % ep:
+                    continue
+                for sms in sorted({0} if ep == 1 else set(comm_sms)):
+                    for rc in recompute:
+                        yield Candidate(name, pp, dp, ep, chunks, sms, rc)
+
+
+class _StageTimes:
+    """Chunk times per (forward stage, backward stage), computed once each."""
+
+    def __init__(self, model: CostModel, num_layers: int, num_stages: int) -> None:
+        self.ranges = split_layers(num_layers, num_stages)
+        self.blocks = [[model.block(i) for i in r] for r in self.ranges]
+        last = num_stages - 1
+        emb, head = model.embed(), model.head()
+        self.extra = [
+            (emb[0] * (s == 0) + head[0] * (s == last), emb[1] * (s == 0) + head[1] * (s == last))
+            for s in range(num_stages)
+        ]
+        self._cache: dict[tuple[int, int], ChunkTimes] = {}
+
+    def pair(self, f_stage: int, b_stage: int) -> ChunkTimes:
+        key = (f_stage, b_stage)
+        if key not in self._cache:
+            self._cache[key] = chunk_times(
+                self.blocks[f_stage],
+                self.blocks[b_stage],
+                extra_f=self.extra[f_stage][0],
+                extra_b=self.extra[b_stage][1],
+            )
+        return self._cache[key]
+
+    def alone(self, stage: int) -> ChunkTimes:
+        return self.pair(stage, stage)
+
+
+def _durations(schedule: Schedule, times: _StageTimes) -> tuple[list[list[float]], float, float]:
+    """Per rank, the duration of each compute action; and the step's exposed and total all-to-all seconds."""
+    layout = schedule.layout
+    out: list[list[float]] = []
+    exposed = total = 0.0
+    for rank, actions in enumerate(schedule.ranks):
+        deferred: list[int] = []  # stages whose weight gradients an I left for a W (FIFO)
+        mine = []
+        for a in actions:
+            if not a.op.is_compute:
+                continue
+            stage = layout.stage_of(rank, a.module) if a.module >= 0 else -1
+            if a.op is Op.F:
+                t = times.alone(stage)
+                mine.append(t.F)
+                exposed += t.comm_f
+                total += t.comm_f
+            elif a.op in (Op.B, Op.I):
+                t = times.alone(stage)
+                if a.op is Op.I:
+                    deferred.append(stage)
+                mine.append(t.B if a.op is Op.B else t.B - t.W)
+                exposed += t.comm_f
+                total += t.comm_f
+            elif a.op is Op.W:
+                mine.append(times.alone(deferred.pop(0)).W)
+            else:  # FB
+                t = times.pair(stage, layout.stage_of(rank, a.b_module))
+                mine.append(t.FB)
+                exposed += t.exposed_fb
+                total += t.comm_f + times.alone(layout.stage_of(rank, a.b_module)).comm_f
+        out.append(mine)
+    return out, exposed, total
+
+
+def predict(
+    candidate: Candidate,
+    model: CostModel,
+    *,
+    num_layers: int,
+    tokens_per_step: int,
+    num_gpus: int,
+    peak_flops: float,
+) -> Prediction:
+    """Time and size ``candidate`` with ``model`` (see the module docstring)."""
+    schedule = build_schedule(candidate.schedule, candidate.pp, candidate.num_chunks)
+    times = _StageTimes(model, num_layers, schedule.layout.num_stages)
+    durations, exposed, total = _durations(schedule, times)
+    sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
+    reduce = model.dp_reduce()
+    step = sim.makespan + reduce
+    memory = model.memory(max(sim.peak_activations))
+    return Prediction(
+        candidate=candidate,
+        step_time=step,
+        pipeline_time=sim.makespan,
+        dp_reduce_time=reduce,
+        tokens_per_s_per_gpu=tokens_per_step / step / num_gpus,
+        mfu=model.model_flops() / (step * num_gpus * peak_flops),
+        bubble_fraction=sim.bubble_fraction,
+        exposed_a2a_fraction=exposed / total if total > 0 else 0.0,
+        memory=memory,
+        fits=bool(memory.fits),
+        sim=sim,
+    )
+
+
+def rank_predictions(predictions: Sequence[Prediction]) -> list[Prediction]:
+    """Fitting candidates first, then by step time (fastest first)."""
+    return sorted(predictions, key=lambda p: (not p.fits, p.step_time, p.candidate))
+
+
+def why_worse(p: Prediction, best: Prediction) -> str:
+    """The main reasons ``p`` loses to ``best``, largest first, in words with numbers."""
+    if not p.fits:
+        return f"does not fit: {p.memory.total / 2**30:.1f} GiB per GPU"
+    reasons: list[tuple[float, str]] = []
+
+    def add(extra: float, text: str) -> None:
+        if extra > 0.005 * best.step_time:
+            reasons.append((extra, text))
+
+    b_bubble = best.bubble_fraction * best.pipeline_time
+    add(p.bubble_fraction * p.pipeline_time - b_bubble, f"bubble {p.bubble_fraction:.1%} vs {best.bubble_fraction:.1%}")
+    add(
+        p.dp_reduce_time - best.dp_reduce_time,
+        f"dp reduction {p.dp_reduce_time * 1e3:.0f} ms vs {best.dp_reduce_time * 1e3:.0f} ms",
+    )
+    busy = p.pipeline_time * (1 - p.bubble_fraction) - best.pipeline_time * (1 - best.bubble_fraction)
+    add(
+        busy,
+        f"busy time per rank +{busy * 1e3:.0f} ms (exposed all-to-all {p.exposed_a2a_fraction:.0%} vs "
+        f"{best.exposed_a2a_fraction:.0%}{', recompute' if p.candidate.recompute else ''})",
+    )
+    if not reasons:
+        return f"step {p.step_time / best.step_time - 1:+.1%}"
+    reasons.sort(reverse=True)
+    return f"step {p.step_time / best.step_time - 1:+.1%}: " + "; ".join(text for _, text in reasons[:2])
+
