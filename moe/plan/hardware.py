@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["DEFAULT_GEMM_EFFICIENCY", "GPUS", "GPU", "Cluster", "gpu", "with_overrides"]
+__all__ = ["DEFAULT_GEMM_EFFICIENCY", "GPU", "GPUS", "Cluster", "gpu", "with_overrides"]
 
 GB = 1e9
 TB = 1e12
