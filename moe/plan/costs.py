@@ -34,6 +34,7 @@ from moe.plan.params import rank_params
 from moe.plan.routing import expected_nodes, expected_ranks
 
 __all__ = [
+    "COMPUTE_FIELDS",
     "AllToAllBytes",
     "Parallelism",
     "SubstageCosts",
@@ -44,8 +45,12 @@ __all__ = [
     "dp_reduce_seconds",
     "op_seconds",
     "p2p_seconds",
+    "phase_work",
     "substage_costs",
 ]
+
+COMPUTE_FIELDS = ("attn_F", "attn_dX", "attn_dW", "mlp_F", "mlp_dX", "mlp_dW", "embed_F", "embed_B", "head_F", "head_B")
+"""The compute fields of :class:`SubstageCosts` (seconds on the GPU's SMs)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,30 +261,70 @@ class SubstageCosts:
         return self.dispatch + self.combine
 
 
-def substage_costs(
-    cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, *, moe: bool = True
-) -> SubstageCosts:
-    """Analytic :class:`SubstageCosts` of one MoE layer (``moe=True``) or one dense layer.
+def _sub_ops(cfg: MoEConfig, tokens: int, seq_len: int, ep: int, rows: float, b: int, moe: bool) -> dict[str, list]:
+    attn = fl.attention_ops(cfg, tokens, seq_len, b) + (fl.router_ops(cfg, tokens, b) if moe else [])
+    mlp = fl.moe_mlp_ops(cfg, tokens, rows, b, ep) if moe else fl.dense_mlp_ops(cfg, tokens, b)
+    return {"attn": attn, "mlp": mlp, "embed": fl.embed_ops(cfg, tokens, b), "head": fl.head_ops(cfg, tokens, b)}
 
-    ``comm_sms`` is reserved only where an all-to-all exists (MoE layer, ep > 1), as moe.parallel does."""
+
+def phase_work(
+    cfg: MoEConfig, tokens: int, seq_len: int, *, ep: int = 1, act_bytes: int = 2, moe: bool = True
+) -> dict[str, tuple[float, float]]:
+    """``(FLOPs, HBM bytes)`` behind each compute field of :class:`SubstageCosts` (no recompute): what
+    measured times are scaled by (:mod:`moe.plan.measured`)."""
+    rows = tokens * (expected_ranks(cfg, ep) if ep > 1 else 1.0)
+    subs = _sub_ops(cfg, tokens, seq_len, ep, rows, act_bytes, moe)
+    out = {}
+    for sub in ("attn", "mlp"):
+        for name, ph in (("F", "fwd"), ("dX", "dx"), ("dW", "dw")):
+            out[f"{sub}_{name}"] = (fl.total(subs[sub], f"{ph}_flops"), fl.total(subs[sub], f"{ph}_bytes"))
+    for sub in ("embed", "head"):
+        ops = subs[sub]
+        out[f"{sub}_F"] = (fl.total(ops, "fwd_flops"), fl.total(ops, "fwd_bytes"))
+        back = [fl.total(ops, f) for f in ("dx_flops", "dw_flops", "dx_bytes", "dw_bytes")]
+        out[f"{sub}_B"] = (back[0] + back[1], back[2] + back[3])
+    return out
+
+
+def substage_costs(
+    cfg: MoEConfig,
+    cluster: Cluster,
+    par: Parallelism,
+    work: Workload,
+    *,
+    moe: bool = True,
+    measured: object | None = None,
+) -> SubstageCosts:
+    """:class:`SubstageCosts` of one MoE layer (``moe=True``) or one dense layer.
+
+    Analytic unless ``measured`` (a :class:`moe.plan.measured.MeasuredCosts`) is given: then every field it
+    holds is its measured time scaled to this config (:func:`moe.plan.measured.apply_measured`), the rest
+    stay analytic. ``comm_sms`` is reserved only where an all-to-all exists (MoE layer, ep > 1), as
+    moe.parallel does."""
+    analytic = _analytic(cfg, cluster, par, work, moe)
+    if measured is None:
+        return analytic
+    from moe.plan.measured import apply_measured  # measured.py builds on this module
+
+    return apply_measured(measured, analytic, cfg, cluster, par, work)  # type: ignore[arg-type]
+
+
+def _analytic(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, moe: bool) -> SubstageCosts:
     if moe and cfg.num_dense_layers == cfg.num_layers:
         raise ValueError("the config has no MoE layer")
     gpu, t, b = cluster.gpu, work.tokens, work.act_bytes
     comm_sms = work.comm_sms if (moe and par.ep > 1) else 0
-    attn = fl.attention_ops(cfg, t, work.seq_len, b) + (fl.router_ops(cfg, t, b) if moe else [])
-    if moe:
-        moved = all_to_all_bytes(cfg, cluster, par.ep, t, b)
-        mlp = fl.moe_mlp_ops(cfg, t, t * moved.ranks_reached, b, par.ep)
-        a2a = all_to_all_seconds(moved, gpu)
-    else:
-        mlp, a2a = fl.dense_mlp_ops(cfg, t, b), 0.0
+    moved = all_to_all_bytes(cfg, cluster, par.ep, t, b)
+    a2a = all_to_all_seconds(moved, gpu) if moe else 0.0
+    subs = _sub_ops(cfg, t, work.seq_len, par.ep, t * moved.ranks_reached, b, moe)
+    attn, mlp = subs["attn"], subs["mlp"]
     detail = {f"{op.name}.{ph}": op_seconds(op, ph, gpu, comm_sms) for op in attn + mlp for ph in ("fwd", "dx", "dw")}
     a_f, a_dx, a_dw = _phases(attn, gpu, comm_sms)
     m_f, m_dx, m_dw = _phases(mlp, gpu, comm_sms)
     if work.recompute:
         a_dx, m_dx = a_dx + a_f, m_dx + m_f
-    e_f, e_dx, e_dw = _phases(fl.embed_ops(cfg, t, b), gpu, 0)
-    h_f, h_dx, h_dw = _phases(fl.head_ops(cfg, t, b), gpu, 0)
+    e_f, e_dx, e_dw = _phases(subs["embed"], gpu, 0)
+    h_f, h_dx, h_dw = _phases(subs["head"], gpu, 0)
     return SubstageCosts(
         moe=moe,
         attn_F=a_f,
