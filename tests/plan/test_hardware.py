@@ -17,7 +17,11 @@ def test_datasheet_values_are_pinned() -> None:
         assert g.sms == 132
         assert g.internode_bytes_per_s == 50e9  # one 400 Gb/s NIC per GPU
         assert g.gemm_efficiency == DEFAULT_GEMM_EFFICIENCY
-    assert (GPUS["h100"].hbm_bytes, GPUS["h100"].hbm_bytes_per_s, GPUS["h100"].nvlink_bytes_per_s) == (80e9, 3.35e12, 450e9)
+    assert (GPUS["h100"].hbm_bytes, GPUS["h100"].hbm_bytes_per_s, GPUS["h100"].nvlink_bytes_per_s) == (
+        80e9,
+        3.35e12,
+        450e9,
+    )
     assert (GPUS["h800"].hbm_bytes, GPUS["h800"].nvlink_bytes_per_s) == (80e9, 200e9)  # 400 GB/s both ways
     assert (GPUS["h200"].hbm_bytes, GPUS["h200"].hbm_bytes_per_s) == (141e9, 4.8e12)
     assert GPUS["h100"].gemm_flops == pytest.approx(989.4e12 * DEFAULT_GEMM_EFFICIENCY)
