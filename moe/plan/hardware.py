@@ -3,12 +3,14 @@
 Units: FLOP/s, bytes/s and bytes. Every bandwidth is per GPU and per direction (what one GPU can send while
 it also receives the same amount), the unit all-to-all and ring all-reduce times are computed in.
 
-Link rates are the *nominal* datasheet rates, the same convention for every GPU: only for the H800 is an
-achievable figure published from the same source for every link (the DeepSeek-V3 report, 3.2.2, and
-DeepEP's README: NVLink about 160 GB/s of the 200 GB/s nominal, IB 50 GB/s, DeepEP's kernels measured at
-153-158 GB/s NVLink and 43-47 GB/s RDMA), so mixing achievable and nominal would favour one GPU over
-another. Users who have measured their fabric override the rates (``dataclasses.replace`` /
-:func:`with_overrides`, the planner's flags).
+Link rates are the *nominal* datasheet rates, the same convention for every GPU. Achievable figures are
+published only for the H800, from the DeepSeek-V3 report (3.2.2: NVLink 160 GB/s, IB 50 GB/s) and
+DeepEP's README (H800 "~160 GB/s NVLink maximum bandwidth", CX7 400 Gb/s "~50 GB/s"; its normal kernels
+measured 153 GB/s dispatch and 158 GB/s combine over NVLink at EP8, 43 GB/s over RDMA at EP16). Taking
+achievable rates for one GPU and nominal ones for the others would favour the others, so every profile
+holds nominal rates (H800 NVLink 200 GB/s a direction; IB 50 GB/s is the NIC's nominal 400 Gb/s) and a
+user who has measured a fabric overrides them (:func:`with_overrides`, the planner's flags). Measured
+costs files (:mod:`moe.plan.measured`) carry the rates their all-to-alls ran on.
 """
 
 from __future__ import annotations
