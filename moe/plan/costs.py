@@ -19,7 +19,8 @@ The second line counts, on each reached node, the reached ranks other than the o
 Time is ``max(NVLink bytes / NVLink bw, IB bytes / IB bw)``: the two links are separate hardware that
 DeepEP drives at once, forwarding chunks over NVLink as they arrive from IB, so the slower one bounds the
 transfer. Combine sends the same rows back (bf16; DeepEP V1's combine takes bf16 only), and the backward
-all-to-alls move the same bytes the other way: all four cost the same.
+all-to-alls move the same bytes the other way: all four cost the same. Each row's fp32 routing weights and
+int64 expert ids (12 bytes per top-k slot) ride along and are left out: under 1% of a row at V3's width.
 """
 
 from __future__ import annotations

@@ -223,7 +223,8 @@ def apply_measured(
     par: Parallelism,
     work: Workload,
 ) -> SubstageCosts:
-    """``analytic`` with every field the file measured (for its layer kind) replaced by the scaled measurement."""
+    """``analytic`` with every field the file measured (for its layer kind) replaced by the scaled measurement
+    (``detail``, the per-op breakdown, stays analytic)."""
     entry = measured.moe if analytic.moe else measured.dense
     changes = {name: scale_field(measured, name, cfg, cluster, par, work, moe=analytic.moe) for name in entry}
     return dataclasses.replace(analytic, **changes)
