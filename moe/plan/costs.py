@@ -1,0 +1,346 @@
+"""Analytic seconds per sub-stage for one micro-batch: compute from FLOPs and bytes, communication from bytes.
+
+Time of an operation (:mod:`moe.plan.flops`): ``max(FLOPs / rate, bytes / HBM bandwidth)``, the roofline
+bound, with ``rate = bf16_flops x gemm_efficiency`` on all SMs, or on ``sms - comm_sms`` of them for the
+grouped expert GEMMs (which are what runs while the all-to-all holds its SMs: kernels take
+``num_sms - comm_sms``, DESIGN.md). Memory-bound ops land on the bytes term.
+
+All-to-all (DeepEP's scheme, DeepSeek-V3 report 3.2.2): a token crossing nodes goes over InfiniBand once
+per destination node, to the GPU with its own local index there, which forwards it over NVLink to every
+GPU of that node that holds one of its experts; inside its own node it goes over NVLink directly. Per rank
+and direction, with d_r distinct ranks and d_n distinct nodes per token (:mod:`moe.plan.routing`), n nodes
+in the ep group and r = ep / n ranks per node (ep innermost: a node holds r consecutive ep ranks):
+
+    IB bytes     = T x d_n x (1 - 1/n) x D x b        (remote nodes reached; the own node costs no IB)
+    NVLink bytes = T x d_r x (1 - 1/r) x D x b        (every reached rank but the one the row lands on)
+
+The second line counts, on each reached node, the reached ranks other than the one the row arrives at
+(the sender itself on its own node, the IB receiver on a remote one: 1/r of the reached ranks by symmetry).
+Time is ``max(NVLink bytes / NVLink bw, IB bytes / IB bw)``: the two links are separate hardware that
+DeepEP drives at once, forwarding chunks over NVLink as they arrive from IB, so the slower one bounds the
+transfer. Combine sends the same rows back (bf16; DeepEP V1's combine takes bf16 only), and the backward
+all-to-alls move the same bytes the other way: all four cost the same. Each row's fp32 routing weights and
+int64 expert ids (12 bytes per top-k slot) ride along and are left out: under 1% of a row at V3's width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dualpipe.schedule import schedule_spec
+from moe.config import MoEConfig
+from moe.plan import flops as fl
+from moe.plan.hardware import GPU, Cluster
+from moe.plan.params import rank_params
+from moe.plan.routing import expected_nodes, expected_ranks
+
+__all__ = [
+    "COMPUTE_FIELDS",
+    "AllToAllBytes",
+    "Parallelism",
+    "SubstageCosts",
+    "Workload",
+    "all_to_all_bytes",
+    "all_to_all_seconds",
+    "allreduce_seconds",
+    "dp_reduce_seconds",
+    "op_seconds",
+    "p2p_seconds",
+    "phase_work",
+    "substage_costs",
+]
+
+COMPUTE_FIELDS = ("attn_F", "attn_dX", "attn_dW", "mlp_F", "mlp_dX", "mlp_dW", "embed_F", "embed_B", "head_F", "head_B")
+"""The compute fields of :class:`SubstageCosts` (seconds on the GPU's SMs)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Parallelism:
+    """The (pp, dp, ep) layout of issue 12: world = pp x dp, ep divides dp, edp = dp / ep replicas; ranks in
+    (pp, edp, ep) order, ep innermost."""
+
+    pp: int
+    dp: int
+    ep: int
+    schedule: str = "dualpipev"
+    """A schedule of :data:`dualpipe.schedule.SCHEDULES` (its layout places the stages)."""
+    modules_per_rank: int | None = None
+    """For schedules that take any number (interleaved 1F1B); None: the schedule's own."""
+
+    def __post_init__(self) -> None:
+        if min(self.pp, self.dp, self.ep) < 1:
+            raise ValueError(f"pp, dp and ep must be >= 1, got pp={self.pp} dp={self.dp} ep={self.ep}")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}")
+        schedule_spec(self.schedule).check_ranks(self.pp)
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def mirrored(self) -> bool:
+        """The schedule holds every stage twice (DualPipe)."""
+        return schedule_spec(self.schedule).stage_layout(self.pp, self.modules_per_rank).mirrored
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """One micro-batch and the run's execution options."""
+
+    seq_len: int
+    micro_batch: int
+    """Sequences per micro-batch (per data-parallel rank)."""
+    comm_sms: int = 20
+    """SMs reserved for communication while experts compute (0 at ep = 1). 20: the DeepSeek-V3 report's
+    figure, enough to saturate IB and NVLink on H800 (3.2.2)."""
+    recompute: bool = False
+    """Recompute attention and MLP in backward: their forward is added to their dX."""
+    act_bytes: int = 2
+    """Bytes per activation element (bf16)."""
+    master_weights: bool = True
+    """bf16 parameters with fp32 masters and fp32 gradient buffers (issue 12's default); False: pure bf16."""
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.micro_batch < 1 or self.comm_sms < 0 or self.act_bytes < 1:
+            raise ValueError(f"invalid workload {self}")
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.micro_batch
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element as reduced: fp32 main_grad under master weights, else the parameter's."""
+        return 4 if self.master_weights else self.act_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AllToAllBytes:
+    """One rank's bytes for one all-to-all (dispatch or combine) of one micro-batch, one direction."""
+
+    nvlink: float
+    internode: float
+    ranks_reached: float
+    """Expected distinct ep ranks per token."""
+    nodes_reached: float
+    """Expected distinct nodes per token."""
+
+
+def all_to_all_bytes(cfg: MoEConfig, cluster: Cluster, ep: int, tokens: int, elem_bytes: int) -> AllToAllBytes:
+    """NVLink and IB bytes per rank for one dispatch of ``tokens`` tokens (see the module docstring)."""
+    if ep == 1:
+        return AllToAllBytes(0.0, 0.0, 1.0, 1.0)
+    d_r = expected_ranks(cfg, ep)
+    d_n = expected_nodes(cfg, ep, cluster.gpus_per_node)
+    per_node = min(ep, cluster.gpus_per_node)
+    nodes = ep // per_node
+    row = tokens * cfg.hidden_size * elem_bytes
+    return AllToAllBytes(
+        nvlink=row * d_r * (1 - 1 / per_node),
+        internode=row * d_n * (1 - 1 / nodes),
+        ranks_reached=d_r,
+        nodes_reached=d_n,
+    )
+
+
+def all_to_all_seconds(moved: AllToAllBytes, gpu: GPU) -> float:
+    """``max(NVLink part / NVLink bw, IB part / IB bw)``: the two links work at once."""
+    return max(moved.nvlink / gpu.nvlink_bytes_per_s, moved.internode / gpu.internode_bytes_per_s)
+
+
+def op_seconds(op: fl.Op, phase: str, gpu: GPU, comm_sms: int) -> float:
+    """Roofline time of ``op``'s ``phase`` (``"fwd"``, ``"dx"``, ``"dw"``); expert GEMMs get ``sms -
+    comm_sms`` of the SMs."""
+    if op.experts and comm_sms >= gpu.sms:
+        raise ValueError(f"comm_sms={comm_sms} leaves no SM of {gpu.sms} for the experts")
+    rate = gpu.gemm_flops * ((gpu.sms - comm_sms) / gpu.sms if op.experts else 1.0)
+    return max(getattr(op, f"{phase}_flops") / rate, getattr(op, f"{phase}_bytes") / gpu.hbm_bytes_per_s)
+
+
+def _phases(ops: list[fl.Op], gpu: GPU, comm_sms: int) -> tuple[float, float, float]:
+    return tuple(sum(op_seconds(op, ph, gpu, comm_sms) for op in ops) for ph in ("fwd", "dx", "dw"))  # type: ignore[return-value]
+
+
+def allreduce_seconds(nbytes: float, group: int, bytes_per_s: float) -> float:
+    """Ring all-reduce of ``nbytes`` over ``group`` ranks: each rank sends ``2 (n-1)/n x nbytes``."""
+    if group <= 1 or nbytes == 0:
+        return 0.0
+    return 2 * (group - 1) / group * nbytes / bytes_per_s
+
+
+def _group_bw(cluster: Cluster, span: int) -> float:
+    """Per-GPU bandwidth of a group whose ranks spread over ``span`` consecutive ranks: NVLink when that
+    fits in a node, else the NIC (a ring across nodes is as fast as each GPU's NIC)."""
+    return cluster.gpu.nvlink_bytes_per_s if span <= cluster.gpus_per_node else cluster.gpu.internode_bytes_per_s
+
+
+def p2p_seconds(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload) -> float:
+    """One ``[micro_batch, seq, hidden]`` activation (or its gradient) between pipeline neighbours.
+
+    Pipeline neighbours are ``dp`` ranks apart (pp outermost): over NVLink only when the whole pipeline's
+    ranks fit in one node, else some boundary crosses nodes and the slowest boundary paces the pipeline."""
+    if par.pp == 1:
+        return 0.0
+    nbytes = work.tokens * cfg.hidden_size * work.act_bytes
+    return nbytes / _group_bw(cluster, par.pp * par.dp)
+
+
+def dp_reduce_seconds(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload) -> float:
+    """Gradient reduction of one step on the busiest pipeline rank, not overlapped with anything.
+
+    Dense gradients all-reduced over dp (dp consecutive ranks), expert gradients over the edp replicas
+    (``ep`` apart, spanning dp ranks), fp32 buffers under master weights; DualPipe first sums its two
+    mirrored copies over a 2-rank group (pipeline ranks r and pp-1-r). Every rank's gradients are sent
+    once per group; the slowest rank bounds the step."""
+    worst = 0.0
+    layout = schedule_spec(par.schedule).stage_layout(par.pp, par.modules_per_rank)
+    for r in range(par.pp):
+        specs = rank_params(cfg, par.pp, par.ep, par.schedule, r, par.modules_per_rank)
+        dense = sum(p.numel for p in specs if not p.expert) * work.grad_bytes
+        expert = sum(p.numel for p in specs if p.expert) * work.grad_bytes
+        t = allreduce_seconds(dense, par.dp, _group_bw(cluster, par.dp))
+        t += allreduce_seconds(expert, par.edp, _group_bw(cluster, par.dp))
+        if layout.mirrored:
+            t += allreduce_seconds(dense + expert, 2, _group_bw(cluster, par.pp * par.dp))
+        worst = max(worst, t)
+    return worst
+
+
+@dataclass(frozen=True, slots=True)
+class SubstageCosts:
+    """Seconds for one micro-batch through one layer (and the stage extras), on one GPU.
+
+    ``attn_*`` is the attention sub-stage (MoE layers: router included), ``mlp_*`` the MLP sub-stage
+    (permute, routed and shared experts, unpermute; a dense layer's MLP). ``dispatch`` / ``combine``: one
+    all-to-all (0 for a dense layer or ep = 1); each backward all-to-all costs the same. ``embed_*`` and
+    ``head_*`` (head includes the final norm and the loss) run only on the first / last stage. ``p2p``: one
+    activation to the next pipeline stage. ``dp_reduce``: the whole step's gradient reduction (once per
+    step, not per micro-batch). With recompute, ``attn_dX`` and ``mlp_dX`` include the forward again.
+    """
+
+    moe: bool
+    attn_F: float
+    attn_dX: float
+    attn_dW: float
+    mlp_F: float
+    mlp_dX: float
+    mlp_dW: float
+    dispatch: float
+    combine: float
+    embed_F: float
+    embed_B: float
+    head_F: float
+    head_B: float
+    p2p: float
+    dp_reduce: float
+    detail: dict[str, float] = field(default_factory=dict, compare=False)
+    """Per-op seconds (``"<op>.<phase>"``) behind the sums, for tables and checks."""
+
+    @property
+    def F(self) -> float:
+        """Forward compute of the layer (no communication)."""
+        return self.attn_F + self.mlp_F
+
+    @property
+    def B(self) -> float:
+        """Full backward compute of the layer (dX + dW, recompute included)."""
+        return self.attn_dX + self.attn_dW + self.mlp_dX + self.mlp_dW
+
+    @property
+    def W(self) -> float:
+        """Weight-gradient part of :attr:`B`."""
+        return self.attn_dW + self.mlp_dW
+
+    @property
+    def comm(self) -> float:
+        """All-to-all time of one direction of the layer (dispatch + combine)."""
+        return self.dispatch + self.combine
+
+
+def _sub_ops(cfg: MoEConfig, tokens: int, seq_len: int, ep: int, rows: float, b: int, moe: bool) -> dict[str, list]:
+    attn = fl.attention_ops(cfg, tokens, seq_len, b) + (fl.router_ops(cfg, tokens, b) if moe else [])
+    mlp = fl.moe_mlp_ops(cfg, tokens, rows, b, ep) if moe else fl.dense_mlp_ops(cfg, tokens, b)
+    return {"attn": attn, "mlp": mlp, "embed": fl.embed_ops(cfg, tokens, b), "head": fl.head_ops(cfg, tokens, b)}
+
+
+def phase_work(
+    cfg: MoEConfig, tokens: int, seq_len: int, *, ep: int = 1, act_bytes: int = 2, moe: bool = True
+) -> dict[str, tuple[float, float]]:
+    """``(FLOPs, HBM bytes)`` behind each compute field of :class:`SubstageCosts` (no recompute): what
+    measured times are scaled by (:mod:`moe.plan.measured`)."""
+    rows = tokens * (expected_ranks(cfg, ep) if ep > 1 else 1.0)
+    subs = _sub_ops(cfg, tokens, seq_len, ep, rows, act_bytes, moe)
+    out = {}
+    for sub in ("attn", "mlp"):
+        for name, ph in (("F", "fwd"), ("dX", "dx"), ("dW", "dw")):
+            out[f"{sub}_{name}"] = (fl.total(subs[sub], f"{ph}_flops"), fl.total(subs[sub], f"{ph}_bytes"))
+    for sub in ("embed", "head"):
+        ops = subs[sub]
+        out[f"{sub}_F"] = (fl.total(ops, "fwd_flops"), fl.total(ops, "fwd_bytes"))
+        back = [fl.total(ops, f) for f in ("dx_flops", "dw_flops", "dx_bytes", "dw_bytes")]
+        out[f"{sub}_B"] = (back[0] + back[1], back[2] + back[3])
+    return out
+
+
+def substage_costs(
+    cfg: MoEConfig,
+    cluster: Cluster,
+    par: Parallelism,
+    work: Workload,
+    *,
+    moe: bool = True,
+    measured: object | None = None,
+) -> SubstageCosts:
+    """:class:`SubstageCosts` of one MoE layer (``moe=True``) or one dense layer.
+
+    Analytic unless ``measured`` (a :class:`moe.plan.measured.MeasuredCosts`) is given: then every field it
+    holds is its measured time scaled to this config (:func:`moe.plan.measured.apply_measured`), the rest
+    stay analytic. ``comm_sms`` is reserved only where an all-to-all exists (MoE layer, ep > 1), as
+    moe.parallel does."""
+    analytic = _analytic(cfg, cluster, par, work, moe)
+    if measured is None:
+        return analytic
+    from moe.plan.measured import apply_measured  # measured.py builds on this module
+
+    return apply_measured(measured, analytic, cfg, cluster, par, work)  # type: ignore[arg-type]
+
+
+def _analytic(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, moe: bool) -> SubstageCosts:
+    if moe and cfg.num_dense_layers == cfg.num_layers:
+        raise ValueError("the config has no MoE layer")
+    gpu, t, b = cluster.gpu, work.tokens, work.act_bytes
+    comm_sms = work.comm_sms if (moe and par.ep > 1) else 0
+    moved = all_to_all_bytes(cfg, cluster, par.ep, t, b)
+    a2a = all_to_all_seconds(moved, gpu) if moe else 0.0
+    subs = _sub_ops(cfg, t, work.seq_len, par.ep, t * moved.ranks_reached, b, moe)
+    attn, mlp = subs["attn"], subs["mlp"]
+    detail = {f"{op.name}.{ph}": op_seconds(op, ph, gpu, comm_sms) for op in attn + mlp for ph in ("fwd", "dx", "dw")}
+    a_f, a_dx, a_dw = _phases(attn, gpu, comm_sms)
+    m_f, m_dx, m_dw = _phases(mlp, gpu, comm_sms)
+    if work.recompute:
+        a_dx, m_dx = a_dx + a_f, m_dx + m_f
+    e_f, e_dx, e_dw = _phases(subs["embed"], gpu, 0)
+    h_f, h_dx, h_dw = _phases(subs["head"], gpu, 0)
+    return SubstageCosts(
+        moe=moe,
+        attn_F=a_f,
+        attn_dX=a_dx,
+        attn_dW=a_dw,
+        mlp_F=m_f,
+        mlp_dX=m_dx,
+        mlp_dW=m_dw,
+        dispatch=a2a,
+        combine=a2a,
+        embed_F=e_f,
+        embed_B=e_dx + e_dw,
+        head_F=h_f,
+        head_B=h_dx + h_dw,
+        p2p=p2p_seconds(cfg, cluster, par, work),
+        dp_reduce=dp_reduce_seconds(cfg, cluster, par, work),
+        detail=detail,
+    )

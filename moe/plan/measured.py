@@ -1,0 +1,239 @@
+"""Measured sub-stage costs: the JSON file ``bench.overlap --calibrate`` and ``bench.kernels`` write and the
+planner's ``--costs FILE`` reads, and their scaling to another model, micro-batch and cluster.
+
+Format (version 1)::
+
+    {
+      "format": "dualpipe-moe/plan-costs",
+      "version": 1,
+      "device": "NVIDIA H100 80GB HBM3",      # where it was measured (free text; "cpu" on the CPU)
+      "source": "bench.overlap --calibrate",   # what wrote it
+      "date": "2026-11-23",
+      "config": {...},                         # MoEConfig fields of the measured model
+      "seq_len": 4096, "tokens": 4096,         # the measured micro-batch (tokens = sequences x seq_len)
+      "act_bytes": 2, "ep": 8, "gpus_per_node": 8, "comm_sms": 20, "recompute": false,
+      "nvlink_bytes_per_s": 1.6e11,            # link rates the all-to-alls ran on (needed with dispatch/combine)
+      "internode_bytes_per_s": 5e10,
+      "moe": {"attn_F": 0.001, ..., "dispatch": 0.002, "combine": 0.002},   # seconds, one MoE layer
+      "dense": {"attn_F": ..., ...}            # optional: one dense layer
+    }
+
+Layer entries take any of :data:`moe.plan.costs.COMPUTE_FIELDS` plus ``dispatch`` and ``combine``; what a
+file leaves out stays analytic. Measured ``*_dX`` of a run with ``recompute`` include the forward again
+(as :class:`~moe.plan.costs.SubstageCosts` does): scaling takes it out first.
+
+Scaling (:func:`scale_field`): a compute time is multiplied by the FLOP ratio of that sub-stage phase
+between the target and the measured shape (:func:`moe.plan.costs.phase_work`; by the byte ratio for a phase
+without FLOPs, e.g. the embedding). That keeps the measured device's achieved rate, so a file measured on
+one device describes that device: measure on the GPU you plan for. An all-to-all time is multiplied by
+the ratio of the analytic all-to-all times (:func:`moe.plan.costs.all_to_all_seconds`), target over
+measured, each with its own bytes (tokens, hidden size, ranks and nodes reached) and its own link rates:
+the byte ratio and the bandwidth ratio together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe.config import MoEConfig
+from moe.plan.costs import (
+    COMPUTE_FIELDS,
+    Parallelism,
+    SubstageCosts,
+    Workload,
+    all_to_all_bytes,
+    all_to_all_seconds,
+    phase_work,
+)
+from moe.plan.hardware import GPU, Cluster
+
+__all__ = [
+    "COMM_FIELDS",
+    "FORMAT",
+    "VERSION",
+    "MeasuredCosts",
+    "apply_measured",
+    "gpu_of",
+    "load_costs",
+    "save_costs",
+    "scale_field",
+]
+
+FORMAT = "dualpipe-moe/plan-costs"
+VERSION = 1
+COMM_FIELDS = ("dispatch", "combine")
+_LAYER_FIELDS = frozenset(COMPUTE_FIELDS) | frozenset(COMM_FIELDS)
+
+
+@dataclass(kw_only=True, slots=True)
+class MeasuredCosts:
+    """One costs file in memory (see the module docstring for each field)."""
+
+    config: MoEConfig
+    seq_len: int
+    tokens: int
+    moe: dict[str, float]
+    dense: dict[str, float] = field(default_factory=dict)
+    device: str = "unknown"
+    source: str = ""
+    date: str = ""
+    act_bytes: int = 2
+    ep: int = 1
+    gpus_per_node: int = 8
+    comm_sms: int = 0
+    recompute: bool = False
+    nvlink_bytes_per_s: float | None = None
+    internode_bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.tokens < 1 or self.tokens % self.seq_len:
+            raise ValueError(f"costs file: tokens={self.tokens} must be a positive multiple of seq_len={self.seq_len}")
+        if self.ep < 1 or self.gpus_per_node < 1 or self.act_bytes < 1 or self.comm_sms < 0:
+            raise ValueError("costs file: ep, gpus_per_node and act_bytes must be >= 1, comm_sms >= 0")
+        for kind, entry in (("moe", self.moe), ("dense", self.dense)):
+            unknown = set(entry) - _LAYER_FIELDS
+            if unknown:
+                raise ValueError(
+                    f"costs file: unknown fields {sorted(unknown)} in {kind!r}; known: {sorted(_LAYER_FIELDS)}"
+                )
+            for name, value in entry.items():
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                    raise ValueError(f"costs file: {kind}.{name} must be a number of seconds >= 0, got {value!r}")
+            if kind == "dense" and set(entry) & set(COMM_FIELDS):
+                raise ValueError("costs file: a dense layer has no dispatch or combine")
+        comm = any(n in self.moe for n in COMM_FIELDS)
+        if comm and (self.nvlink_bytes_per_s is None or self.internode_bytes_per_s is None or self.ep == 1):
+            raise ValueError(
+                "costs file: measured dispatch/combine need ep > 1 and the link rates they ran on "
+                "(nvlink_bytes_per_s, internode_bytes_per_s)"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"format": FORMAT, "version": VERSION}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = dataclasses.asdict(value) if isinstance(value, MoEConfig) else value
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str = "costs file") -> MeasuredCosts:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f'{where}: not a planner costs file (expected "format": {FORMAT!r})')
+        version = data.get("version")
+        if version != VERSION:
+            raise ValueError(f"{where}: version {version!r} is not supported (this planner reads version {VERSION})")
+        body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(body) - names
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+        missing = {"config", "seq_len", "tokens", "moe"} - set(body)
+        if missing:
+            raise ValueError(f"{where}: missing keys {sorted(missing)}")
+        try:
+            body["config"] = MoEConfig(**body["config"])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: bad config: {exc}") from exc
+        try:
+            return cls(**body)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+
+
+def save_costs(path: str | os.PathLike[str], costs: MeasuredCosts) -> None:
+    """Write ``costs`` as JSON (the format of the module docstring)."""
+    with open(path, "w") as f:
+        json.dump(costs.to_json(), f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def load_costs(path: str | os.PathLike[str]) -> MeasuredCosts:
+    """Read and validate a costs file; ``ValueError`` names the file and what is wrong."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON: {exc}") from exc
+    return MeasuredCosts.from_json(data, where=str(path))
+
+
+def _ratio(target: tuple[float, float], base: tuple[float, float], name: str) -> float:
+    (tf, tb), (bf, bb) = target, base
+    if bf > 0:
+        return tf / bf
+    if bb > 0:
+        return tb / bb
+    raise ValueError(f"cannot scale {name}: the measured shape does no work in it")
+
+
+def scale_field(
+    measured: MeasuredCosts, name: str, cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, *, moe: bool
+) -> float:
+    """Measured ``name`` (a field of the ``moe`` or ``dense`` entry) scaled to (``cfg``, ``work``) on
+    ``cluster`` with ``par``; see the module docstring. ``KeyError`` if the file does not hold it."""
+    entry = measured.moe if moe else measured.dense
+    value = entry[name]
+    if name in COMM_FIELDS:
+        base_gpu = dataclasses.replace(
+            cluster.gpu,
+            nvlink_bytes_per_s=measured.nvlink_bytes_per_s,
+            internode_bytes_per_s=measured.internode_bytes_per_s,
+        )
+        base_cluster = Cluster(base_gpu, measured.ep, min(measured.ep, measured.gpus_per_node))
+        base = all_to_all_seconds(
+            all_to_all_bytes(measured.config, base_cluster, measured.ep, measured.tokens, measured.act_bytes), base_gpu
+        )
+        target = all_to_all_seconds(all_to_all_bytes(cfg, cluster, par.ep, work.tokens, work.act_bytes), cluster.gpu)
+        return value * target / base
+    base_work = phase_work(
+        measured.config, measured.tokens, measured.seq_len, ep=measured.ep, act_bytes=measured.act_bytes, moe=moe
+    )
+    target_work = phase_work(cfg, work.tokens, work.seq_len, ep=par.ep, act_bytes=work.act_bytes, moe=moe)
+    if name.endswith("_dX") and measured.recompute:
+        forward = name.replace("_dX", "_F")
+        if forward not in entry:
+            raise ValueError(f"costs file: {name} was measured with recompute; {forward} is needed to take it out")
+        value -= entry[forward]
+    scaled = value * _ratio(target_work[name], base_work[name], name)
+    if name.endswith("_dX") and work.recompute:
+        forward = name.replace("_dX", "_F")
+        scaled += (
+            scale_field(measured, forward, cfg, cluster, par, work, moe=moe)
+            if forward in entry
+            else _analytic_field(forward, cfg, cluster, par, work, moe)
+        )
+    return scaled
+
+
+def _analytic_field(name: str, cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, moe: bool) -> float:
+    from moe.plan.costs import substage_costs
+
+    return getattr(substage_costs(cfg, cluster, par, work, moe=moe), name)
+
+
+def apply_measured(
+    measured: MeasuredCosts,
+    analytic: SubstageCosts,
+    cfg: MoEConfig,
+    cluster: Cluster,
+    par: Parallelism,
+    work: Workload,
+) -> SubstageCosts:
+    """``analytic`` with every field the file measured (for its layer kind) replaced by the scaled measurement
+    (``detail``, the per-op breakdown, stays analytic)."""
+    entry = measured.moe if analytic.moe else measured.dense
+    changes = {name: scale_field(measured, name, cfg, cluster, par, work, moe=analytic.moe) for name in entry}
+    return dataclasses.replace(analytic, **changes)
+
+
+def gpu_of(measured: MeasuredCosts, base: GPU) -> GPU:
+    """``base`` with the link rates the file was measured on (for comparing a prediction with the run)."""
+    return dataclasses.replace(
+        base,
+        nvlink_bytes_per_s=measured.nvlink_bytes_per_s or base.nvlink_bytes_per_s,
+        internode_bytes_per_s=measured.internode_bytes_per_s or base.internode_bytes_per_s,
+    )

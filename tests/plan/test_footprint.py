@@ -1,0 +1,135 @@
+"""Memory accounting against the real stages: moe.memory.MemoryMeter's CPU figures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dualpipe.schedule import build_schedule
+from dualpipe.simulate import simulate
+from moe import MoEModel, lm_loss
+from moe.memory import MemoryMeter
+from moe.optimizer import DistributedAdamW, ShardGroup
+from moe.parallel import ParallelConfig, ParallelLayout, build_stages
+from moe.plan.costs import Parallelism, Workload
+from moe.plan.footprint import (
+    LEAVES,
+    footprint,
+    layer_activations,
+    module_activation_bytes,
+    state_bytes,
+)
+from moe.plan.hardware import GPUS
+from moe.plan.params import rank_params
+from tests.moe.helpers import batch, tiny_config
+
+
+def _rank_stages(cfg, schedule: str, pp: int, pp_rank: int, dtype: torch.dtype):
+    """The real stages of one pipeline rank at ep = 1, through moe.parallel.build_stages (no process group
+    is touched at ep = 1: the local dispatcher needs none)."""
+    config = ParallelConfig(pp=pp, dp=1, ep=1, schedule=schedule)
+    layout = ParallelLayout(
+        config=config, pp_rank=pp_rank, edp_rank=0, ep_rank=0, pp_group=None, dp_group=None, edp_group=None,
+        ep_group=None, mirror_group=None, mesh=None,
+    )  # fmt: skip
+    return build_stages(cfg, layout, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "dtype"),
+    [("dualpipev", 2, torch.bfloat16), ("dualpipe", 2, torch.bfloat16), ("1f1b", 2, torch.float32)],
+)
+def test_state_bytes_equal_the_meter(schedule: str, pp: int, dtype: torch.dtype) -> None:
+    cfg = tiny_config()
+    for r in range(pp):
+        stages = _rank_stages(cfg, schedule, pp, r, dtype)
+        specs = rank_params(cfg, pp, 1, schedule, r)
+        names = sorted((n, p.numel()) for s in stages for n, p in s.named_parameters())
+        assert names == sorted((p.name, p.numel) for p in specs)
+        dense = [p for s in stages for n, p in s.named_parameters() if ".experts." not in n]
+        experts = [p for s in stages for p in s.expert_parameters()]
+        opt = DistributedAdamW([ShardGroup(dense), ShardGroup(experts)], zero=True)
+        meter = MemoryMeter(list(stages), opt)
+        meter.start_step()
+        got = meter.stop_step()
+        want = state_bytes(specs, param_bytes=dtype.itemsize, master_weights=True, dp=1, edp=1, zero=True)
+        assert (got["param_bytes"], got["grad_bytes"], got["optimizer_state_bytes"]) == want
+
+
+def test_zero_shards_by_the_optimizers_partition() -> None:
+    # bf16 with masters: 12 bytes of state an element; experts over edp = 2, dense over dp = 4.
+    specs = rank_params(tiny_config(), 1, 1, "1f1b", 0)
+    dense = sorted((p.numel for p in specs if not p.expert), reverse=True)
+    experts = [p.numel for p in specs if p.expert]
+    _, grads, full = state_bytes(specs, param_bytes=2, master_weights=True, dp=1, edp=1, zero=True)
+    _, grads4, sharded = state_bytes(specs, param_bytes=2, master_weights=True, dp=4, edp=2, zero=True)
+    assert grads4 == grads == 4 * sum(p.numel for p in specs)  # ZeRO-1 keeps every gradient
+    assert full == 12 * sum(p.numel for p in specs)
+    # the largest dense tensor goes alone to one rank; no rank can hold less than a quarter
+    assert 12 * (sum(dense) / 4 + sum(experts) / 2) <= sharded < full
+    assert sharded >= 12 * dense[0]
+    # pure bf16: bf16 gradients and moments, no master
+    assert state_bytes(specs, param_bytes=2, master_weights=False, dp=1, edp=1, zero=False)[1:] == (
+        2 * sum(p.numel for p in specs),
+        4 * sum(p.numel for p in specs),
+    )
+
+
+@pytest.mark.parametrize(("dtype", "b"), [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_activation_bytes_match_the_tracker(dtype: torch.dtype, b: int) -> None:
+    """One micro-batch through the whole model: the saved tensors listed per sub-stage (the runtime's kept
+    piece inputs aside, which the tracker does not see) within 5% of the tracker's peak."""
+    cfg = tiny_config()
+    model = MoEModel(cfg, seed=0, piecewise=True).to(dtype)
+    ids, labels = batch(cfg, size=4, seq=32)
+    meter = MemoryMeter(model)
+    meter.start_step()
+    lm_loss(model(ids), labels).backward()
+    measured = meter.stop_step()["peak_activation_bytes"]
+    tracked = module_activation_bytes(cfg, range(4), 128, 32, b, 1, first=True, last=True, recompute=False)
+    leaves = sum(v for i in range(4) for k, v in layer_activations(cfg, i, 128, 32, b).items() if k in LEAVES)
+    assert tracked - leaves == pytest.approx(measured, rel=0.05)
+    # the model's footprint at pp = 1: one live module, exactly this listing
+    fp = footprint(
+        cfg,
+        Parallelism(pp=1, dp=1, ep=1, schedule="1f1b"),
+        Workload(seq_len=32, micro_batch=4, act_bytes=b),
+        num_chunks=1,
+        param_bytes=b,
+    )
+    assert fp.peak_modules == 1 and fp.activations == tracked
+
+
+def test_footprint_uses_the_schedules_peak() -> None:
+    cfg = tiny_config(num_layers=8)
+    work = Workload(seq_len=32, micro_batch=1)
+    for schedule, pp in (("1f1b", 4), ("dualpipe", 4), ("dualpipev", 4)):
+        par = Parallelism(pp=pp, dp=8, ep=4, schedule=schedule)
+        fp = footprint(cfg, par, work, num_chunks=8)
+        sim = simulate(build_schedule(schedule, pp, 8))
+        assert fp.peak_modules == sim.peak_activations[fp.pp_rank]
+        assert fp.params == 2 * sum(p.numel for p in rank_params(cfg, pp, 4, schedule, fp.pp_rank))
+        assert fp.activations > 0 and fp.all_to_all_buffers > 0 and fp.total > fp.activations
+    # DualPipe holds every stage twice: twice DualPipeV's parameters on a middle rank
+    dp_ = footprint(cfg, Parallelism(pp=4, dp=8, ep=4, schedule="dualpipe"), work, num_chunks=8)
+    assert dp_.peak_modules == 5  # PP + 1 on the middle ranks (dualpipe.simulate)
+
+
+def test_recompute_keeps_only_piece_inputs() -> None:
+    cfg = tiny_config(num_layers=8)
+    par = Parallelism(pp=4, dp=8, ep=4, schedule="dualpipev")
+    work = Workload(seq_len=64, micro_batch=2)
+    plain = footprint(cfg, par, work, num_chunks=8)
+    again = footprint(cfg, par, dataclasses.replace(work, recompute=True), num_chunks=8)
+    assert again.activations < 0.5 * plain.activations
+    assert (again.params, again.grads, again.optimizer) == (plain.params, plain.grads, plain.optimizer)
+
+
+def test_fits_with_headroom() -> None:
+    fp = footprint(tiny_config(), Parallelism(pp=1, dp=1, ep=1, schedule="1f1b"), Workload(seq_len=32, micro_batch=1))
+    assert fp.fits(GPUS["h100"])
+    big = dataclasses.replace(fp, activations=0.95 * GPUS["h100"].hbm_bytes)
+    assert not big.fits(GPUS["h100"]) and big.fits(GPUS["h100"], headroom=0.0)  # 10% headroom decides
+    assert dataclasses.replace(fp, activations=0.85 * GPUS["h100"].hbm_bytes).fits(GPUS["h100"])

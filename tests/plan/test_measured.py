@@ -1,0 +1,115 @@
+"""The measured-costs file: round trip, validation, scaling to another shape and cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from moe.config import MoEConfig
+from moe.plan.costs import Parallelism, Workload, phase_work, substage_costs
+from moe.plan.hardware import GPUS, Cluster
+from moe.plan.measured import FORMAT, VERSION, MeasuredCosts, load_costs, save_costs, scale_field
+
+CFG = MoEConfig(
+    vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, num_experts=8, n_group=2,
+    topk_group=1, top_k=2, moe_intermediate_size=16, num_dense_layers=1,
+)  # fmt: skip
+MOE = {"attn_F": 1e-3, "attn_dX": 1.5e-3, "attn_dW": 0.8e-3, "mlp_F": 2e-3, "mlp_dX": 2e-3, "mlp_dW": 1.9e-3}
+
+
+def _measured(**changes) -> MeasuredCosts:
+    base = dict(
+        config=CFG, seq_len=32, tokens=64, moe={**MOE, "dispatch": 4e-3, "combine": 4e-3},
+        dense={"attn_F": 1e-3, "mlp_F": 1e-3}, device="cpu", source="test", ep=4, gpus_per_node=2,
+        nvlink_bytes_per_s=1e9, internode_bytes_per_s=5e7,
+    )  # fmt: skip
+    base.update(changes)
+    return MeasuredCosts(**base)
+
+
+def test_round_trip(tmp_path) -> None:
+    m = _measured()
+    path = tmp_path / "costs.json"
+    save_costs(path, m)
+    data = json.loads(path.read_text())
+    assert data["format"] == FORMAT and data["version"] == VERSION and data["config"]["num_experts"] == 8
+    assert load_costs(path) == m
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(version=99), "version 99"),
+        (lambda d: d.update(format="other"), "not a planner costs file"),
+        (lambda d: d.pop("tokens"), "missing keys"),
+        (lambda d: d.update(extra=1), "unknown keys"),
+        (lambda d: d["moe"].update(attn_G=1.0), "unknown fields"),
+        (lambda d: d["moe"].update(attn_F=-1.0), "seconds >= 0"),
+        (lambda d: d["dense"].update(dispatch=1.0), "no dispatch"),
+        (lambda d: d.update(nvlink_bytes_per_s=None), "link rates"),
+        (lambda d: d["config"].update(top_k=99), "bad config"),
+        (lambda d: d.update(tokens=48), "multiple of seq_len"),
+    ],
+)
+def test_validation_names_the_problem(tmp_path, edit, message) -> None:
+    data = _measured().to_json()
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        load_costs(path)
+
+
+def test_not_json(tmp_path) -> None:
+    path = tmp_path / "x.json"
+    path.write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        load_costs(path)
+
+
+def test_scaling() -> None:
+    m = _measured()
+    cluster = Cluster(dataclasses.replace(GPUS["h800"], nvlink_bytes_per_s=1e9, internode_bytes_per_s=5e7), 4, 2)
+    par = Parallelism(pp=1, dp=4, ep=4, schedule="1f1b")
+    same = Workload(seq_len=32, micro_batch=2)
+    # the measured shape maps to itself
+    for name in (*MOE, "dispatch", "combine"):
+        assert scale_field(m, name, CFG, cluster, par, same, moe=True) == pytest.approx(m.moe[name])
+    # twice the sequences: the MLP's FLOPs double, attention's too (same S); the all-to-all's bytes double
+    double = Workload(seq_len=32, micro_batch=4)
+    assert scale_field(m, "mlp_F", CFG, cluster, par, double, moe=True) == pytest.approx(4e-3)
+    assert scale_field(m, "attn_dW", CFG, cluster, par, double, moe=True) == pytest.approx(1.6e-3)
+    assert scale_field(m, "dispatch", CFG, cluster, par, double, moe=True) == pytest.approx(8e-3)
+    # twice the sequence length: attention scales by its FLOP ratio (the S^2 part grows 4x)
+    longer = Workload(seq_len=64, micro_batch=2)
+    ratio = phase_work(CFG, 128, 64, ep=4)["attn_F"][0] / phase_work(CFG, 64, 32, ep=4)["attn_F"][0]
+    assert 2 < ratio < 4
+    assert scale_field(m, "attn_F", CFG, cluster, par, longer, moe=True) == pytest.approx(1e-3 * ratio)
+    # links twice as fast: the all-to-all halves (both parts scale)
+    fast = Cluster(dataclasses.replace(cluster.gpu, nvlink_bytes_per_s=2e9, internode_bytes_per_s=1e8), 4, 2)
+    assert scale_field(m, "combine", CFG, fast, par, same, moe=True) == pytest.approx(2e-3)
+    # recompute adds the (scaled) forward to dX; a file measured with recompute has it taken out first
+    rc = dataclasses.replace(same, recompute=True)
+    assert scale_field(m, "mlp_dX", CFG, cluster, par, rc, moe=True) == pytest.approx(4e-3)
+    m_rc = _measured(recompute=True)
+    assert scale_field(m_rc, "mlp_dX", CFG, cluster, par, same, moe=True) == pytest.approx(0.0)
+    with pytest.raises(KeyError):
+        scale_field(m, "head_F", CFG, cluster, par, same, moe=True)
+
+
+def test_substage_costs_take_measured_fields_and_keep_the_rest() -> None:
+    m = _measured()
+    cluster = Cluster(dataclasses.replace(GPUS["h800"], nvlink_bytes_per_s=1e9, internode_bytes_per_s=5e7), 4, 2)
+    par = Parallelism(pp=1, dp=4, ep=4, schedule="1f1b")
+    work = Workload(seq_len=32, micro_batch=2)
+    analytic = substage_costs(CFG, cluster, par, work)
+    used = substage_costs(CFG, cluster, par, work, measured=m)
+    assert used.mlp_F == pytest.approx(2e-3) and used.dispatch == pytest.approx(4e-3)
+    assert used.head_F == analytic.head_F and used.p2p == analytic.p2p  # not in the file: analytic
+    dense = substage_costs(CFG, cluster, par, work, moe=False, measured=m)
+    assert (
+        dense.attn_F == pytest.approx(1e-3)
+        and dense.attn_dX == substage_costs(CFG, cluster, par, work, moe=False).attn_dX
+    )
