@@ -70,9 +70,11 @@ class CostModel(Protocol):
     def dp_reduce(self) -> float:
         """Seconds of the data-parallel gradient reduction of one step, on the slowest rank."""
 
-    def memory(self, peak_modules: int) -> object:
-        """Memory per GPU (a footprint with ``total`` bytes and ``fits``), given the schedule's peak live
-        activations in modules."""
+    def memory(self) -> object:
+        """Memory per GPU on the fullest rank (an object with ``total`` bytes)."""
+
+    def fits(self) -> bool:
+        """Whether :meth:`memory` fits the GPU."""
 
     def model_flops(self) -> float:
         """Model FLOPs of one step of the global batch (no recompute), for MFU."""
@@ -97,7 +99,7 @@ class Prediction:
 
     def to_dict(self) -> dict:
         c = self.candidate
-        memory = self.memory.to_dict() if hasattr(self.memory, "to_dict") else {"total": self.memory.total}
+        memory = {k: getattr(self.memory, k) for k in _MEMORY_FIELDS if hasattr(self.memory, k)}
         return {
             "schedule": c.schedule,
             "pp": c.pp,
@@ -117,6 +119,9 @@ class Prediction:
             "memory_bytes": memory,
             "fits": self.fits,
         }
+
+
+_MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "all_to_all_buffers", "total")
 
 
 def _divisors(n: int) -> list[int]:
@@ -240,7 +245,7 @@ def predict(
     sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
     reduce = model.dp_reduce()
     step = sim.makespan + reduce
-    memory = model.memory(max(sim.peak_activations))
+    memory = model.memory()
     return Prediction(
         candidate=candidate,
         step_time=step,
@@ -251,7 +256,7 @@ def predict(
         bubble_fraction=sim.bubble_fraction,
         exposed_a2a_fraction=exposed / total if total > 0 else 0.0,
         memory=memory,
-        fits=bool(memory.fits),
+        fits=model.fits(),
         sim=sim,
     )
 

@@ -1,0 +1,99 @@
+"""The planner's cost model for one candidate: :mod:`moe.plan.costs` and :mod:`moe.plan.footprint` behind the
+:class:`moe.plan.search.CostModel` interface the search times schedules with."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from moe.config import MoEConfig
+from moe.plan.costs import Parallelism, SubstageCosts, Workload, substage_costs
+from moe.plan.flops import model_flops_per_token
+from moe.plan.footprint import Footprint, footprint
+from moe.plan.hardware import Cluster
+from moe.plan.measured import MeasuredCosts
+from moe.plan.pair import BlockTimes
+from moe.plan.search import Candidate
+
+__all__ = ["LayerCostModel", "block_times"]
+
+
+def block_times(c: SubstageCosts) -> BlockTimes:
+    """One layer's sub-stage seconds in the form the two-stream model takes."""
+    return BlockTimes(
+        attn_f=c.attn_F,
+        attn_dx=c.attn_dX,
+        attn_dw=c.attn_dW,
+        mlp_f=c.mlp_F,
+        mlp_dx=c.mlp_dX,
+        mlp_dw=c.mlp_dW,
+        dispatch=c.dispatch,
+        combine=c.combine,
+    )
+
+
+@dataclass(frozen=True)
+class LayerCostModel:
+    """Analytic (or, with ``measured``, measured and scaled) costs of ``candidate`` on ``cluster``."""
+
+    cfg: MoEConfig
+    cluster: Cluster
+    candidate: Candidate
+    seq_len: int
+    micro_batch: int
+    tokens_per_step: int
+    zero: bool = True
+    measured: MeasuredCosts | None = None
+
+    @property
+    def parallelism(self) -> Parallelism:
+        c = self.candidate
+        return Parallelism(pp=c.pp, dp=c.dp, ep=c.ep, schedule=c.schedule)
+
+    @property
+    def workload(self) -> Workload:
+        c = self.candidate
+        return Workload(seq_len=self.seq_len, micro_batch=self.micro_batch, comm_sms=c.comm_sms, recompute=c.recompute)
+
+    def _costs(self, moe: bool) -> SubstageCosts:
+        return substage_costs(self.cfg, self.cluster, self.parallelism, self.workload, moe=moe, measured=self.measured)
+
+    @functools.cached_property
+    def _moe(self) -> SubstageCosts:
+        return self._costs(moe=True)
+
+    @functools.cached_property
+    def _dense(self) -> SubstageCosts:
+        return self._costs(moe=False)
+
+    def layer(self, layer: int) -> SubstageCosts:
+        return self._moe if self.cfg.is_moe_layer(layer) else self._dense
+
+    def block(self, layer: int) -> BlockTimes:
+        return block_times(self.layer(layer))
+
+    def embed(self) -> tuple[float, float]:
+        return self._moe.embed_F, self._moe.embed_B
+
+    def head(self) -> tuple[float, float]:
+        return self._moe.head_F, self._moe.head_B
+
+    def p2p(self) -> float:
+        return self._moe.p2p
+
+    def dp_reduce(self) -> float:
+        return self._moe.dp_reduce
+
+    @functools.cached_property
+    def _footprint(self) -> Footprint:
+        c = self.candidate
+        return footprint(self.cfg, self.parallelism, self.workload, num_chunks=c.num_chunks, zero=self.zero)
+
+    def memory(self) -> Footprint:
+        return self._footprint
+
+    def fits(self) -> bool:
+        return self._footprint.fits(self.cluster.gpu)
+
+    def model_flops(self) -> float:
+        return model_flops_per_token(self.cfg, self.seq_len) * self.tokens_per_step
