@@ -21,6 +21,7 @@ stated allowance, not a measurement: replace it with ``cuda_peak_allocated_bytes
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from dualpipe.schedule import build_schedule, schedule_spec
@@ -216,6 +217,13 @@ class Footprint:
         return self.total <= (1 - headroom) * gpu.hbm_bytes
 
 
+@functools.lru_cache(maxsize=256)
+def _peak_modules(schedule: str, pp: int, chunks: int, modules_per_rank: int | None) -> tuple[int, ...]:
+    """Peak live activations per rank, in modules (the simulator's count; cached: a search asks for the same
+    schedule shape once per candidate)."""
+    return simulate(build_schedule(schedule, pp, chunks, modules_per_rank=modules_per_rank)).peak_activations
+
+
 def footprint(
     cfg: MoEConfig,
     par: Parallelism,
@@ -232,7 +240,7 @@ def footprint(
     default), 4 for an fp32 model."""
     spec = schedule_spec(par.schedule)
     chunks = num_chunks if num_chunks is not None else spec.default_chunks(par.pp)
-    sim = simulate(build_schedule(par.schedule, par.pp, chunks, modules_per_rank=par.modules_per_rank))
+    peaks = _peak_modules(par.schedule, par.pp, chunks, par.modules_per_rank)
     t, b = work.tokens, work.act_bytes
     worst: Footprint | None = None
     for r in range(par.pp):
@@ -244,7 +252,7 @@ def footprint(
             for _, layers, first, last in stages
         ]
         # The simulator counts modules, not which: charge the rank's heaviest module for every live one.
-        acts = sim.peak_activations[r] * max(modules)
+        acts = peaks[r] * max(modules)
         if work.recompute:
             acts += max(
                 (
@@ -265,7 +273,7 @@ def footprint(
             edp=par.edp,
             zero=zero,
         )
-        fp = Footprint(r, p, g, o, acts, sim.peak_activations[r], a2a)
+        fp = Footprint(r, p, g, o, acts, peaks[r], a2a)
         if worst is None or fp.total > worst.total:
             worst = fp
     assert worst is not None

@@ -15,6 +15,7 @@ subsets S; a small dynamic programme over the groups gives the distribution of m
 
 from __future__ import annotations
 
+import functools
 from math import comb
 
 from moe.config import MoEConfig
@@ -50,6 +51,13 @@ def _miss_probability(cfg: MoEConfig, c_j: list[int]) -> float:
 
 def expected_distinct(cfg: MoEConfig, num_bins: int) -> float:
     """Expected number of the ``num_bins`` contiguous expert bins one token's top-k experts fall in."""
+    return _expected_distinct(cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.top_k, num_bins)
+
+
+@functools.lru_cache(maxsize=1024)
+def _expected_distinct(num_experts: int, n_group: int, topk_group: int, top_k: int, num_bins: int) -> float:
+    # Cached on the routing fields alone: a planner search asks for the same few values thousands of times.
+    cfg = MoEConfig(num_experts=num_experts, n_group=n_group, topk_group=topk_group, top_k=top_k)
     return sum(1.0 - _miss_probability(cfg, c_j) for c_j in _bin_counts(cfg, num_bins))
 
 

@@ -24,7 +24,17 @@ from dualpipe.simulate import Costs, SimResult, simulate
 from moe.parallel import split_layers
 from moe.plan.pair import BlockTimes, ChunkTimes, chunk_times
 
-__all__ = ["Candidate", "CostModel", "Prediction", "candidates", "predict", "rank_predictions", "why_worse"]
+__all__ = [
+    "Candidate",
+    "CostModel",
+    "Prediction",
+    "StageTimes",
+    "candidates",
+    "predict",
+    "rank_predictions",
+    "seconds",
+    "why_worse",
+]
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -165,7 +175,7 @@ def candidates(
                         yield Candidate(name, pp, dp, ep, chunks, sms, rc)
 
 
-class _StageTimes:
+class StageTimes:
     """Chunk times per (forward stage, backward stage), computed once each."""
 
     def __init__(self, model: CostModel, num_layers: int, num_stages: int) -> None:
@@ -194,7 +204,7 @@ class _StageTimes:
         return self.pair(stage, stage)
 
 
-def _durations(schedule: Schedule, times: _StageTimes) -> tuple[list[list[float]], float, float]:
+def _durations(schedule: Schedule, times: StageTimes) -> tuple[list[list[float]], float, float]:
     """Per rank, the duration of each compute action; and the step's exposed and total all-to-all seconds."""
     layout = schedule.layout
     out: list[list[float]] = []
@@ -240,7 +250,7 @@ def predict(
 ) -> Prediction:
     """Time and size ``candidate`` with ``model`` (see the module docstring)."""
     schedule = build_schedule(candidate.schedule, candidate.pp, candidate.num_chunks)
-    times = _StageTimes(model, num_layers, schedule.layout.num_stages)
+    times = StageTimes(model, num_layers, schedule.layout.num_stages)
     durations, exposed, total = _durations(schedule, times)
     sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
     reduce = model.dp_reduce()
@@ -266,6 +276,13 @@ def rank_predictions(predictions: Sequence[Prediction]) -> list[Prediction]:
     return sorted(predictions, key=lambda p: (not p.fits, p.step_time, p.candidate))
 
 
+def seconds(t: float) -> str:
+    """``t`` seconds in a readable unit (s, ms or us)."""
+    if t >= 1.0:
+        return f"{t:.2f} s"
+    return f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
+
+
 def why_worse(p: Prediction, best: Prediction) -> str:
     """The main reasons ``p`` loses to ``best``, largest first, in words with numbers."""
     if not p.fits:
@@ -280,16 +297,15 @@ def why_worse(p: Prediction, best: Prediction) -> str:
     add(p.bubble_fraction * p.pipeline_time - b_bubble, f"bubble {p.bubble_fraction:.1%} vs {best.bubble_fraction:.1%}")
     add(
         p.dp_reduce_time - best.dp_reduce_time,
-        f"dp reduction {p.dp_reduce_time * 1e3:.0f} ms vs {best.dp_reduce_time * 1e3:.0f} ms",
+        f"dp reduction {seconds(p.dp_reduce_time)} vs {seconds(best.dp_reduce_time)}",
     )
     busy = p.pipeline_time * (1 - p.bubble_fraction) - best.pipeline_time * (1 - best.bubble_fraction)
     add(
         busy,
-        f"busy time per rank +{busy * 1e3:.0f} ms (exposed all-to-all {p.exposed_a2a_fraction:.0%} vs "
+        f"busy time per rank +{seconds(busy)} (exposed all-to-all {p.exposed_a2a_fraction:.0%} vs "
         f"{best.exposed_a2a_fraction:.0%}{', recompute' if p.candidate.recompute else ''})",
     )
     if not reasons:
         return f"step {p.step_time / best.step_time - 1:+.1%}"
     reasons.sort(reverse=True)
     return f"step {p.step_time / best.step_time - 1:+.1%}: " + "; ".join(text for _, text in reasons[:2])
-

@@ -1,0 +1,138 @@
+"""``python -m moe.plan``: the best layout for a model on a cluster, before the cluster is booked.
+
+    python -m moe.plan --preset v3 --gpus 2048 --gpus-per-node 8 --gpu h800 --seq-len 4096 \\
+        --global-batch 15360 --micro-batch 1 --deepseek-v3 --png plan.png
+    python -m moe.plan --config my_model.json --gpus 64 --gpu h100 --costs measured.json --json plan.json
+
+Prints the number of candidates and how many fit, the best fitting plan (step time, tokens/s per GPU, MFU,
+bubble, exposed all-to-all, memory per GPU by kind), and a table of the top ``--top`` with why each loses.
+``--deepseek-v3`` adds the DeepSeek-V3 report's layout with each of its published figures beside ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dualpipe.schedule import SCHEDULES
+from moe.config import PRESETS, MoEConfig, preset
+from moe.plan.hardware import GPUS, Cluster, gpu, with_overrides
+from moe.plan.measured import gpu_of, load_costs
+from moe.plan.report import RunShape, plan, plan_table, v3_comparison
+
+__all__ = ["JSON_SCHEMA_VERSION", "main", "parse_args"]
+
+JSON_SCHEMA_VERSION = 1
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m moe.plan", description=__doc__.split("\n")[0])
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--preset", default="v3", choices=sorted(PRESETS), help="model preset (default v3)")
+    model.add_argument("--config", metavar="FILE", help="a JSON file of MoEConfig fields")
+    p.add_argument("--gpus", type=int, default=2048, help="GPUs in the cluster")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h800", choices=sorted(GPUS), help="device profile (moe/plan/hardware.py)")
+    p.add_argument("--gemm-efficiency", type=float, help="override the achieved fraction of peak for GEMMs")
+    p.add_argument("--nvlink-gbps", type=float, help="override NVLink GB/s per GPU, one direction")
+    p.add_argument("--internode-gbps", type=float, help="override inter-node GB/s per GPU, one direction")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=15360, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), help="default: every registered one")
+    p.add_argument("--comm-sms", type=int, nargs="+", default=[20], help="SMs for communication to try (ep > 1)")
+    p.add_argument("--recompute", choices=("both", "on", "off"), default="both")
+    p.add_argument("--costs", metavar="FILE", help="measured sub-stage costs (bench.overlap --calibrate)")
+    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--deepseek-v3", action="store_true", help="also set the V3 report's layout beside its figures")
+    p.add_argument("--json", metavar="FILE", help="write the result as JSON ('-' for stdout)")
+    p.add_argument("--png", metavar="FILE", help="draw the best plan's pipeline timeline")
+    args = p.parse_args(argv)
+    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch", "micro_batch", "top"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
+        p.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
+    return args
+
+
+def _config(args: argparse.Namespace) -> MoEConfig:
+    if args.config is None:
+        return preset(args.preset)
+    try:
+        fields = json.loads(Path(args.config).read_text())
+        return MoEConfig(**fields)
+    except (OSError, json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise SystemExit(f"error: --config {args.config}: {exc}") from None
+
+
+def _cluster(args: argparse.Namespace, measured) -> Cluster:
+    device = with_overrides(
+        gpu(args.gpu),
+        gemm_efficiency=args.gemm_efficiency,
+        nvlink_bytes_per_s=None if args.nvlink_gbps is None else args.nvlink_gbps * 1e9,
+        internode_bytes_per_s=None if args.internode_gbps is None else args.internode_gbps * 1e9,
+    )
+    if measured is not None:
+        device = gpu_of(measured, device)  # the links the measured all-to-alls ran on
+    return Cluster(device, args.gpus, min(args.gpus_per_node, args.gpus))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = _config(args)
+    try:
+        measured = load_costs(args.costs) if args.costs else None
+    except ValueError as exc:
+        raise SystemExit(f"error: --costs: {exc}") from None
+    cluster = _cluster(args, measured)
+    run = RunShape(args.seq_len, args.global_batch, args.micro_batch)
+    recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]
+    try:
+        result = plan(
+            cfg, cluster, run, schedules=args.schedules, comm_sms=args.comm_sms, recompute=recompute,
+            measured=measured, top=args.top,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    text = plan_table(result, args.top)
+    if args.deepseek_v3:
+        text += "\n\n" + v3_comparison(cfg, cluster, run, measured)
+    if args.json != "-":
+        print(text)
+    if args.json:
+        doc = {
+            "schema": JSON_SCHEMA_VERSION,
+            "inputs": {
+                "config": cfg.__class__.__name__ if args.config is None else args.config,
+                "preset": None if args.config else args.preset,
+                "gpus": cluster.num_gpus,
+                "gpus_per_node": cluster.gpus_per_node,
+                "gpu": {k: getattr(cluster.gpu, k) for k in cluster.gpu.__slots__},
+                "seq_len": run.seq_len,
+                "global_batch": run.global_batch,
+                "micro_batch": run.micro_batch,
+                "costs": args.costs,
+            },
+            "num_candidates": result.num_candidates,
+            "num_fitting": result.num_fitting,
+            "best": result.best.to_dict(),
+            "top": [p.to_dict() for p in result.ranked[: args.top]],
+        }
+        out = json.dumps(doc, indent=1)
+        if args.json == "-":
+            print(out)
+        else:
+            Path(args.json).write_text(out + "\n")
+    if args.png:
+        from dualpipe.simulate import render_png
+
+        render_png(result.best.sim, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
