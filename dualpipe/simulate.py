@@ -243,13 +243,19 @@ def render_png(result: SimResult, path: str) -> None:
         from matplotlib.patches import Patch
     except ImportError as exc:
         raise ImportError("render_png needs matplotlib: pip install dualpipe-moe[plot]") from exc
-    width = max(6.0, min(40.0, 0.4 * sum(len(s) for s in result.timelines) / max(result.num_ranks, 1)))
-    fig = Figure(figsize=(width, 0.5 * result.num_ranks + 1.2))
+    per_rank = sum(len(s) for s in result.timelines) / max(result.num_ranks, 1)
+    # A cluster-sized step (hundreds of actions per rank) gets no labels or outlines: they would only blur
+    # into a multi-megabyte picture.
+    detailed = per_rank <= 80
+    width = max(6.0, min(40.0 if detailed else 16.0, 0.4 * per_rank))
+    fig = Figure(figsize=(width, min(0.5 * result.num_ranks, 12.0) + 1.2))
     ax = fig.add_subplot()
     for rank, spans in enumerate(result.timelines):
         for s in spans:
-            ax.barh(rank, s.end - s.start, left=s.start, height=0.8, color=_COLORS[s.op], edgecolor="black", lw=0.3)
-            ax.text((s.start + s.end) / 2, rank, s.label, ha="center", va="center", fontsize=5, clip_on=True)
+            ax.barh(rank, s.end - s.start, left=s.start, height=0.8, color=_COLORS[s.op],
+                    edgecolor="black", lw=0.3 if detailed else 0)  # fmt: skip
+            if detailed:
+                ax.text((s.start + s.end) / 2, rank, s.label, ha="center", va="center", fontsize=5, clip_on=True)
     ax.set_yticks(range(result.num_ranks), [f"rank {r}" for r in range(result.num_ranks)])
     ax.invert_yaxis()
     ax.set_xlim(0, result.makespan or 1.0)
@@ -265,7 +271,7 @@ def render_png(result: SimResult, path: str) -> None:
         fontsize=6,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    fig.savefig(path, dpi=150 if detailed else 100)
 
 
 def _summary(result: SimResult) -> str:

@@ -103,6 +103,8 @@ class Prediction:
     bubble_fraction: float
     exposed_a2a_fraction: float
     """All-to-all time left exposed (not under compute), over all all-to-all time of the step."""
+    a2a_per_rank: float
+    """All-to-all seconds of one step, per pipeline rank on average (hidden or not)."""
     memory: object
     fits: bool
     sim: SimResult = field(repr=False, compare=False)
@@ -265,6 +267,7 @@ def predict(
         mfu=model.model_flops() / (step * num_gpus * peak_flops),
         bubble_fraction=sim.bubble_fraction,
         exposed_a2a_fraction=exposed / total if total > 0 else 0.0,
+        a2a_per_rank=total / candidate.pp,
         memory=memory,
         fits=model.fits(),
         sim=sim,
@@ -300,11 +303,12 @@ def why_worse(p: Prediction, best: Prediction) -> str:
         f"dp reduction {seconds(p.dp_reduce_time)} vs {seconds(best.dp_reduce_time)}",
     )
     busy = p.pipeline_time * (1 - p.bubble_fraction) - best.pipeline_time * (1 - best.bubble_fraction)
-    add(
-        busy,
-        f"busy time per rank +{seconds(busy)} (exposed all-to-all {p.exposed_a2a_fraction:.0%} vs "
-        f"{best.exposed_a2a_fraction:.0%}{', recompute' if p.candidate.recompute else ''})",
-    )
+    why = [f"all-to-all {seconds(p.a2a_per_rank)} vs {seconds(best.a2a_per_rank)} per rank"]
+    if p.exposed_a2a_fraction != best.exposed_a2a_fraction:
+        why.append(f"{p.exposed_a2a_fraction:.0%} vs {best.exposed_a2a_fraction:.0%} exposed")
+    if p.candidate.recompute != best.candidate.recompute:
+        why.append("recompute" if p.candidate.recompute else "no recompute: more memory, less work")
+    add(busy, f"busy time per rank +{seconds(busy)} ({', '.join(why)})")
     if not reasons:
         return f"step {p.step_time / best.step_time - 1:+.1%}"
     reasons.sort(reverse=True)
