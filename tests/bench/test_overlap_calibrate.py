@@ -115,3 +115,17 @@ def test_planner_predicts_the_overlapped_step_within_20_percent(calibration):
     record, _ = calibration
     # the benchmark's step is the pipeline alone (no gradient reduction, no optimizer): pipeline_time
     assert record["predicted"]["pipeline_ms"] == pytest.approx(record["measured"]["step_ms"], rel=0.2)
+
+
+def test_calibrate_on_loopback_writes_compute_only(tmp_path, capsys):
+    from bench import overlap
+
+    tiny = ["--hidden", "32", "--moe-intermediate", "32", "--seq-len", "16", "--micro-batch", "2", "--layers", "2"]
+    assert overlap.main([*tiny, "--pp", "1", "--ep", "2", "--chunks", "4", "--calibrate", "--out", str(tmp_path)]) == 0
+    assert "calibration (dualpipev, no overlap)" in capsys.readouterr().out
+    costs = load_costs(next(tmp_path.glob("costs-cpu-*-loopback-*.json")))
+    # every all-to-all byte stayed on loopback, whose rate nobody measured: compute only
+    assert costs.moe.keys() == {"attn_F", "attn_dX", "attn_dW", "mlp_F", "mlp_dX", "mlp_dW", "embed_F", "embed_B",
+                                "head_F", "head_B"}  # fmt: skip
+    assert costs.internode_bytes_per_s is None and costs.act_bytes == 4 and costs.tokens == 32
+    assert costs.config.hidden_size == 32 and costs.ep == 2 and costs.gpus_per_node == 2
