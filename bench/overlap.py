@@ -2,7 +2,7 @@
 
     python -m bench.overlap                                         # all ranks on loopback
     python -m bench.overlap --cluster --nodes 2 --rate 500mbit      # emulated 2-node cluster (root)
-    python -m bench.overlap --cluster --calibrate                   # compute vs all-to-all time only
+    python -m bench.overlap --cluster --calibrate                   # compute vs all-to-all, the planner's costs
 
 Every mode runs the same MoE model (same stage split where the schedule allows, same weights, same data,
 same micro-batch count) for ``--warmup`` untimed and ``--steps`` timed steps, on pp x ep ranks. The modes
@@ -26,7 +26,9 @@ emulated cluster of :mod:`bench.cluster` (network namespaces, ``tbf``-shaped lin
 every all-to-all crosses the shaped links, and keeps each pipeline inside a node: loopback P2P) or
 ``--nodes`` = pp x ep, one rank per node (no two ranks share a link; pipeline P2P crosses links too). Size the
 model so compute and all-to-all take about the same time: ``--calibrate`` prints both (the defaults, hidden
-256 at 500 Mbit/s with 2 ranks per node, measured ratios of 0.86 to 0.92 on a 2-core machine).
+256 at 500 Mbit/s with 2 ranks per node, measured ratios of 0.86 to 0.92 on a 2-core machine) and writes
+the planner's costs file, one MoE layer's sub-stage seconds (:mod:`bench.overlap_calibrate`); ``--costs-out``
+writes it from any run that includes the ``dualpipev`` mode.
 
 The targets (printed as met or missed, never tuned into the output): at least 80% of all-to-all time
 hidden, DualPipeV with overlap at most 0.8x torch ScheduleDualPipeV's step time, measured bubble within
@@ -78,7 +80,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--moe-intermediate", type=int, default=256)
-    p.add_argument("--calibrate", action="store_true", help="time compute vs all-to-all (dualpipev, no overlap)")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="time compute vs all-to-all (dualpipev, no overlap) and write the planner's costs file",
+    )
+    p.add_argument(
+        "--costs-out",
+        metavar="FILE",
+        help="write the planner's costs file (bench.overlap_calibrate) from the dualpipev (no overlap) mode's "
+        "sub-stages here: --calibrate writes one by default to <out>/costs-<device>-<date>.json, other runs "
+        "when given (dualpipev among --modes: interleaved with the other modes, the same load hits both)",
+    )
     p.add_argument("--trace-steps", type=int, default=2, help="timed steps per mode in the trace (the last ones)")
     p.add_argument("--profile", action="store_true", help="also save a torch profiler trace per rank and mode")
     p.add_argument("--keep-events", action="store_true", help="also save every rank's raw events (rank<R>.json)")
@@ -89,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _options(args: argparse.Namespace, run_dir: str) -> WorkerOptions:
     modes = [CALIBRATION_MODE] if args.calibrate else args.modes
+    if args.costs_out and CALIBRATION_MODE not in modes:
+        raise ValueError(f"--costs-out needs the {CALIBRATION_MODE} mode (no overlap) among --modes")
     steps = 2 if args.calibrate else args.steps
     return WorkerOptions(
         pp=args.pp, ep=args.ep, chunks=args.chunks, micro_batch=args.micro_batch, seq_len=args.seq_len,
@@ -165,6 +180,38 @@ def _calibration(rank_files: list[dict]) -> dict | None:
     return {"compute_ms_per_rank_step": c, "a2a_ms_per_rank_step": a, "a2a_over_compute": a / c if c else None}
 
 
+def _write_costs(
+    args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict], cluster: dict | None, device: str
+) -> Path:
+    """The calibration's sub-stage medians in the planner's costs format (:mod:`bench.overlap_calibrate`)."""
+    from bench.overlap_calibrate import calibration_costs
+    from bench.overlap_run import model_config
+    from moe.plan.measured import save_costs
+
+    steps = [list(per_rank.values()) for _, per_rank in collect(rank_files).get(CALIBRATION_MODE, [])]
+    world = opts.pp * opts.ep
+    costs = calibration_costs(
+        steps,
+        cfg=model_config(opts),
+        seq_len=opts.seq_len,
+        micro_batch=opts.micro_batch,
+        ep=opts.ep,
+        # the emulated cluster's layouts put each ep rank on its own node (bench.overlap_run: ep-major ranks)
+        ranks_per_node=cluster["ranks_per_node"] if cluster else world,
+        ep_ranks_per_node=1 if cluster else opts.ep,
+        act_bytes=rank_files[0]["act_bytes"],
+        device=device,
+        rate=cluster["rate"] if cluster else None,
+    )
+    today = datetime.date.today().isoformat()
+    path = Path(args.costs_out) if args.costs_out else Path(args.out) / f"costs-{device}-{today}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_costs(path, costs)
+    fields = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(costs.moe.items()))
+    print(f"costs (ms, one MoE layer, one micro-batch of {costs.tokens} tokens): {fields}\nwrote {path}")
+    return path
+
+
 def _write_outputs(out: Path, stem: str, record: dict, rank_files: list[dict], trace_steps: int) -> list[Path]:
     from bench.overlap_plot import render_timelines
     from bench.overlap_stats import chrome_trace
@@ -192,6 +239,7 @@ def _report(args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict
               f"all-to-all {calib['a2a_ms_per_rank_step']:.0f} ms per rank and step "
               f"(ratio {calib['a2a_over_compute']:.2f}; aim for about 1 on the cluster)")  # fmt: skip
     if args.calibrate:
+        _write_costs(args, opts, rank_files, cluster, device)
         return 0
     rows = summarise(rank_files)
     goals = targets(rows, opts.pp)
@@ -241,6 +289,8 @@ def _report(args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict
     }
     paths = _write_outputs(Path(args.out), f"overlap-{device}-{today}", record, rank_files, args.trace_steps)
     print("\nwrote " + ", ".join(map(str, paths)))
+    if args.costs_out:
+        _write_costs(args, opts, rank_files, cluster, device)
     return 0
 
 

@@ -331,6 +331,7 @@ def worker_main(options_json: str) -> None:
         "steps": [],
     }
     modes = [_build(name, o, cfg, layout, device) for name in o.modes]
+    record["act_bytes"] = modes[0].params[0].element_size()  # the activations' dtype is the parameters'
     record["steps"] = _run_modes(modes, o, corpus, layout.ep_rank)
     del modes
     Path(o.run_dir).mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,7 @@ __all__ = [
     "VERSION",
     "MeasuredCosts",
     "apply_measured",
+    "device_of",
     "gpu_of",
     "load_costs",
     "save_costs",
@@ -106,11 +107,18 @@ class MeasuredCosts:
             if kind == "dense" and set(entry) & set(COMM_FIELDS):
                 raise ValueError("costs file: a dense layer has no dispatch or combine")
         comm = any(n in self.moe for n in COMM_FIELDS)
-        if comm and (self.nvlink_bytes_per_s is None or self.internode_bytes_per_s is None or self.ep == 1):
+        # an ep group with one rank per node sends nothing over NVLink: no intra-node rate is needed then
+        intra = min(self.ep, self.gpus_per_node) > 1
+        no_rate = self.internode_bytes_per_s is None or (intra and self.nvlink_bytes_per_s is None)
+        if comm and (no_rate or self.ep == 1):
             raise ValueError(
                 "costs file: measured dispatch/combine need ep > 1 and the link rates they ran on "
-                "(nvlink_bytes_per_s, internode_bytes_per_s)"
+                "(internode_bytes_per_s; nvlink_bytes_per_s too where an ep group shares a node)"
             )
+        for name in ("nvlink_bytes_per_s", "internode_bytes_per_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"costs file: {name} must be positive, got {value!r}")
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "version": VERSION}
@@ -178,9 +186,9 @@ def scale_field(
     entry = measured.moe if moe else measured.dense
     value = entry[name]
     if name in COMM_FIELDS:
-        base_gpu = dataclasses.replace(
+        base_gpu = dataclasses.replace(  # no NVLink rate: the measured all-to-all moved no NVLink bytes
             cluster.gpu,
-            nvlink_bytes_per_s=measured.nvlink_bytes_per_s,
+            nvlink_bytes_per_s=measured.nvlink_bytes_per_s or cluster.gpu.nvlink_bytes_per_s,
             internode_bytes_per_s=measured.internode_bytes_per_s,
         )
         base_cluster = Cluster(base_gpu, measured.ep, min(measured.ep, measured.gpus_per_node))
@@ -236,4 +244,46 @@ def gpu_of(measured: MeasuredCosts, base: GPU) -> GPU:
         base,
         nvlink_bytes_per_s=measured.nvlink_bytes_per_s or base.nvlink_bytes_per_s,
         internode_bytes_per_s=measured.internode_bytes_per_s or base.internode_bytes_per_s,
+    )
+
+
+def device_of(measured: MeasuredCosts, *, memory_bytes: float, name: str | None = None) -> GPU:
+    """A device profile for the machine the file was measured on, from the file alone (e.g. CPU ranks on
+    the emulated cluster, which no datasheet describes).
+
+    Compute: the rate the measured sub-stages achieved, their FLOPs over their seconds (``gemm_efficiency``
+    1: the rate is already an achieved one), and as memory bandwidth their HBM bytes over the same seconds;
+    the roofline then gives the measured fields back on average, and the fields the file lacks (analytic)
+    run at the same achieved rates. Links: the file's rates; where it has no intra-node rate (no byte
+    stayed inside a node) the inter-node one stands in, which only a target placing an ep group inside a
+    node would use. ``memory_bytes``: what one rank may use (on the CPU: the machine's memory over its
+    ranks). ``sms`` is 1: nothing is reserved for communication, which runs on its own thread."""
+    flop = nbytes = seconds = 0.0
+    for moe, entry in ((True, measured.moe), (False, measured.dense)):
+        if not entry:
+            continue
+        work = phase_work(
+            measured.config, measured.tokens, measured.seq_len, ep=measured.ep, act_bytes=measured.act_bytes, moe=moe
+        )
+        for field_name, value in entry.items():
+            if field_name in COMM_FIELDS:
+                continue
+            forward = field_name.replace("_dX", "_F")
+            if field_name.endswith("_dX") and measured.recompute and forward in entry:
+                value -= entry[forward]
+            f, b = work[field_name]
+            flop, nbytes, seconds = flop + f, nbytes + b, seconds + value
+    if not (flop > 0 and seconds > 0):
+        raise ValueError("costs file: no measured compute with FLOPs to derive a device's rate from")
+    if measured.internode_bytes_per_s is None:
+        raise ValueError("costs file: no link rate to describe the device's network with")
+    return GPU(
+        name=name or measured.device,
+        bf16_flops=flop / seconds,
+        gemm_efficiency=1.0,
+        hbm_bytes_per_s=nbytes / seconds,
+        hbm_bytes=memory_bytes,
+        sms=1,
+        nvlink_bytes_per_s=measured.nvlink_bytes_per_s or measured.internode_bytes_per_s,
+        internode_bytes_per_s=measured.internode_bytes_per_s,
     )

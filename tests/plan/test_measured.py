@@ -10,7 +10,7 @@ import pytest
 from moe.config import MoEConfig
 from moe.plan.costs import Parallelism, Workload, phase_work, substage_costs
 from moe.plan.hardware import GPUS, Cluster
-from moe.plan.measured import FORMAT, VERSION, MeasuredCosts, load_costs, save_costs, scale_field
+from moe.plan.measured import FORMAT, VERSION, MeasuredCosts, device_of, load_costs, save_costs, scale_field
 
 CFG = MoEConfig(
     vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, num_experts=8, n_group=2,
@@ -113,3 +113,33 @@ def test_substage_costs_take_measured_fields_and_keep_the_rest() -> None:
         dense.attn_F == pytest.approx(1e-3)
         and dense.attn_dX == substage_costs(CFG, cluster, par, work, moe=False).attn_dX
     )
+
+
+def test_one_ep_rank_per_node_needs_no_intra_node_rate() -> None:
+    m = _measured(gpus_per_node=1, nvlink_bytes_per_s=None)  # every all-to-all byte crosses nodes
+    cluster = Cluster(dataclasses.replace(GPUS["h800"], internode_bytes_per_s=5e7), 4, 1)
+    par, work = Parallelism(pp=1, dp=4, ep=4), Workload(seq_len=32, micro_batch=2)
+    assert scale_field(m, "dispatch", CFG, cluster, par, work, moe=True) == pytest.approx(4e-3)
+    with pytest.raises(ValueError, match="link rates"):
+        _measured(nvlink_bytes_per_s=None)  # two ep ranks per node: their NVLink bytes need a rate
+    with pytest.raises(ValueError, match="positive"):
+        _measured(internode_bytes_per_s=0.0)
+
+
+def test_device_of_gives_the_measured_fields_back() -> None:
+    m = _measured(gpus_per_node=1, nvlink_bytes_per_s=None, dense={})
+    gpu = device_of(m, memory_bytes=16e9)
+    work = phase_work(CFG, m.tokens, m.seq_len, ep=m.ep, act_bytes=m.act_bytes)
+    flop = sum(work[k][0] for k in MOE)
+    assert gpu.gemm_flops == pytest.approx(flop / sum(MOE.values()))
+    assert gpu.hbm_bytes_per_s == pytest.approx(sum(work[k][1] for k in MOE) / sum(MOE.values()))
+    assert (gpu.hbm_bytes, gpu.sms, gpu.internode_bytes_per_s, gpu.nvlink_bytes_per_s) == (16e9, 1, 5e7, 5e7)
+    # the planner at the measured shape on this device: the measured fields, the analytic rest at its rates
+    cluster = Cluster(gpu, 4, 1)
+    par = Parallelism(pp=1, dp=4, ep=4)
+    work_ = Workload(seq_len=32, micro_batch=2, comm_sms=0, act_bytes=2)
+    c = substage_costs(CFG, cluster, par, work_, measured=m)
+    assert (c.attn_F, c.mlp_dW, c.dispatch) == pytest.approx((1e-3, 1.9e-3, 4e-3))
+    assert c.head_F > 0
+    with pytest.raises(ValueError, match="no measured compute"):
+        device_of(_measured(moe={"dispatch": 1e-3}, dense={}), memory_bytes=1e9)
