@@ -60,7 +60,6 @@ from bench.overlap_run import CALIBRATION_MODE
 from bench.overlap_stats import RankSteps
 from moe.config import MoEConfig
 from moe.parallel import split_layers
-from moe.plan.costs import Workload
 from moe.plan.measured import MeasuredCosts, load_costs, save_costs
 from moe.plan.model import LayerCostModel
 from moe.plan.pair import chunk_times
@@ -181,10 +180,12 @@ def substage_seconds(steps: Iterable[Iterable[RankSteps]]) -> dict[str, float]:
         for key, seconds in total.items():
             if count.get(key):
                 per_step.setdefault(key, []).append(seconds / count[key])
-        d_t = sum(comm.get(k, (0.0, 0))[0] for k in ("counts.fwd", "dispatch.fwd", "dispatch.bwd"))
-        d_n = sum(comm.get(k, (0.0, 0))[1] for k in ("dispatch.fwd", "dispatch.bwd"))
-        c_t = sum(comm.get(k, (0.0, 0))[0] for k in ("combine.fwd", "combine.bwd"))
-        c_n = sum(comm.get(k, (0.0, 0))[1] for k in ("combine.fwd", "combine.bwd"))
+        # A transfer's duration is what a lone forward waits for it (the row-count exchange included): the
+        # forward computes nothing while it flies. A lone backward runs the MLP's dW under its dispatch, so
+        # its wait is less than the transfer; the planner's two-stream model puts that dW there itself.
+        d_t = sum(comm.get(k, (0.0, 0))[0] for k in ("counts.fwd", "dispatch.fwd"))
+        d_n = comm.get("dispatch.fwd", (0.0, 0))[1]
+        c_t, c_n = comm.get("combine.fwd", (0.0, 0))
         if d_n:
             per_step.setdefault("dispatch", []).append(d_t / d_n)
         if c_n:
@@ -289,7 +290,7 @@ def predict_setup(costs: MeasuredCosts, setup: Setup, *, memory_bytes: float):
     world = setup.pp * setup.ep
     cluster = Cluster(gpu, num_gpus=world, gpus_per_node=1)
     candidate = Candidate("dualpipev", setup.pp, setup.ep, setup.ep, setup.chunks, 0, False)
-    model = _MeasuredModel(
+    model = LayerCostModel(
         costs.config, cluster, candidate, setup.seq_len, setup.micro_batch, setup.tokens_per_step, measured=costs
     )
     pred = predict(
@@ -301,15 +302,6 @@ def predict_setup(costs: MeasuredCosts, setup: Setup, *, memory_bytes: float):
         peak_flops=gpu.bf16_flops,
     )
     return pred, model
-
-
-class _MeasuredModel(LayerCostModel):
-    """The planner's cost model at the measured activation width (the benchmark runs fp32; the model's
-    workload assumes bf16, which would halve the scaled all-to-all and byte-bound times)."""
-
-    @property
-    def workload(self) -> Workload:
-        return dataclasses.replace(super().workload, act_bytes=self.measured.act_bytes)
 
 
 def _action_costs(model: LayerCostModel, layers: int, pp: int) -> dict[str, float]:

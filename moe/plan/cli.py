@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 from dualpipe.schedule import SCHEDULES
 from moe.config import PRESETS, MoEConfig, preset
 from moe.plan.hardware import GPUS, Cluster, gpu, with_overrides
-from moe.plan.measured import gpu_of, load_costs
+from moe.plan.measured import device_of, gpu_of, load_costs
 from moe.plan.report import RunShape, plan, plan_table, v3_comparison
 
 __all__ = ["JSON_SCHEMA_VERSION", "main", "parse_args"]
@@ -35,7 +36,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     model.add_argument("--config", metavar="FILE", help="a JSON file of MoEConfig fields")
     p.add_argument("--gpus", type=int, default=2048, help="GPUs in the cluster")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu", default="h800", choices=sorted(GPUS), help="device profile (moe/plan/hardware.py)")
+    p.add_argument(
+        "--gpu",
+        choices=sorted(GPUS),
+        help="device profile (moe/plan/hardware.py); default h800, or with --costs the measured machine itself",
+    )
     p.add_argument("--gemm-efficiency", type=float, help="override the achieved fraction of peak for GEMMs")
     p.add_argument("--nvlink-gbps", type=float, help="override NVLink GB/s per GPU, one direction")
     p.add_argument("--internode-gbps", type=float, help="override inter-node GB/s per GPU, one direction")
@@ -70,8 +75,14 @@ def _config(args: argparse.Namespace) -> MoEConfig:
 
 
 def _cluster(args: argparse.Namespace, measured) -> Cluster:
+    if args.gpu is None and measured is not None:
+        # The machine the costs were measured on (CPU ranks on the emulated cluster: no datasheet describes
+        # it): its achieved rates and its links, from the file; memory per rank is this machine's share.
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / args.gpus
+        device = with_overrides(device_of(measured, memory_bytes=memory), gemm_efficiency=args.gemm_efficiency)
+        return Cluster(device, args.gpus, min(args.gpus_per_node, args.gpus))
     device = with_overrides(
-        gpu(args.gpu),
+        gpu(args.gpu or "h800"),
         gemm_efficiency=args.gemm_efficiency,
         nvlink_bytes_per_s=None if args.nvlink_gbps is None else args.nvlink_gbps * 1e9,
         internode_bytes_per_s=None if args.internode_gbps is None else args.internode_gbps * 1e9,

@@ -44,6 +44,8 @@ class LayerCostModel:
     tokens_per_step: int
     zero: bool = True
     measured: MeasuredCosts | None = None
+    act_bytes: int | None = None
+    """Bytes per activation element; None: the measured file's (a CPU benchmark runs fp32), else bf16's 2."""
 
     @property
     def parallelism(self) -> Parallelism:
@@ -53,7 +55,14 @@ class LayerCostModel:
     @property
     def workload(self) -> Workload:
         c = self.candidate
-        return Workload(seq_len=self.seq_len, micro_batch=self.micro_batch, comm_sms=c.comm_sms, recompute=c.recompute)
+        act_bytes = self.act_bytes or (self.measured.act_bytes if self.measured is not None else 2)
+        return Workload(
+            seq_len=self.seq_len,
+            micro_batch=self.micro_batch,
+            comm_sms=c.comm_sms,
+            recompute=c.recompute,
+            act_bytes=act_bytes,
+        )
 
     def _costs(self, moe: bool) -> SubstageCosts:
         return substage_costs(self.cfg, self.cluster, self.parallelism, self.workload, moe=moe, measured=self.measured)

@@ -6,7 +6,8 @@ reserved for them), so the two overlap whenever the dependencies allow. :func:`c
 sub-stage of a lone forward, a lone backward and an overlapped forward/backward pair on the two streams,
 each stream in issue order, each sub-stage starting when its stream is free and its inputs exist:
 
-- a lone chunk waits for every all-to-all it issues (the next compute needs its result): nothing hidden;
+- a lone forward waits for every all-to-all it issues (the next compute needs its result); a lone backward
+  hides what its weight gradients cover (dX, the transfer starts, dW runs under it);
 - the overlapped pair follows the runtime's interleave (DeepSeek-V3 Figure 4; :mod:`dualpipe.overlap`):
   forward block i is paired with backward block L-1-i, computes alternate F.attn, B.mlp, F.mlp, B.attn,
   and each all-to-all starts as soon as its input exists, so one micro-batch's transfer runs under the
@@ -65,8 +66,12 @@ class ChunkTimes:
     """The overlapped forward/backward pair."""
     comm_f: float
     """All-to-all time of one forward chunk (the backward moves as much)."""
+    exposed_f: float
+    """All-to-all time a lone forward leaves exposed: its duration minus its compute."""
+    exposed_b: float
+    """All-to-all time a lone backward leaves exposed (its dW hides some)."""
     exposed_fb: float
-    """All-to-all time the pair leaves exposed: its duration minus the longest its compute alone takes."""
+    """All-to-all time the pair leaves exposed: its duration minus its compute."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,59 +94,67 @@ def two_stream_schedule(ops: Sequence[_Op]) -> dict[str, tuple[float, float]]:
     return placed
 
 
-def _forward_ops(blocks: Sequence[BlockTimes], tag: str, prev: str | None) -> list[list[_Op]]:
-    """Per block, its four forward sub-stages; a block's attention needs the previous block's combine."""
-    out = []
+def _forward_ops(blocks: Sequence[BlockTimes], tag: str) -> list[dict[str, _Op]]:
+    """Per block, its forward sub-stages by name; a block's attention needs the previous block's combine."""
+    out, prev = [], None
     for i, b in enumerate(blocks):
         p = f"{tag}{i}."
-        first = (prev,) if prev else ()
         out.append(
-            [
-                _Op(p + "attn", "compute", b.attn_f, first),
-                _Op(p + "dispatch", "comm", b.dispatch, (p + "attn",)),
-                _Op(p + "mlp", "compute", b.mlp_f, (p + "dispatch",)),
-                _Op(p + "combine", "comm", b.combine, (p + "mlp",)),
-            ]
+            {
+                "attn": _Op(p + "attn", "compute", b.attn_f, (prev,) if prev else ()),
+                "dispatch": _Op(p + "dispatch", "comm", b.dispatch, (p + "attn",)),
+                "mlp": _Op(p + "mlp", "compute", b.mlp_f, (p + "dispatch",)),
+                "combine": _Op(p + "combine", "comm", b.combine, (p + "mlp",)),
+            }
         )
         prev = p + "combine"
     return out
 
 
-def _backward_ops(blocks: Sequence[BlockTimes], tag: str, prev: str | None) -> list[list[_Op]]:
-    """Per block, last block first, its backward sub-stages (each compute is dX then dW, as the runtime runs
-    a paired backward); a block's combine gradient needs the block after it to have finished attention."""
-    out = []
+def _backward_ops(blocks: Sequence[BlockTimes], tag: str) -> list[dict[str, _Op]]:
+    """Per block, last block first, its backward sub-stages by name. As the runtime runs a compute piece's
+    backward: dX, then the transfer that needs it starts, then dW (under that transfer). A block's combine
+    gradient needs the block after it to have finished its attention dX."""
+    out, prev = [], None
     for i in reversed(range(len(blocks))):
         b, p = blocks[i], f"{tag}{i}."
-        first = (prev,) if prev else ()
         out.append(
-            [
-                _Op(p + "combine", "comm", b.combine, first),
-                _Op(p + "mlp", "compute", b.mlp_dx + b.mlp_dw, (p + "combine",)),
-                _Op(p + "dispatch", "comm", b.dispatch, (p + "mlp",)),
-                _Op(p + "attn", "compute", b.attn_dx + b.attn_dw, (p + "dispatch",)),
-            ]
+            {
+                "combine": _Op(p + "combine", "comm", b.combine, (prev,) if prev else ()),
+                "mlp_dx": _Op(p + "mlp_dx", "compute", b.mlp_dx, (p + "combine",)),
+                "dispatch": _Op(p + "dispatch", "comm", b.dispatch, (p + "mlp_dx",)),
+                "mlp_dw": _Op(p + "mlp_dw", "compute", b.mlp_dw),
+                "attn_dx": _Op(p + "attn_dx", "compute", b.attn_dx, (p + "dispatch",)),
+                "attn_dw": _Op(p + "attn_dw", "compute", b.attn_dw),
+            }
         )
-        prev = p + "attn"
+        prev = p + "attn_dx"
     return out
+
+
+_F_ALONE = ("attn", "dispatch", "mlp", "combine")
+_B_ALONE = ("combine", "mlp_dx", "dispatch", "mlp_dw", "attn_dx", "attn_dw")
 
 
 def _end(placed: dict[str, tuple[float, float]]) -> float:
     return max((end for _, end in placed.values()), default=0.0)
 
 
-def _pair_ops(f_blocks: list[list[_Op]], b_blocks: list[list[_Op]]) -> list[_Op]:
-    """The runtime's interleave of paired blocks: per pair, computes F.attn, B.mlp, F.mlp, B.attn and comms
-    B.combine, F.dispatch, B.dispatch, F.combine, each stream in that order; unpaired blocks run alone
-    after the pairs (the longer module's extra blocks)."""
+def _pair_ops(f_blocks: list[dict[str, _Op]], b_blocks: list[dict[str, _Op]]) -> list[_Op]:
+    """The runtime's interleave (:func:`dualpipe.overlap._interleave`) of paired blocks: computes F.attn,
+    B.mlp dX, B.mlp dW, F.mlp, B.attn dX, B.attn dW; communications B.combine (at once), F.dispatch (its
+    row counts are exchanged during B.mlp dX, so it starts after it), B.dispatch, F.combine. Unpaired
+    blocks run alone after the pairs (the longer module's extra blocks)."""
     ops: list[_Op] = []
     for f, b in zip(f_blocks, b_blocks):
-        f_attn, f_dispatch, f_mlp, f_combine = f
-        b_combine, b_mlp, b_dispatch, b_attn = b
-        ops += [b_combine, f_attn, f_dispatch, b_mlp, b_dispatch, f_mlp, f_combine, b_attn]
+        f_dispatch = _Op(f["dispatch"].name, "comm", f["dispatch"].seconds, (*f["dispatch"].after, b["mlp_dx"].name))
+        ops += [b["combine"], f["attn"], b["mlp_dx"], f_dispatch, b["dispatch"], b["mlp_dw"]]
+        ops += [f["mlp"], f["combine"], b["attn_dx"], b["attn_dw"]]
     n = min(len(f_blocks), len(b_blocks))
-    for rest in (*f_blocks[n:], *b_blocks[n:]):
-        ops += rest
+    for f in f_blocks[n:]:
+        ops += [f[k] for k in _F_ALONE]
+    for b in b_blocks[n:]:
+        ops += [b[k] for k in _B_ALONE]
     return ops
 
 
@@ -156,16 +169,19 @@ def chunk_times(
     blocks). ``extra_f`` / ``extra_b``: compute outside the blocks (embedding, head and loss), which the
     pair runs unoverlapped at its ends, as the runtime runs unpaired pieces."""
     b_blocks = f_blocks if b_blocks is None else b_blocks
-    lone_f = _end(two_stream_schedule([op for blk in _forward_ops(f_blocks, "F", None) for op in blk])) + extra_f
-    lone_b = _end(two_stream_schedule([op for blk in _backward_ops(b_blocks, "B", None) for op in blk])) + extra_b
-    pair = two_stream_schedule(_pair_ops(_forward_ops(f_blocks, "F", None), _backward_ops(b_blocks, "B", None)))
+    lone_f = _end(two_stream_schedule([blk[k] for blk in _forward_ops(f_blocks, "F") for k in _F_ALONE])) + extra_f
+    lone_b = _end(two_stream_schedule([blk[k] for blk in _backward_ops(b_blocks, "B") for k in _B_ALONE])) + extra_b
+    pair = two_stream_schedule(_pair_ops(_forward_ops(f_blocks, "F"), _backward_ops(b_blocks, "B")))
     fb = _end(pair) + extra_f + extra_b
-    compute = sum(b.compute_f for b in f_blocks) + sum(b.compute_b for b in b_blocks) + extra_f + extra_b
+    compute_f = sum(b.compute_f for b in f_blocks) + extra_f
+    compute_b = sum(b.compute_b for b in b_blocks) + extra_b
     return ChunkTimes(
         F=lone_f,
         B=lone_b,
         W=sum(b.attn_dw + b.mlp_dw for b in b_blocks),
         FB=fb,
         comm_f=sum(b.comm for b in f_blocks),
-        exposed_fb=max(0.0, fb - compute),
+        exposed_f=max(0.0, lone_f - compute_f),
+        exposed_b=max(0.0, lone_b - compute_b),
+        exposed_fb=max(0.0, fb - compute_f - compute_b),
     )

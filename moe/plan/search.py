@@ -221,14 +221,14 @@ def _durations(schedule: Schedule, times: StageTimes) -> tuple[list[list[float]]
             if a.op is Op.F:
                 t = times.alone(stage)
                 mine.append(t.F)
-                exposed += t.comm_f
+                exposed += t.exposed_f
                 total += t.comm_f
             elif a.op in (Op.B, Op.I):
                 t = times.alone(stage)
-                if a.op is Op.I:
+                if a.op is Op.I:  # dX alone: the dW that would hide part of its transfers comes later
                     deferred.append(stage)
                 mine.append(t.B if a.op is Op.B else t.B - t.W)
-                exposed += t.comm_f
+                exposed += t.exposed_b if a.op is Op.B else t.comm_f
                 total += t.comm_f
             elif a.op is Op.W:
                 mine.append(times.alone(deferred.pop(0)).W)

@@ -52,15 +52,16 @@ def test_substages_account_for_every_moment_of_a_lone_chunk():
         "mlp_F": 2.0,
         "mlp_dX": 1.1, "mlp_dW": 1.1,  # 2.2 s between the combine's and the dispatch's waits, split 1:1
         "attn_dX": 2.0 * 2 / 3, "attn_dW": 2.0 / 3,
-        "dispatch": (0.5 + 2.0 + 0.8) / 2,  # forward (row counts, rows) and backward (after the weight gradient)
+        "dispatch": 0.5 + 2.0,  # the forward's wait (row counts, rows): the backward's hides under its dW
         "combine": 1.0,
     }  # fmt: skip
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert got[k] == pytest.approx(v), k
-    # every moment of the lone chunks is accounted for once (the dispatch's backward half counted once)
+    # every moment of the lone chunks is accounted for once: the forward waits the whole dispatch, the
+    # backward only its last 0.8 s (the weight gradient runs under the rest)
     fields = sum(v for k, v in got.items() if k not in ("dispatch", "combine"))
-    assert fields + 2 * got["dispatch"] + 2 * got["combine"] == pytest.approx(14.0)
+    assert fields + got["dispatch"] + 0.8 + 2 * got["combine"] == pytest.approx(14.0)
 
 
 def test_within_a_step_the_mean_counts():
@@ -105,13 +106,10 @@ def test_costs_file_describes_the_run_and_its_lone_chunks(calibration):
 
 @pytest.mark.cluster
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="measured here: the planner's pipeline time is 15-23% under the overlapped step on a quiet machine "
-    "(30-40% beside another busy process): an overlapped pair leaves ~5 ms of all-to-all exposed per F&B where "
-    "the two-stream model, at the lone transfer times, hides it all (bench/results/calibration-*.json)",
-    strict=False,
-)
 def test_planner_predicts_the_overlapped_step_within_20_percent(calibration):
+    """Measured on a quiet 2-core machine: predicted 2% to 12% under the overlapped step (two runs,
+    bench/results/calibration-*.json); beside another busy process the CPU ranks slow unevenly and the gap
+    grows past 30%, which is why the fixture wants the cores to itself."""
     record, _ = calibration
     # the benchmark's step is the pipeline alone (no gradient reduction, no optimizer): pipeline_time
     assert record["predicted"]["pipeline_ms"] == pytest.approx(record["measured"]["step_ms"], rel=0.2)

@@ -19,7 +19,9 @@ def _block(compute: float = 1.0, comm: float = 0.0) -> BlockTimes:
 
 def test_a_lone_chunk_waits_for_its_all_to_alls_and_a_pair_hides_them() -> None:
     t = chunk_times([_block(1.0, 1.0)])
-    assert (t.F, t.B, t.W) == (4.0, 6.0, 2.0)  # 2 computes + 2 transfers; 4 computes + 2 transfers
+    # Forward: 2 computes + 2 transfers. Backward: 4 computes + 2 transfers, one under the MLP's dW.
+    assert (t.F, t.B, t.W) == (4.0, 5.0, 2.0)
+    assert (t.exposed_f, t.exposed_b) == (2.0, 1.0)
     # The pair: B.combine under F.attn, F.dispatch under B.mlp, B.dispatch and F.combine under F.mlp and
     # B.attn: 6 units of compute, every transfer hidden.
     assert t.FB == 6.0 and t.exposed_fb == 0.0 and t.comm_f == 2.0
@@ -92,7 +94,7 @@ def test_overlap_hides_what_a_lone_chunk_exposes() -> None:
     zb1p = Candidate("zb1p", 2, 1, 1, 8, 0, False)
     kw = dict(num_layers=4, tokens_per_step=1, num_gpus=2, peak_flops=1.0)
     overlapped, plain = predict(dualpipev, _Uniform(1.0, 1.0), **kw), predict(zb1p, _Uniform(1.0, 1.0), **kw)
-    assert plain.exposed_a2a_fraction == 1.0  # no pair: every all-to-all waited for
+    assert plain.exposed_a2a_fraction > 0.7  # no pair: only a backward's dW hides anything
     assert 0.0 <= overlapped.exposed_a2a_fraction < 0.5
     best, worse = rank_predictions([plain, overlapped])
     assert best is overlapped
