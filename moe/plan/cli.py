@@ -12,6 +12,7 @@ bubble, exposed all-to-all, memory per GPU by kind), and a table of the top ``--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,7 +33,9 @@ JSON_SCHEMA_VERSION = 1
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m moe.plan", description=__doc__.split("\n")[0])
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--preset", default="v3", choices=sorted(PRESETS), help="model preset (default v3)")
+    model.add_argument(
+        "--preset", choices=sorted(PRESETS), help="model preset (default: v3, or the model --costs measured)"
+    )
     model.add_argument("--config", metavar="FILE", help="a JSON file of MoEConfig fields")
     p.add_argument("--gpus", type=int, default=2048, help="GPUs in the cluster")
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -64,9 +67,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _config(args: argparse.Namespace) -> MoEConfig:
+def _config(args: argparse.Namespace, measured) -> MoEConfig:
     if args.config is None:
-        return preset(args.preset)
+        if args.preset is None and measured is not None:
+            return measured.config
+        return preset(args.preset or "v3")
     try:
         fields = json.loads(Path(args.config).read_text())
         return MoEConfig(**fields)
@@ -94,11 +99,11 @@ def _cluster(args: argparse.Namespace, measured) -> Cluster:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = _config(args)
     try:
         measured = load_costs(args.costs) if args.costs else None
     except ValueError as exc:
         raise SystemExit(f"error: --costs: {exc}") from None
+    cfg = _config(args, measured)
     cluster = _cluster(args, measured)
     run = RunShape(args.seq_len, args.global_batch, args.micro_batch)
     recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]
@@ -118,8 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = {
             "schema": JSON_SCHEMA_VERSION,
             "inputs": {
-                "config": cfg.__class__.__name__ if args.config is None else args.config,
-                "preset": None if args.config else args.preset,
+                "config": args.config,
+                "preset": args.preset,
+                "model": dataclasses.asdict(cfg),
                 "gpus": cluster.num_gpus,
                 "gpus_per_node": cluster.gpus_per_node,
                 "gpu": {k: getattr(cluster.gpu, k) for k in cluster.gpu.__slots__},

@@ -77,7 +77,9 @@ def plan(
     measured: MeasuredCosts | None = None,
     top: int = 10,
 ) -> Plan:
-    """Search every candidate (:func:`moe.plan.search.candidates`) and rank them."""
+    """Search every candidate (:func:`moe.plan.search.candidates`) and rank them. SM counts the device
+    cannot spare are dropped (a measured CPU "device" has one: its communication runs on a thread)."""
+    comm_sms = [s for s in comm_sms if s < cluster.gpu.sms] or [0]
     found = list(
         candidates(
             num_gpus=cluster.num_gpus,

@@ -57,3 +57,17 @@ def test_errors_name_the_flag(tmp_path: Path) -> None:
         main([*SMALL[2:], "--config", str(bad)])
     with pytest.raises(SystemExit, match="no layout runs a global batch of 7"):
         main([*SMALL[:-4], "--global-batch", "7", "--micro-batch", "2"])
+
+
+def test_measured_costs_describe_the_machine_they_came_from(tmp_path: Path) -> None:
+    """The emulated cluster's costs file alone: its model, its achieved rates and links, no SMs to reserve."""
+    costs = next(Path(__file__).resolve().parents[2].glob("bench/results/costs-cpu-*-emulated-*.json"))
+    out = tmp_path / "plan.json"
+    argv = ["--costs", str(costs), "--gpus", "2", "--gpus-per-node", "1", "--seq-len", "64"]
+    assert main([*argv, "--global-batch", "192", "--micro-batch", "4", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    measured = json.loads(costs.read_text())
+    assert doc["inputs"]["model"]["hidden_size"] == measured["config"]["hidden_size"]
+    assert doc["inputs"]["gpu"]["internode_bytes_per_s"] == measured["internode_bytes_per_s"]
+    assert all(row["comm_sms"] == 0 for row in doc["top"])  # a CPU rank's transfers take no SMs
+    assert {row["ep"] for row in doc["top"]} >= {1, 2}
