@@ -201,4 +201,3 @@ def v3_comparison(cfg: MoEConfig, cluster: Cluster, run: RunShape, measured: Mea
         f"{cluster.gpus_per_node} per node; seq {run.seq_len}, global batch {run.global_batch}"
     )
     return head + "\n" + _table(rows, ["", "this planner", "DeepSeek-V3 report"])
-
