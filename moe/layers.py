@@ -140,6 +140,5 @@ class DenseMLP(nn.Module):
         self.down = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., D] -> [..., D]``. The SwiGLU kernel takes rows ``[M, 2F]``: leading dims are flattened."""
-        h = self.gate_up(x)
-        return self.down(functional.swiglu(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1))
+        """``[..., D] -> [..., D]`` (``functional.swiglu`` flattens the leading dims for the kernel)."""
+        return self.down(functional.swiglu(self.gate_up(x)))
