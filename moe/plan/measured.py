@@ -35,10 +35,9 @@ Scaling (:func:`scale_field`): a compute time is multiplied by the FLOP ratio of
 between the target and the measured shape (:func:`moe.plan.costs.phase_work`; by the byte ratio for a phase
 without FLOPs, e.g. the embedding); a measured op likewise by its own FLOP (or byte) ratio. That keeps the
 measured device's achieved rate, so a file measured on one device describes that device: measure on the GPU
-you plan for. An all-to-all time is multiplied by
-the ratio of the analytic all-to-all times (:func:`moe.plan.costs.all_to_all_seconds`), target over
-measured, each with its own bytes (tokens, hidden size, ranks and nodes reached) and its own link rates:
-the byte ratio and the bandwidth ratio together.
+you plan for. An all-to-all time is multiplied by the ratio of the analytic all-to-all times
+(:func:`moe.plan.costs.all_to_all_seconds`), target over measured, each with its own bytes (tokens, hidden
+size, ranks and nodes reached) and its own link rates: the byte ratio and the bandwidth ratio together.
 """
 
 from __future__ import annotations
