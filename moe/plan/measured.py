@@ -350,7 +350,10 @@ def device_of(measured: MeasuredCosts, *, memory_bytes: float, name: str | None 
             f, b = work[field_name]
             flop, nbytes, seconds = flop + f, nbytes + b, seconds + value
     if not (flop > 0 and seconds > 0):
-        raise ValueError("costs file: no measured compute with FLOPs to derive a device's rate from")
+        raise ValueError(
+            "costs file: no measured compute with FLOPs to derive a device's rate from (single ops, as "
+            "bench.kernels writes them, describe no whole machine: name its profile, moe.plan --gpu)"
+        )
     if measured.internode_bytes_per_s is None:
         raise ValueError("costs file: no link rate to describe the device's network with")
     return GPU(

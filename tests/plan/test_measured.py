@@ -197,6 +197,8 @@ def test_a_measured_op_replaces_its_roofline_time_in_the_sum() -> None:
     # a dense layer has no experts or router: its sums stay analytic
     dense = substage_costs(CFG, _CLUSTER, _PAR, work, moe=False, measured=m)
     assert dense == substage_costs(CFG, _CLUSTER, _PAR, work, moe=False)
+    with pytest.raises(ValueError, match=r"moe\.plan --gpu"):  # no whole machine in single ops
+        device_of(m, memory_bytes=1e9)
 
 
 def test_measured_ops_scale_by_their_own_work_and_sms() -> None:
