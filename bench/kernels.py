@@ -5,17 +5,27 @@ intermediate size.
 
     python -m bench.kernels --shapes v3 --out bench/results          # on a GPU
     python -m bench.kernels --shapes small --warmup 1 --repeats 3     # anywhere (reference backend on CPU)
+    python -m bench.kernels --shapes v3 --costs-out costs.json        # also a costs file for moe.plan
 
 Rows per shape: baselines (one dense matmul with the grouped GEMM's M, K, N; a device-to-device copy of
 the permuted tensor), then each op through :mod:`kernels.ops`, the plain reference (a per-expert loop for
 the GEMMs) and ``torch._grouped_mm`` where torch has it. Targets on an H100 (from the issue): grouped
 GEMM at least as fast as ``torch._grouped_mm`` and at least 60% of the dense rate; permute and unpermute
 at least 70% of the copy bandwidth.
+
+``--costs-out FILE`` also writes the planner's costs file (:mod:`moe.plan.measured`, its ``ops`` section)
+for one shape of the set (``--costs-shape``), from the rows of the path this run benchmarks (``ops[triton]``
+on a GPU with Triton, ``ops[torch]`` elsewhere). Planner ops it covers (:data:`PLANNER_OPS`): the routed
+experts' grouped GEMMs ``experts_gate_up`` and ``experts_down`` (fwd, dx, dw), ``experts_swiglu.fwd``,
+``permute.fwd``, ``unpermute.fwd`` and ``router_topk.fwd``; the planner keeps its roofline for every other
+op (attention, the router's gate GEMM, the shared experts, every backward of the memory-bound ops).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +35,9 @@ import torch
 
 from bench.harness import Bench, Row
 from kernels import ops, reference
+from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS
+from moe.plan.measured import MeasuredCosts, measured_ops, save_costs, work_ratio
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -193,6 +205,61 @@ def check_targets(rows: list[Row]) -> list[dict]:
     return checks
 
 
+PLANNER_OPS = {
+    "experts_gate_up.fwd": "grouped_gemm",
+    "experts_gate_up.dx": "grouped_gemm_dgrad",
+    "experts_gate_up.dw": "grouped_gemm_wgrad",
+    "experts_down.fwd": "grouped_gemm",
+    "experts_down.dx": "grouped_gemm_dgrad",
+    "experts_down.dw": "grouped_gemm_wgrad",
+    "experts_swiglu.fwd": "swiglu",
+    "permute.fwd": "permute",
+    "unpermute.fwd": "unpermute",
+    "router_topk.fwd": "router_topk",
+}
+"""Planner op and phase (:mod:`moe.plan.flops`) -> the benchmarked op whose time stands for it. The kernel
+maps hidden -> inter; the planner's gate/up GEMM maps D -> 2F and its down GEMM F -> D: each takes the
+kernel's time times its FLOP ratio to the kernel (2 and 1), that is the kernel's achieved rate."""
+
+
+def planner_config(shape: MoEShape) -> MoEConfig:
+    """The MoE layer of ``shape`` as :class:`MoEConfig` fields (the router's experts are the model's; no
+    shared expert, which is not measured). Attention, vocabulary and dense widths keep their defaults: the
+    costs file holds no op they shape."""
+    return MoEConfig(
+        hidden_size=shape.hidden, moe_intermediate_size=shape.inter, num_experts=shape.router_experts,
+        top_k=shape.top_k, n_group=shape.n_group, topk_group=shape.topk_group, num_shared_experts=0,
+    )  # fmt: skip
+
+
+def costs_file(rows: list[Row], shape: MoEShape, dtype: torch.dtype, device: torch.device) -> MeasuredCosts:
+    """The planner's costs file for ``shape`` from this run's ``ops[...]`` rows: one micro-batch of
+    ``num_tokens`` tokens (one sequence) on one rank of an ep group of ``router_experts / num_experts``.
+    Each planner op's seconds are its kernel's median times the op's work over the kernel's (FLOPs, or
+    bytes for a kernel without FLOPs), so the file describes the planner's op at the file's shape."""
+    if shape.router_experts % shape.num_experts:
+        raise ValueError(f"{shape.label}: {shape.router_experts} router experts do not split into ep groups")
+    ours = {r.op: r for r in rows if r.shape == shape.label and r.impl.startswith("ops[") and " " not in r.impl}
+    missing = set(PLANNER_OPS.values()) - set(ours)
+    if missing:
+        raise ValueError(f"{shape.label}: no ops[...] rows for {sorted(missing)}: was the shape benchmarked?")
+    impl = ours["grouped_gemm"].impl
+    costs = MeasuredCosts(
+        config=planner_config(shape), seq_len=shape.num_tokens, tokens=shape.num_tokens, moe={},
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        source=f"bench.kernels {impl} {dtype} {shape.label}", date=datetime.date.today().isoformat(),
+        act_bytes=dtype.itemsize, ep=shape.router_experts // shape.num_experts, comm_sms=0,
+    )  # fmt: skip
+    planner = measured_ops(costs)
+    seconds = {}
+    for key, bench_op in PLANNER_OPS.items():
+        name, phase = key.split(".")
+        row, op = ours[bench_op], planner[name]
+        work = (getattr(op, f"{phase}_flops"), getattr(op, f"{phase}_bytes"))
+        seconds[key] = row.ms * 1e-3 * work_ratio(work, (row.flops or 0.0, row.bytes or 0.0), key)
+    return dataclasses.replace(costs, ops=seconds)
+
+
 def _triton_version() -> str | None:
     try:
         return importlib.metadata.version("triton")
@@ -211,11 +278,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--comm-sms", type=int, default=DEFAULT_COMM_SMS,
                    help="extra grouped-GEMM row with this many SMs left to communication (Triton only)")  # fmt: skip
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--costs-out", default=None, metavar="FILE",
+                   help="also write the planner's costs file (python -m moe.plan --costs FILE)")  # fmt: skip
+    p.add_argument("--costs-shape", type=int, default=0, metavar="N",
+                   help="which shape of the set the costs file describes (index, default the first)")  # fmt: skip
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
+    if args.costs_out and not 0 <= args.costs_shape < len(SHAPES[args.shapes]):
+        raise SystemExit(f"--costs-shape {args.costs_shape}: the {args.shapes} set has {len(SHAPES[args.shapes])}")
     device = torch.device(args.device)
     default = "bf16" if device.type == "cuda" else "fp32"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype or default]
@@ -234,6 +307,9 @@ def main(argv: list[str] | None = None) -> Path:
     context = {"shapes": args.shapes, "dtype": str(dtype), "triton": _triton_version(), "targets": targets}
     path = bench.save(args.out, extra=context)
     print(f"saved {path}")
+    if args.costs_out:
+        save_costs(args.costs_out, costs_file(bench.rows, SHAPES[args.shapes][args.costs_shape], dtype, device))
+        print(f"saved {args.costs_out}")
     return path
 
 

@@ -25,6 +25,7 @@ int64 expert ids (12 bytes per top-k slot) ride along and are left out: under 1%
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dualpipe.schedule import schedule_spec
@@ -44,6 +45,7 @@ __all__ = [
     "all_to_all_seconds",
     "allreduce_seconds",
     "dp_reduce_seconds",
+    "layer_ops",
     "op_seconds",
     "p2p_seconds",
     "phase_work",
@@ -162,8 +164,12 @@ def op_seconds(op: fl.Op, phase: str, gpu: GPU, comm_sms: int) -> float:
     return max(getattr(op, f"{phase}_flops") / rate, getattr(op, f"{phase}_bytes") / gpu.hbm_bytes_per_s)
 
 
-def _phases(ops: list[fl.Op], gpu: GPU, comm_sms: int) -> tuple[float, float, float]:
-    return tuple(sum(op_seconds(op, ph, gpu, comm_sms) for op in ops) for ph in ("fwd", "dx", "dw"))  # type: ignore[return-value]
+OpTimer = Callable[[fl.Op, str, GPU, int], float]
+"""Seconds of one op's phase, with :func:`op_seconds`'s arguments (a costs file's ``ops`` may override it)."""
+
+
+def _phases(ops: list[fl.Op], gpu: GPU, comm_sms: int, timer: OpTimer) -> tuple[float, float, float]:
+    return tuple(sum(timer(op, ph, gpu, comm_sms) for op in ops) for ph in ("fwd", "dx", "dw"))  # type: ignore[return-value]
 
 
 def allreduce_seconds(nbytes: float, group: int, bytes_per_s: float) -> float:
@@ -268,13 +274,21 @@ def _sub_ops(cfg: MoEConfig, tokens: int, seq_len: int, ep: int, rows: float, b:
     return {"attn": attn, "mlp": mlp, "embed": fl.embed_ops(cfg, tokens, b), "head": fl.head_ops(cfg, tokens, b)}
 
 
+def layer_ops(
+    cfg: MoEConfig, tokens: int, seq_len: int, *, ep: int = 1, act_bytes: int = 2, moe: bool = True
+) -> dict[str, list[fl.Op]]:
+    """The ops of each sub-stage (``"attn"``, ``"mlp"``, ``"embed"``, ``"head"``) of one layer for one
+    micro-batch of ``tokens`` tokens on one rank of an ep group of ``ep``."""
+    rows = tokens * (expected_ranks(cfg, ep) if ep > 1 else 1.0)
+    return _sub_ops(cfg, tokens, seq_len, ep, rows, act_bytes, moe)
+
+
 def phase_work(
     cfg: MoEConfig, tokens: int, seq_len: int, *, ep: int = 1, act_bytes: int = 2, moe: bool = True
 ) -> dict[str, tuple[float, float]]:
     """``(FLOPs, HBM bytes)`` behind each compute field of :class:`SubstageCosts` (no recompute): what
     measured times are scaled by (:mod:`moe.plan.measured`)."""
-    rows = tokens * (expected_ranks(cfg, ep) if ep > 1 else 1.0)
-    subs = _sub_ops(cfg, tokens, seq_len, ep, rows, act_bytes, moe)
+    subs = layer_ops(cfg, tokens, seq_len, ep=ep, act_bytes=act_bytes, moe=moe)
     out = {}
     for sub in ("attn", "mlp"):
         for name, ph in (("F", "fwd"), ("dX", "dx"), ("dW", "dw")):
@@ -298,19 +312,23 @@ def substage_costs(
 ) -> SubstageCosts:
     """:class:`SubstageCosts` of one MoE layer (``moe=True``) or one dense layer.
 
-    Analytic unless ``measured`` (a :class:`moe.plan.measured.MeasuredCosts`) is given: then every field it
-    holds is its measured time scaled to this config (:func:`moe.plan.measured.apply_measured`), the rest
-    stay analytic. ``comm_sms`` is reserved only where an all-to-all exists (MoE layer, ep > 1), as
+    Analytic unless ``measured`` (a :class:`moe.plan.measured.MeasuredCosts`) is given: then each op its
+    ``ops`` section holds takes its measured time scaled to this config in the sums
+    (:func:`moe.plan.measured.op_timer`), and every sub-stage field its layer entry holds replaces the sum
+    by its measured time scaled to this config (:func:`moe.plan.measured.apply_measured`); the rest stay
+    analytic. ``comm_sms`` is reserved only where an all-to-all exists (MoE layer, ep > 1), as
     moe.parallel does."""
-    analytic = _analytic(cfg, cluster, par, work, moe)
     if measured is None:
-        return analytic
-    from moe.plan.measured import apply_measured  # measured.py builds on this module
+        return _analytic(cfg, cluster, par, work, moe)
+    from moe.plan.measured import apply_measured, op_timer  # measured.py builds on this module
 
+    analytic = _analytic(cfg, cluster, par, work, moe, op_timer(measured))  # type: ignore[arg-type]
     return apply_measured(measured, analytic, cfg, cluster, par, work)  # type: ignore[arg-type]
 
 
-def _analytic(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, moe: bool) -> SubstageCosts:
+def _analytic(
+    cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, moe: bool, timer: OpTimer = op_seconds
+) -> SubstageCosts:
     if moe and cfg.num_dense_layers == cfg.num_layers:
         raise ValueError("the config has no MoE layer")
     gpu, t, b = cluster.gpu, work.tokens, work.act_bytes
@@ -319,13 +337,13 @@ def _analytic(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload
     a2a = all_to_all_seconds(moved, gpu) if moe else 0.0
     subs = _sub_ops(cfg, t, work.seq_len, par.ep, t * moved.ranks_reached, b, moe)
     attn, mlp = subs["attn"], subs["mlp"]
-    detail = {f"{op.name}.{ph}": op_seconds(op, ph, gpu, comm_sms) for op in attn + mlp for ph in ("fwd", "dx", "dw")}
-    a_f, a_dx, a_dw = _phases(attn, gpu, comm_sms)
-    m_f, m_dx, m_dw = _phases(mlp, gpu, comm_sms)
+    detail = {f"{op.name}.{ph}": timer(op, ph, gpu, comm_sms) for op in attn + mlp for ph in ("fwd", "dx", "dw")}
+    a_f, a_dx, a_dw = _phases(attn, gpu, comm_sms, timer)
+    m_f, m_dx, m_dw = _phases(mlp, gpu, comm_sms, timer)
     if work.recompute:
         a_dx, m_dx = a_dx + a_f, m_dx + m_f
-    e_f, e_dx, e_dw = _phases(subs["embed"], gpu, 0)
-    h_f, h_dx, h_dw = _phases(subs["head"], gpu, 0)
+    e_f, e_dx, e_dw = _phases(subs["embed"], gpu, 0, timer)
+    h_f, h_dx, h_dw = _phases(subs["head"], gpu, 0, timer)
     return SubstageCosts(
         moe=moe,
         attn_F=a_f,

@@ -15,20 +15,29 @@ Format (version 1)::
       "nvlink_bytes_per_s": 1.6e11,            # link rates the all-to-alls ran on (needed with dispatch/combine)
       "internode_bytes_per_s": 5e10,
       "moe": {"attn_F": 0.001, ..., "dispatch": 0.002, "combine": 0.002},   # seconds, one MoE layer
-      "dense": {"attn_F": ..., ...}            # optional: one dense layer
+      "dense": {"attn_F": ..., ...},           # optional: one dense layer
+      "ops": {"experts_gate_up.fwd": 0.0004, "permute.fwd": 0.0001, ...}   # optional: single ops
     }
 
 Layer entries take any of :data:`moe.plan.costs.COMPUTE_FIELDS` plus ``dispatch`` and ``combine``; what a
 file leaves out stays analytic. Measured ``*_dX`` of a run with ``recompute`` include the forward again
 (as :class:`~moe.plan.costs.SubstageCosts` does): scaling takes it out first.
 
+``ops`` holds seconds of single planner ops at the file's shape (config, tokens, seq_len, ep, act_bytes),
+one key ``"<op>.<phase>"`` each, named as :mod:`moe.plan.flops` and ``SubstageCosts.detail`` name them
+(phase ``fwd``, ``dx`` or ``dw``; never recompute). In the sums behind every sub-stage field a measured op
+replaces its roofline time (:func:`op_timer`), the other ops stay analytic; a sub-stage field the layer
+entry measured as a whole still replaces the whole sum. An op of the expert GEMMs measured with
+``comm_sms`` SMs held by communication is rescaled to the SMs the plan leaves them. ``bench.kernels
+--costs-out`` writes a file of ``ops`` only (its ``moe`` entry is empty).
+
 Scaling (:func:`scale_field`): a compute time is multiplied by the FLOP ratio of that sub-stage phase
 between the target and the measured shape (:func:`moe.plan.costs.phase_work`; by the byte ratio for a phase
-without FLOPs, e.g. the embedding). That keeps the measured device's achieved rate, so a file measured on
-one device describes that device: measure on the GPU you plan for. An all-to-all time is multiplied by
-the ratio of the analytic all-to-all times (:func:`moe.plan.costs.all_to_all_seconds`), target over
-measured, each with its own bytes (tokens, hidden size, ranks and nodes reached) and its own link rates:
-the byte ratio and the bandwidth ratio together.
+without FLOPs, e.g. the embedding); a measured op likewise by its own FLOP (or byte) ratio. That keeps the
+measured device's achieved rate, so a file measured on one device describes that device: measure on the GPU
+you plan for. An all-to-all time is multiplied by the ratio of the analytic all-to-all times
+(:func:`moe.plan.costs.all_to_all_seconds`), target over measured, each with its own bytes (tokens, hidden
+size, ranks and nodes reached) and its own link rates: the byte ratio and the bandwidth ratio together.
 """
 
 from __future__ import annotations
@@ -42,13 +51,17 @@ from typing import Any
 from moe.config import MoEConfig
 from moe.plan.costs import (
     COMPUTE_FIELDS,
+    OpTimer,
     Parallelism,
     SubstageCosts,
     Workload,
     all_to_all_bytes,
     all_to_all_seconds,
+    layer_ops,
+    op_seconds,
     phase_work,
 )
+from moe.plan.flops import Op
 from moe.plan.hardware import GPU, Cluster
 
 __all__ = [
@@ -60,14 +73,18 @@ __all__ = [
     "device_of",
     "gpu_of",
     "load_costs",
+    "measured_ops",
+    "op_timer",
     "save_costs",
     "scale_field",
+    "work_ratio",
 ]
 
 FORMAT = "dualpipe-moe/plan-costs"
 VERSION = 1
 COMM_FIELDS = ("dispatch", "combine")
 _LAYER_FIELDS = frozenset(COMPUTE_FIELDS) | frozenset(COMM_FIELDS)
+PHASES = ("fwd", "dx", "dw")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,6 +106,7 @@ class MeasuredCosts:
     recompute: bool = False
     nvlink_bytes_per_s: float | None = None
     internode_bytes_per_s: float | None = None
+    ops: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.tokens < 1 or self.tokens % self.seq_len:
@@ -119,11 +137,26 @@ class MeasuredCosts:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"costs file: {name} must be positive, got {value!r}")
+        known = measured_ops(self) if self.ops else {}
+        for key, value in self.ops.items():
+            name, _, phase = key.rpartition(".")
+            if name not in known or phase not in PHASES:
+                raise ValueError(
+                    f"costs file: unknown op {key!r} in 'ops'; known: '<op>.<phase>' with phase one of "
+                    f"{', '.join(PHASES)} and op one of {', '.join(sorted(known))}"
+                )
+            op = known[name]
+            if not (getattr(op, f"{phase}_flops") > 0 or getattr(op, f"{phase}_bytes") > 0):
+                raise ValueError(f"costs file: ops.{key}: {name} does no work in its {phase} phase")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"costs file: ops.{key} must be a number of seconds >= 0, got {value!r}")
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "version": VERSION}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "ops" and not value:
+                continue  # a file without single ops reads as version 1 always did
             out[f.name] = dataclasses.asdict(value) if isinstance(value, MoEConfig) else value
         return out
 
@@ -169,7 +202,8 @@ def load_costs(path: str | os.PathLike[str]) -> MeasuredCosts:
     return MeasuredCosts.from_json(data, where=str(path))
 
 
-def _ratio(target: tuple[float, float], base: tuple[float, float], name: str) -> float:
+def work_ratio(target: tuple[float, float], base: tuple[float, float], name: str) -> float:
+    """Target over base ``(FLOPs, bytes)``: the FLOP ratio, or the byte ratio where the base has no FLOPs."""
     (tf, tb), (bf, bb) = target, base
     if bf > 0:
         return tf / bf
@@ -206,21 +240,63 @@ def scale_field(
         if forward not in entry:
             raise ValueError(f"costs file: {name} was measured with recompute; {forward} is needed to take it out")
         value -= entry[forward]
-    scaled = value * _ratio(target_work[name], base_work[name], name)
+    scaled = value * work_ratio(target_work[name], base_work[name], name)
     if name.endswith("_dX") and work.recompute:
         forward = name.replace("_dX", "_F")
         scaled += (
             scale_field(measured, forward, cfg, cluster, par, work, moe=moe)
             if forward in entry
-            else _analytic_field(forward, cfg, cluster, par, work, moe)
+            else _analytic_field(measured, forward, cfg, cluster, par, work, moe)
         )
     return scaled
 
 
-def _analytic_field(name: str, cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, moe: bool) -> float:
-    from moe.plan.costs import substage_costs
+def _analytic_field(
+    measured: MeasuredCosts, name: str, cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, moe: bool
+) -> float:
+    """The sum behind field ``name`` (measured ops in, layer entries not: no recursion into this module)."""
+    from moe.plan.costs import _analytic
 
-    return getattr(substage_costs(cfg, cluster, par, work, moe=moe), name)
+    return getattr(_analytic(cfg, cluster, par, work, moe, op_timer(measured)), name)
+
+
+def measured_ops(measured: MeasuredCosts) -> dict[str, Op]:
+    """Every planner op at the file's shape by name: the attention, router, MoE and dense MLP, embedding
+    and head ops (a name in two places, e.g. ``residual``, does the same work in both)."""
+    out: dict[str, Op] = {}
+    for moe in (True, False):
+        subs = layer_ops(
+            measured.config, measured.tokens, measured.seq_len, ep=measured.ep, act_bytes=measured.act_bytes, moe=moe
+        )
+        for ops in subs.values():
+            for op in ops:
+                out.setdefault(op.name, op)
+    return out
+
+
+def op_timer(measured: MeasuredCosts) -> OpTimer:
+    """:func:`moe.plan.costs.op_seconds` with the file's ``ops`` in: a measured op's phase takes its
+    measured seconds times the op's FLOP (or byte) ratio, planned over measured shape; an expert GEMM's
+    also times the ratio of SMs it ran on to the SMs it gets. Unmeasured ops stay analytic."""
+    if not measured.ops:
+        return op_seconds
+    base = measured_ops(measured)
+
+    def timer(op: Op, phase: str, gpu: GPU, comm_sms: int) -> float:
+        value = measured.ops.get(f"{op.name}.{phase}")
+        if value is None:
+            return op_seconds(op, phase, gpu, comm_sms)
+        ref = base[op.name]
+        work = (getattr(op, f"{phase}_flops"), getattr(op, f"{phase}_bytes"))
+        ref_work = (getattr(ref, f"{phase}_flops"), getattr(ref, f"{phase}_bytes"))
+        scaled = value * work_ratio(work, ref_work, f"{op.name}.{phase}")
+        if op.experts and comm_sms != measured.comm_sms:
+            if max(comm_sms, measured.comm_sms) >= gpu.sms:
+                raise ValueError(f"comm_sms={comm_sms} leaves no SM of {gpu.sms} for the experts")
+            scaled *= (gpu.sms - measured.comm_sms) / (gpu.sms - comm_sms)
+        return scaled
+
+    return timer
 
 
 def apply_measured(
@@ -232,7 +308,7 @@ def apply_measured(
     work: Workload,
 ) -> SubstageCosts:
     """``analytic`` with every field the file measured (for its layer kind) replaced by the scaled measurement
-    (``detail``, the per-op breakdown, stays analytic)."""
+    (``detail``, the per-op breakdown, keeps the per-op times: analytic or from the file's ``ops``)."""
     entry = measured.moe if analytic.moe else measured.dense
     changes = {name: scale_field(measured, name, cfg, cluster, par, work, moe=analytic.moe) for name in entry}
     return dataclasses.replace(analytic, **changes)
@@ -274,7 +350,10 @@ def device_of(measured: MeasuredCosts, *, memory_bytes: float, name: str | None 
             f, b = work[field_name]
             flop, nbytes, seconds = flop + f, nbytes + b, seconds + value
     if not (flop > 0 and seconds > 0):
-        raise ValueError("costs file: no measured compute with FLOPs to derive a device's rate from")
+        raise ValueError(
+            "costs file: no measured compute with FLOPs to derive a device's rate from (single ops, as "
+            "bench.kernels writes them, describe no whole machine: name its profile, moe.plan --gpu)"
+        )
     if measured.internode_bytes_per_s is None:
         raise ValueError("costs file: no link rate to describe the device's network with")
     return GPU(

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from moe.config import MoEConfig
-from moe.plan.costs import Parallelism, Workload, phase_work, substage_costs
+from moe.plan.costs import Parallelism, Workload, layer_ops, phase_work, substage_costs
 from moe.plan.hardware import GPUS, Cluster
 from moe.plan.measured import FORMAT, VERSION, MeasuredCosts, device_of, load_costs, save_costs, scale_field
 
@@ -143,3 +143,98 @@ def test_device_of_gives_the_measured_fields_back() -> None:
     assert c.head_F > 0
     with pytest.raises(ValueError, match="no measured compute"):
         device_of(_measured(moe={"dispatch": 1e-3}, dense={}), memory_bytes=1e9)
+
+
+# ------------------------------------------------------------------------- single measured ops
+
+
+def _ops_file(**changes) -> MeasuredCosts:
+    """A file of single ops only (as bench.kernels writes), at CFG, 64 tokens of 32, ep 4."""
+    base = dict(
+        config=CFG, seq_len=32, tokens=64, moe={}, device="cpu", source="test", ep=4,
+        ops={"experts_gate_up.fwd": 0.125, "permute.fwd": 0.5, "router_topk.fwd": 0.25},
+    )  # fmt: skip
+    base.update(changes)
+    return MeasuredCosts(**base)
+
+
+_CLUSTER = Cluster(dataclasses.replace(GPUS["h800"], nvlink_bytes_per_s=1e9, internode_bytes_per_s=5e7), 4, 2)
+_PAR = Parallelism(pp=1, dp=4, ep=4, schedule="1f1b")
+
+
+def test_ops_round_trip_and_files_without_ops_are_unchanged(tmp_path) -> None:
+    m = _ops_file()
+    path = tmp_path / "ops.json"
+    save_costs(path, m)
+    assert json.loads(path.read_text())["ops"]["permute.fwd"] == 0.5
+    assert load_costs(path) == m
+    save_costs(path, _measured())
+    assert "ops" not in json.loads(path.read_text())  # version 1 as it was: older readers still take it
+    assert load_costs(path).ops == {}
+
+
+def test_a_measured_op_replaces_its_roofline_time_in_the_sum() -> None:
+    m = _ops_file()
+    work = Workload(seq_len=32, micro_batch=2, comm_sms=0)  # the file's shape and SMs: no scaling
+    analytic = substage_costs(CFG, _CLUSTER, _PAR, work)
+    used = substage_costs(CFG, _CLUSTER, _PAR, work, measured=m)
+    subs = layer_ops(CFG, 64, 32, ep=4)
+
+    def expected(sub: str, phase: str) -> float:  # the sum in the planner's order, measured ops swapped in
+        return sum(m.ops.get(f"{op.name}.{phase}", analytic.detail[f"{op.name}.{phase}"]) for op in subs[sub])
+
+    assert used.mlp_F == expected("mlp", "fwd") and used.mlp_F != analytic.mlp_F
+    assert used.attn_F == expected("attn", "fwd") and used.attn_F != analytic.attn_F  # the router's top-k
+    assert (used.mlp_dX, used.mlp_dW, used.attn_dX) == (analytic.mlp_dX, analytic.mlp_dW, analytic.attn_dX)
+    assert used.detail["permute.fwd"] == 0.5 and used.detail["permute.dx"] == analytic.detail["permute.dx"]
+    assert (used.head_F, used.dispatch) == (analytic.head_F, analytic.dispatch)
+    # recompute adds the forward with its measured ops to dX
+    rc = substage_costs(CFG, _CLUSTER, _PAR, dataclasses.replace(work, recompute=True), measured=m)
+    assert rc.mlp_dX == analytic.mlp_dX + used.mlp_F
+    # a whole measured sub-stage wins over its ops; the other sub-stages keep theirs
+    both = substage_costs(CFG, _CLUSTER, _PAR, work, measured=_ops_file(moe={"mlp_F": 3.0}))
+    assert both.mlp_F == 3.0 and both.attn_F == used.attn_F
+    # a dense layer has no experts or router: its sums stay analytic
+    dense = substage_costs(CFG, _CLUSTER, _PAR, work, moe=False, measured=m)
+    assert dense == substage_costs(CFG, _CLUSTER, _PAR, work, moe=False)
+    with pytest.raises(ValueError, match=r"moe\.plan --gpu"):  # no whole machine in single ops
+        device_of(m, memory_bytes=1e9)
+
+
+def test_measured_ops_scale_by_their_own_work_and_sms() -> None:
+    m = _ops_file()
+    base = {op.name: op for ops in layer_ops(CFG, 64, 32, ep=4).values() for op in ops}
+    target = {op.name: op for ops in layer_ops(CFG, 192, 32, ep=4).values() for op in ops}
+    work = Workload(seq_len=32, micro_batch=6, comm_sms=0)  # three times the tokens
+    c = substage_costs(CFG, _CLUSTER, _PAR, work, measured=m)
+    gemm = target["experts_gate_up"].fwd_flops / base["experts_gate_up"].fwd_flops  # FLOP ratio
+    assert gemm == pytest.approx(3.0)
+    assert c.detail["experts_gate_up.fwd"] == pytest.approx(0.125 * gemm)
+    moved = target["permute"].fwd_bytes / base["permute"].fwd_bytes  # no FLOPs: the byte ratio
+    assert c.detail["permute.fwd"] == pytest.approx(0.5 * moved)
+    # the plan holds 20 of the h800's SMs for communication, the measurement held none: experts slow down
+    sms = _CLUSTER.gpu.sms
+    held = substage_costs(CFG, _CLUSTER, _PAR, dataclasses.replace(work, comm_sms=20), measured=m)
+    assert held.detail["experts_gate_up.fwd"] == pytest.approx(0.125 * gemm * sms / (sms - 20))
+    assert held.detail["permute.fwd"] == pytest.approx(c.detail["permute.fwd"])
+
+
+@pytest.mark.parametrize(
+    ("ops", "message"),
+    [
+        ({"experts_gate.fwd": 1.0}, "unknown op 'experts_gate.fwd'"),
+        ({"permute.bwd": 1.0}, "unknown op"),
+        ({"permute": 1.0}, "unknown op"),
+        ({"shared_down.fwd": 1.0}, "unknown op"),  # the measured model has no shared expert
+        ({"permute.dw": 1.0}, "no work in its dw phase"),
+        ({"permute.fwd": -1.0}, "seconds >= 0"),
+        ({"permute.fwd": "1"}, "seconds >= 0"),
+    ],
+)
+def test_ops_validation_names_the_problem(tmp_path, ops, message) -> None:
+    data = _ops_file(config=dataclasses.replace(CFG, num_shared_experts=0)).to_json()
+    data["ops"] = ops
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        load_costs(path)
