@@ -70,6 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _config(args: argparse.Namespace, measured) -> MoEConfig:
     if args.config is None:
         if args.preset is None and measured is not None:
+            if not (measured.moe or measured.dense):  # bench.kernels: single ops of a benchmarked layer shape
+                raise SystemExit(f"error: --costs {args.costs} holds single ops only: pass --preset or --config")
             return measured.config
         return preset(args.preset or "v3")
     try:
@@ -84,7 +86,11 @@ def _cluster(args: argparse.Namespace, measured) -> Cluster:
         # The machine the costs were measured on (CPU ranks on the emulated cluster: no datasheet describes
         # it): its achieved rates and its links, from the file; memory per rank is this machine's share.
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / args.gpus
-        device = with_overrides(device_of(measured, memory_bytes=memory), gemm_efficiency=args.gemm_efficiency)
+        try:
+            device = device_of(measured, memory_bytes=memory)
+        except ValueError as exc:
+            raise SystemExit(f"error: --costs {args.costs}: {exc}") from None
+        device = with_overrides(device, gemm_efficiency=args.gemm_efficiency)
         return Cluster(device, args.gpus, min(args.gpus_per_node, args.gpus))
     device = with_overrides(
         gpu(args.gpu or "h800"),
