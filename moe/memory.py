@@ -6,12 +6,14 @@
     record.update(meter.stop_step())
 
 Parameter, gradient and optimizer-state bytes are counted from the tensors themselves (each storage once),
-on any device. Peak activation bytes come from :class:`SavedTensorTracker` on every device: the largest
-sum, over the step, of the bytes of distinct storages that autograd holds for backward (tensors saved by
-forward ops, custom functions included), parameters and buffers excluded. On CUDA the allocator's figures
-are added: ``cuda_peak_allocated_bytes`` (``torch.cuda.max_memory_allocated`` over the step) and
-``cuda_peak_step_bytes``, that peak less what was allocated when the step started (activations,
-gradients and every temporary of the step).
+on any device. Peak activation bytes come from :class:`SavedTensorTracker` on the CPU: the largest sum, over
+the step, of the bytes of distinct storages that autograd holds for backward (tensors saved by forward ops,
+custom functions included), parameters and buffers excluded. On CUDA the allocator's figures are what the
+step reports: ``cuda_peak_allocated_bytes`` (``torch.cuda.max_memory_allocated`` over the step) and
+``cuda_peak_step_bytes``, that peak less what was allocated when the step started (activations, gradients
+and every temporary of the step), which is also ``peak_activation_bytes`` there. The tracker's hooks run
+in Python for every saved tensor, host time a GPU step cannot spare: ``track_saved=True`` turns it on
+there too (then ``peak_activation_bytes`` is its figure).
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ class MemoryMeter:
     Call :meth:`stop_step` after the optimizer step and before ``zero_grad`` so the gradients are there.
     """
 
-    def __init__(self, modules: nn.Module | Sequence[nn.Module], optimizer: Any = None) -> None:
+    def __init__(
+        self, modules: nn.Module | Sequence[nn.Module], optimizer: Any = None, *, track_saved: bool | None = None
+    ) -> None:
         self.modules = [modules] if isinstance(modules, nn.Module) else list(modules)
         self.optimizer = optimizer
         params = _unique_params(self.modules)
@@ -103,6 +107,7 @@ class MemoryMeter:
         devices = {p.device for p in params}
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         self._cuda_start = 0
+        self.track_saved = not self._cuda if track_saved is None else track_saved
 
     @property
     def _cuda(self) -> bool:
@@ -114,21 +119,25 @@ class MemoryMeter:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_start = torch.cuda.memory_allocated(self.device)
-        self.tracker.reset_peak()
-        self.tracker.__enter__()
+        if self.track_saved:
+            self.tracker.reset_peak()
+            self.tracker.__enter__()
 
     def stop_step(self) -> dict[str, int]:
         """Stop counting; the step's figures (see the class docstring)."""
-        self.tracker.__exit__(None, None, None)
+        if self.track_saved:
+            self.tracker.__exit__(None, None, None)
         out = {
             "param_bytes": parameter_bytes(self.modules),
             "grad_bytes": gradient_bytes(self.modules),
             "optimizer_state_bytes": optimizer_state_bytes(self.optimizer),
-            "peak_activation_bytes": self.tracker.peak_bytes,
+            "peak_activation_bytes": self.tracker.peak_bytes if self.track_saved else 0,
         }
         if self._cuda:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             out["cuda_peak_allocated_bytes"] = peak
             out["cuda_peak_step_bytes"] = peak - self._cuda_start
+            if not self.track_saved:
+                out["peak_activation_bytes"] = out["cuda_peak_step_bytes"]
         return out

@@ -84,6 +84,21 @@ def test_peak_activation_bytes_match_a_hand_count() -> None:
     assert meter.stop_step()["peak_activation_bytes"] == 2 * 4 * n * (d + h)
 
 
+def test_the_tracker_is_on_where_the_allocator_cannot_say(monkeypatch) -> None:
+    """CPU: the tracker measures. Off (as it is by default on CUDA, whose allocator figures stand in): no
+    hook runs, so the step pays nothing for it and reports no tracked figure."""
+    model = nn.Sequential(nn.Linear(8, 24, bias=False), nn.Tanh())
+    assert MemoryMeter(model).track_saved  # CPU default
+    meter = MemoryMeter(model, track_saved=False)
+    entered = []
+    monkeypatch.setattr(type(meter.tracker), "__enter__", lambda self: entered.append(self))
+    meter.start_step()
+    model(torch.randn(4, 8)).sum().backward()
+    figures = meter.stop_step()
+    assert entered == [] and figures["peak_activation_bytes"] == 0
+    assert figures["param_bytes"] == 4 * 8 * 24
+
+
 def test_recompute_lowers_the_peak() -> None:
     cfg = tiny_config()
     ids, labels = batch(cfg, size=4, seq=32)
