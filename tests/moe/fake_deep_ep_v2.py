@@ -44,7 +44,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tests.moe.fake_deep_ep import Buffer, Config
+from tests.moe.fake_deep_ep import Buffer, Config, EventHandle, _device_assert
+from tests.moe.fake_deep_ep import _host_assert as _v1_host_assert
 
 __all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap", "topk_idx_t"]
 
@@ -59,14 +60,8 @@ _GARBAGE_IDX = 1 << 40  # stands for an uninitialised int64: never a valid exper
 
 
 def _host_assert(ok: bool, cond: str) -> None:
-    """``EP_HOST_ASSERT``: an EPException, which pybind11 raises as RuntimeError."""
-    if not ok:
-        raise RuntimeError(f"Assertion exception (buffer.hpp): {cond}")
-
-
-def _device_assert(ok: bool, kernel: str, cond: str) -> None:
-    if not ok:
-        raise RuntimeError(f"CUDA error: device-side assert triggered ({kernel}: {cond})")
+    """``EP_HOST_ASSERT`` in V2's buffer.hpp (V1's emulation raises it the same way)."""
+    _v1_host_assert(ok, "buffer.hpp", cond)
 
 
 def _static_assert(ok: bool, kernel: str, cond: str) -> None:
@@ -90,22 +85,6 @@ def _buffer_bytes(num_max_tokens_per_rank: int, hidden: int, num_topk: int, num_
     dispatch = token * (num_ranks + 1) * num_max_tokens_per_rank
     combine = token * (num_ranks + min(num_ranks, num_topk)) * num_max_tokens_per_rank
     return _align(max(dispatch, combine), _ALIGNMENT)
-
-
-class EventHandle:
-    """Stands for a CUDA event on the comm stream: the pending gloo works plus what finishes the outputs."""
-
-    def __init__(self, works: list[dist.Work] | None = None, finish: Callable[[], None] | None = None) -> None:
-        self._works = works or []
-        self._finish = finish
-
-    def current_stream_wait(self) -> None:
-        for w in self._works:
-            w.wait()
-        self._works = []
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
 
 
 class EventOverlap:
