@@ -52,18 +52,23 @@ def _model(cfg: MoEConfig, cluster: Cluster, run: RunShape, c: Candidate, measur
     return LayerCostModel(cfg, cluster, c, run.seq_len, run.micro_batch, run.tokens_per_step, measured=measured)
 
 
+def _predict(model: LayerCostModel) -> Prediction:
+    """Time and size ``model``'s candidate on its cluster."""
+    return predict(
+        model.candidate,
+        model,
+        num_layers=model.cfg.num_layers,
+        tokens_per_step=model.tokens_per_step,
+        num_gpus=model.cluster.num_gpus,
+        peak_flops=model.cluster.gpu.bf16_flops,
+    )
+
+
 def evaluate(
     cfg: MoEConfig, cluster: Cluster, run: RunShape, candidate: Candidate, measured: MeasuredCosts | None = None
 ) -> Prediction:
     """Time and size one candidate."""
-    return predict(
-        candidate,
-        _model(cfg, cluster, run, candidate, measured),
-        num_layers=cfg.num_layers,
-        tokens_per_step=run.tokens_per_step,
-        num_gpus=cluster.num_gpus,
-        peak_flops=cluster.gpu.bf16_flops,
-    )
+    return _predict(_model(cfg, cluster, run, candidate, measured))
 
 
 def plan(
@@ -99,11 +104,9 @@ def plan(
         )
     models = {c: _model(cfg, cluster, run, c, measured) for c in found}
     fitting = [c for c in found if models[c].fits()]
-    rest = sorted((c for c in found if c not in set(fitting)), key=lambda c: models[c].memory().total)
+    rest = sorted((c for c in found if not models[c].fits()), key=lambda c: models[c].memory().total)
     timed = fitting + rest[: max(0, top - len(fitting))]
-    kw = dict(num_layers=cfg.num_layers, tokens_per_step=run.tokens_per_step, num_gpus=cluster.num_gpus)
-    predictions = [predict(c, models[c], peak_flops=cluster.gpu.bf16_flops, **kw) for c in timed]
-    return Plan(rank_predictions(predictions), len(found), len(fitting))
+    return Plan(rank_predictions([_predict(models[c]) for c in timed]), len(found), len(fitting))
 
 
 def _row(p: Prediction) -> list[str]:
@@ -177,7 +180,7 @@ def v3_comparison(cfg: MoEConfig, cluster: Cluster, run: RunShape, measured: Mea
     chunks = run.global_batch // (layout.dp * run.micro_batch)
     cand = Candidate(layout.schedule, layout.pp, layout.dp, layout.ep, chunks, layout.comm_sms, layout.recompute)
     model = _model(cfg, cluster, run, cand, measured)
-    p = evaluate(cfg, cluster, run, cand, measured)
+    p = _predict(model)
     moe = model.layer(cfg.num_dense_layers)
     # The report's bubble formula with this model's per-chunk costs (a middle stage's chunk, paired with itself).
     times = StageTimes(model, cfg.num_layers, layout.pp).alone(layout.pp // 2)
