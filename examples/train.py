@@ -503,10 +503,8 @@ def guard_nonfinite(run: Run, step: int, loss: torch.Tensor | None) -> bool:
             "only): lower --lr, or pass --skip-nonfinite to skip such steps"
         )
     run.optimizer.zero_grad(set_to_none=True)
-    for stage in run.pipe.module:
-        for block in stage.blocks.values():
-            if getattr(block, "is_moe", False):
-                block.router.expert_load.zero_()  # the router bias does not move on a skipped step
+    for router in routers(run):
+        router.expert_load.zero_()  # the router bias does not move on a skipped step
     run.nonfinite_skips += 1
     if dist.get_rank() == 0:
         print(f"{found.describe(step)}: step skipped ({run.nonfinite_skips} so far)", flush=True)

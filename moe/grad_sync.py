@@ -153,17 +153,13 @@ def balance_routers(modules: Sequence[MoEStage], layout: ParallelLayout | None, 
     Loads are summed over the DualPipe mirror and the data-parallel group (the whole global batch), so all
     replicas move their bias alike. ``rate`` defaults to the config's ``bias_update_rate``.
     """
-    modules = _by_stage(modules)
-    blocks = [b for m in modules for b in m.blocks.values() if isinstance(b, Block) and b.is_moe]
+    blocks = [(m, b) for m in _by_stage(modules) for b in m.blocks.values() if isinstance(b, Block) and b.is_moe]
     if not blocks:
         return
-    loads = [b.router.expert_load for b in blocks]
+    loads = [b.router.expert_load for _, b in blocks]
     if layout is not None and layout.mirror_group is not None:
         all_reduce_buckets(loads, layout.mirror_group)
     if layout is not None and (layout.config.dp or 1) > 1:
         all_reduce_buckets(loads, layout.dp_group)
-    for m in modules:
-        step = m.cfg.bias_update_rate if rate is None else rate
-        for b in m.blocks.values():
-            if isinstance(b, Block) and b.is_moe:
-                b.router.update_bias(step)
+    for m, b in blocks:
+        b.router.update_bias(m.cfg.bias_update_rate if rate is None else rate)
