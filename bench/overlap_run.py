@@ -48,7 +48,7 @@ from dualpipe.events import EventRecorder
 from dualpipe.observer import PipelineObserver, SpanKind, span_label
 from dualpipe.schedule import SCHEDULES, schedule_spec
 from moe.config import MoEConfig
-from moe.data import ByteCorpus
+from moe.data import BYTE_VOCAB_SIZE, Loader, open_data
 from moe.model import lm_loss
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout, with_schedule
 
@@ -131,7 +131,7 @@ class WorkerOptions:
 def model_config(o: WorkerOptions) -> MoEConfig:
     """Every block MoE (one shared expert), byte vocabulary; no balance loss (aux terms stay out of timing)."""
     return MoEConfig(
-        vocab_size=ByteCorpus.vocab_size,
+        vocab_size=BYTE_VOCAB_SIZE,
         hidden_size=o.hidden,
         num_layers=o.layers,
         num_heads=o.heads,
@@ -277,15 +277,15 @@ def _grad_sq(mode: _Mode) -> float:
     return total.item()
 
 
-def _run_modes(modes: list[_Mode], o: WorkerOptions, corpus: ByteCorpus, ep_rank: int) -> list[dict]:
+def _run_modes(modes: list[_Mode], o: WorkerOptions, loader: Loader) -> list[dict]:
     """Every step index once in every mode, the modes interleaved in a rotating order: drift in the
     machine's load (shared, noisy machines) hits every mode alike, and no mode always runs after the same
     one."""
     records = []
     for step in range(o.warmup + o.steps):
-        # The same global batch at the same step index in every mode: losses must agree across modes.
-        global_batch = o.chunks * o.micro_batch * o.ep
-        ids, labels = corpus.batch(step, global_batch, o.seq_len, seed=o.seed, dp_rank=ep_rank, dp_size=o.ep)
+        # The same global batch at the same step index in every mode: losses must agree across modes. Each
+        # step is a fresh global batch; this ep rank takes its slice of it.
+        ids, labels = loader.batch(step * loader.global_batch)
         last = step == o.warmup + o.steps - 1
         turn = step % len(modes)
         for mode in modes[turn:] + modes[:turn]:
@@ -318,8 +318,15 @@ def worker_main(options_json: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank = dist.get_rank()
     cfg = model_config(o)
-    corpus = ByteCorpus()
     layout = init_layout(ParallelConfig(pp=o.pp, ep=o.ep, comm_sms=0, rank_order=("ep", "pp")), device.type)
+    loader = open_data(None).loader(
+        "train",
+        seq_len=o.seq_len,
+        global_batch=o.chunks * o.micro_batch * o.ep,
+        dp_rank=layout.ep_rank,
+        dp_size=o.ep,
+        seed=o.seed,
+    )
     record = {
         "rank": rank,
         "pp_rank": layout.pp_rank,
@@ -332,7 +339,7 @@ def worker_main(options_json: str) -> None:
     }
     modes = [_build(name, o, cfg, layout, device) for name in o.modes]
     record["act_bytes"] = modes[0].params[0].element_size()  # the activations' dtype is the parameters'
-    record["steps"] = _run_modes(modes, o, corpus, layout.ep_rank)
+    record["steps"] = _run_modes(modes, o, loader)
     del modes
     Path(o.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(o.run_dir) / f"rank{rank}.json").write_text(json.dumps(record))

@@ -7,7 +7,7 @@ import torch
 
 from moe import MoEModel, lm_loss, preset
 from moe.block import Block
-from moe.data import ByteCorpus
+from moe.data import BYTE_VOCAB_SIZE, open_data
 from moe.grad_sync import balance_routers
 from moe.router import bias_rate_at, routing_imbalance
 
@@ -18,14 +18,14 @@ LR = 3e-3  # the README demo's
 def _train(rate: float, steps: int = STEPS) -> list[float]:
     """Worst max / mean expert load per step over the MoE layers, training on text with AdamW."""
     torch.manual_seed(0)
-    cfg = preset("tiny", vocab_size=ByteCorpus.vocab_size, num_layers=2, bias_update_rate=rate)
-    corpus = ByteCorpus(None)
+    cfg = preset("tiny", vocab_size=BYTE_VOCAB_SIZE, num_layers=2, bias_update_rate=rate)
+    loader = open_data(None).loader("train", seq_len=64, global_batch=16, seed=0)
     model = MoEModel(cfg, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95))
     routers = [b.router for b in model.blocks.values() if isinstance(b, Block) and b.is_moe]
     history = []
     for step in range(steps):
-        ids, labels = corpus.batch(step, 16, 64, seed=0, dp_rank=0, dp_size=1, split="train")
+        ids, labels = loader.batch(step * loader.global_batch)
         opt.zero_grad()
         lm_loss(model(ids), labels).backward()
         opt.step()
