@@ -6,7 +6,7 @@ one (pp, ep) loads at another:
 - stage parameters and buffers are already named by global layer (``blocks.7.attn.wq.weight``);
 - expert weights, sharded over the expert-parallel group as ``[E_local, ...]``, are saved one expert per
   entry (``blocks.7.mlp.experts.w1.e42``), so any split of the experts reads its rows;
-- optimizer state (Adam/AdamW) follows its parameter's names;
+- optimizer state follows its parameter's names (the keys :attr:`moe.optimizer.OptimizerSpec.state` names);
 - replicated entries (non-expert weights on every ep rank, DualPipe's two copies of a stage) are written
   once, the planner de-duplicates them.
 
@@ -40,9 +40,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from moe.manifest import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
-from moe.optimizer import DistributedAdamW
+from moe.optimizer import DistributedOptimizer
 
-Optimizer = torch.optim.Optimizer | DistributedAdamW
+Optimizer = torch.optim.Optimizer | DistributedOptimizer
 
 __all__ = [
     "CheckpointError",
@@ -83,9 +83,10 @@ def _global_tensors(
                     yield f"{name}.e{offset + row}", t[row], param, row
 
 
-def _adam_state(optimizer: Optimizer, p: nn.Parameter) -> dict[str, torch.Tensor] | None:
-    """``p``'s AdamW state to save or load in place; None where another rank holds it (ZeRO-1)."""
-    if isinstance(optimizer, DistributedAdamW):
+def _optimizer_state(optimizer: Optimizer, p: nn.Parameter) -> dict[str, torch.Tensor] | None:
+    """``p``'s optimizer state to save or load in place; None where another rank holds it (ZeRO-1). A plain
+    torch optimizer must be Adam or AdamW."""
+    if isinstance(optimizer, DistributedOptimizer):
         return optimizer.state_for(p)
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise TypeError(f"checkpointing supports Adam/AdamW state, not {type(optimizer).__name__}")
@@ -100,7 +101,7 @@ def _adam_state(optimizer: Optimizer, p: nn.Parameter) -> dict[str, torch.Tensor
 def _has_master(optimizer: Optimizer | None, param: nn.Parameter | None) -> bool:
     """Whether ``param``'s weight lives in a separate fp32 master (bf16 training with master weights)."""
     return (
-        isinstance(optimizer, DistributedAdamW)
+        isinstance(optimizer, DistributedOptimizer)
         and param is not None
         and param.dtype != torch.float32
         and optimizer.master_weights
@@ -112,7 +113,7 @@ def _state_dict(
 ) -> dict[str, torch.Tensor]:
     """The flat DCP state under global names. A weight with an fp32 master is saved from the master, by the
     ranks that hold it (so every copy of a key has one dtype); to load, pass ``staged``: such weights are
-    read into fp32 tensors collected there, for :meth:`DistributedAdamW.load_weight_` to set afterwards."""
+    read into fp32 tensors collected there, for :meth:`DistributedOptimizer.load_weight_` to set afterwards."""
     flat: dict[str, torch.Tensor] = {}
     for key, t, param, row in _global_tensors(modules):
         if not _has_master(optimizer, param):
@@ -126,7 +127,7 @@ def _state_dict(
                 flat[f"model.{key}"] = master if row is None else master[row]
         if optimizer is None or param is None or not param.requires_grad:
             continue
-        state = _adam_state(optimizer, param)
+        state = _optimizer_state(optimizer, param)
         for name, s in (state or {}).items():
             # "step" is a scalar shared by every row of an expert tensor
             flat[f"optim.{key}.{name}"] = s if row is None or s.dim() == 0 else s[row]

@@ -25,7 +25,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moe.block import Block
-from moe.optimizer import DistributedAdamW, ShardGroup, grad_of
+from moe.optimizer import DistributedOptimizer, ShardGroup, grad_of
 from moe.parallel import ParallelLayout
 from moe.stage import MoEStage
 
@@ -108,17 +108,29 @@ def all_reduce_buckets(
 
 
 def make_optimizer(
-    modules: Sequence[MoEStage], layout: ParallelLayout, *, zero: bool = False, master_weights: bool = True, **adamw
-) -> DistributedAdamW:
-    """AdamW over ``modules`` sharded the way :func:`reduce_gradients` reduces: dense parameters over the dp
-    group, expert parameters over their edp replicas (ZeRO-1 with ``zero``). The gradient norm counts each
-    parameter once in the world: its owner in its group, and never on the DualPipe mirror copy.
-    ``adamw``: ``lr``, ``betas``, ``eps``, ``weight_decay``. Collective; build it after the modules are on
-    their device and in their dtype (bf16 parameters get fp32 masters unless ``master_weights=False``)."""
+    modules: Sequence[MoEStage],
+    layout: ParallelLayout,
+    optimizer: str = "adamw",
+    *,
+    zero: bool = False,
+    master_weights: bool = True,
+    **hyper,
+) -> DistributedOptimizer:
+    """``optimizer`` (a name of :data:`moe.optimizer.OPTIMIZERS`) over ``modules``, sharded the way
+    :func:`reduce_gradients` reduces: dense parameters over the dp group, expert parameters over their edp
+    replicas (ZeRO-1 with ``zero``). The gradient norm counts each parameter once in the world: its owner in
+    its group, and never on the DualPipe mirror copy. ``hyper``: the optimizer's hyper-parameters (AdamW:
+    ``lr``, ``betas``, ``eps``, ``weight_decay``). Collective; build it after the modules are on their device
+    and in their dtype (bf16 parameters get fp32 masters unless ``master_weights=False``)."""
     dense, expert = split_params(modules)
     groups = [ShardGroup(dense, layout.dp_group), ShardGroup(expert, layout.edp_group)]
-    return DistributedAdamW(
-        groups, zero=zero, master_weights=master_weights, counts_in_norm=not layout.is_mirror_copy, **adamw
+    return DistributedOptimizer(
+        groups,
+        optimizer,
+        zero=zero,
+        master_weights=master_weights,
+        counts_in_norm=not layout.is_mirror_copy,
+        **hyper,
     )
 
 

@@ -1,18 +1,22 @@
-"""AdamW for the pipeline: fp32 gradient buffers, fp32 master weights, ZeRO-1 sharding, global clipping.
+"""The pipeline's optimizer: fp32 gradient buffers, fp32 master weights, ZeRO-1 sharding, global clipping.
+
+The update rule is a torch optimizer picked by name from :data:`OPTIMIZERS` (``adamw``, ``sgd``); adding one
+is one :class:`OptimizerSpec` registered there: the trainer's ``optimizer.name`` choices, the checkpoint's
+state keys and the planner's optimizer-state bytes all read the spec.
 
 Parameters come in :class:`ShardGroup` s, each with the process group its gradient is reduced over and its
 optimizer state is sharded over (dense parameters over the data-parallel group, expert parameters over the
-expert-data-parallel replicas). One :class:`DistributedAdamW` serves every configuration the trainer has:
+expert-data-parallel replicas). One :class:`DistributedOptimizer` serves every configuration the trainer has:
 
 - fp32 model: the gradient buffer ``p.main_grad`` *is* ``p.grad`` and the master weight is the parameter;
-  with ``zero=False`` this is exactly ``torch.optim.AdamW`` over the parameters.
+  with ``zero=False`` this is exactly the torch optimizer (``torch.optim.AdamW``) over the parameters.
 - bf16 model (``master_weights=True``, the default): ``p.main_grad`` is an fp32 buffer that collects every
   micro-batch's gradient (``kernels.functional.accumulate_grad`` adds deferred weight gradients into it; a
   post-accumulate-grad hook moves what autograd accumulates there and frees ``p.grad``); AdamW steps fp32
   masters with fp32 moments, then the masters are copied into the bf16 parameters.
 - pure bf16 (``master_weights=False``, only when asked): gradients, moments and weights all in bf16.
 - ZeRO-1 (``zero=True``): in each group every parameter has one owner (a size-balanced partition, the same
-  on every rank); only the owner holds its master and moments and steps it, then each owner broadcasts its
+  on every rank); only the owner holds its master and state and steps it, then each owner broadcasts its
   updated parameters to the group in one flat message per dtype.
 
 Why not torch's own (torch 2.13):
@@ -35,8 +39,8 @@ Why not torch's own (torch 2.13):
 What this class does not do: reduce gradients. The caller reduces the buffers of :meth:`grads` over each
 group (in buckets) between the backward and :meth:`clip_grad_norm_` / :meth:`step`. A step::
 
-    opt = DistributedAdamW([ShardGroup(dense, dp_group), ShardGroup(experts, edp_group)], lr=lr,
-                           zero=True, counts_in_norm=not mirror_duplicate)
+    opt = DistributedOptimizer([ShardGroup(dense, dp_group), ShardGroup(experts, edp_group)], "adamw",
+                               lr=lr, zero=True, counts_in_norm=not mirror_duplicate)
     opt.zero_grad()
     pipe.step(...)                              # backward and deferred dW add into every p.main_grad
     for i, sg in enumerate(opt.shard_groups):   # the caller's bucketed reduction, in place
@@ -47,20 +51,108 @@ group (in buckets) between the backward and :meth:`clip_grad_norm_` / :meth:`ste
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["DistributedAdamW", "ShardGroup", "grad_of", "partition"]
+from dualpipe.registry import Registry
 
-_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+__all__ = [
+    "OPTIMIZERS",
+    "DistributedAdamW",
+    "DistributedOptimizer",
+    "OptimizerSpec",
+    "ShardGroup",
+    "grad_of",
+    "partition",
+    "register_optimizer",
+]
 # Parameter broadcasts in flight at once: each message is a flat copy of an owner's parameters, so this
 # bounds the temporary memory (a large group's messages together are a second copy of its parameters).
 _MAX_IN_FLIGHT_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSpec:
+    """One update rule: the torch optimizer that runs it over the masters, and what the rest of the stack
+    must know of it (its hyper-parameters, its per-parameter state)."""
+
+    name: str
+    """Registry key: the trainer's ``optimizer.name`` (``--optimizer``)."""
+    summary: str
+    """One line for ``--help``."""
+    torch_class: type[torch.optim.Optimizer]
+    hyper: tuple[str, ...]
+    """Its param-group keys (``lr`` first), the constructor keywords :class:`DistributedOptimizer` takes and
+    copies into the inner optimizer before each step (the trainer moves ``lr``)."""
+    state: tuple[str, ...]
+    """Per-parameter state keys as the torch optimizer names them; checkpoints save them under these."""
+    scalar_state: tuple[str, ...] = ()
+    """The 0-d entries of ``state`` (a step counter), the rest have the parameter's shape."""
+
+    @property
+    def moments(self) -> int:
+        """State tensors the size of the parameter (the planner's optimizer-state bytes)."""
+        return len(self.state) - len(self.scalar_state)
+
+    def check(self, hyper: dict[str, Any]) -> None:
+        """``ValueError`` naming the first out-of-range hyper-parameter (before any rank builds state)."""
+        unknown = sorted(set(hyper) - set(self.hyper))
+        if unknown:
+            raise ValueError(f"optimizer {self.name} takes {', '.join(self.hyper)}; not {', '.join(unknown)}")
+        for key in ("lr", "eps", "weight_decay", "momentum"):
+            if key in hyper and hyper[key] < 0:
+                raise ValueError(f"{key} must be >= 0, got {hyper[key]}")
+        if "betas" in hyper and not all(0.0 <= b < 1.0 for b in hyper["betas"]):
+            raise ValueError(f"betas must lie in [0, 1), got {tuple(hyper['betas'])}")
+
+    def init_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state the torch optimizer would create on its first step, made up front so that checkpoints can
+        load into it and :meth:`DistributedOptimizer.state_bytes` counts it from the start (a zero momentum
+        buffer steps exactly as SGD's first-step clone of the gradient does)."""
+        # torch keeps a non-capturable step on the CPU in the default float dtype's width (_get_scalar_dtype).
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        return {
+            k: torch.tensor(0.0, dtype=scalar)
+            if k in self.scalar_state
+            else torch.zeros_like(master, memory_format=torch.preserve_format)
+            for k in self.state
+        }
+
+
+OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")
+"""Every update rule by name; :func:`register_optimizer` adds one."""
+
+
+def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
+    return OPTIMIZERS.register(spec)
+
+
+register_optimizer(
+    OptimizerSpec(
+        name="adamw",
+        summary="AdamW (decoupled weight decay), torch's, over fp32 masters",
+        torch_class=torch.optim.AdamW,
+        hyper=("lr", "betas", "eps", "weight_decay"),
+        state=("step", "exp_avg", "exp_avg_sq"),
+        scalar_state=("step",),
+    )
+)
+register_optimizer(
+    OptimizerSpec(
+        name="sgd",
+        summary="SGD with momentum (L2 weight decay), torch's, over fp32 masters",
+        torch_class=torch.optim.SGD,
+        hyper=("lr", "momentum", "weight_decay"),
+        state=("momentum_buffer",),
+    )
+)
 
 
 def grad_of(p: nn.Parameter) -> torch.Tensor:
@@ -123,15 +215,18 @@ def _comm_device(group: dist.ProcessGroup | None, params: Sequence[torch.Tensor]
     return torch.device("cpu")
 
 
-class DistributedAdamW:
-    """AdamW (torch's, over fp32 masters) with fp32 gradient buffers, optional ZeRO-1 and global clipping.
+class DistributedOptimizer:
+    """A torch optimizer (:data:`OPTIMIZERS`) over fp32 masters, with fp32 gradient buffers, optional ZeRO-1
+    and global clipping.
 
     groups: the parameters, each :class:`ShardGroup` once; no parameter in two groups. Construction is
     collective over every group (it checks that the group's ranks passed the same shapes).
-    lr, betas, eps, weight_decay: torch.optim.AdamW's. ``param_groups`` holds one dict per ShardGroup with
-    these keys; the trainer may set ``g["lr"]`` before each :meth:`step`.
-    zero: shard masters and moments over each group (ZeRO-1).
-    master_weights: fp32 masters, gradient buffers and moments for parameters of a lower precision. False
+    optimizer: a name of :data:`OPTIMIZERS` (``adamw``).
+    hyper: that optimizer's hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay`` for AdamW; torch's
+    defaults for those not given). ``param_groups`` holds one dict per ShardGroup with these keys; the
+    trainer may set ``g["lr"]`` before each :meth:`step`.
+    zero: shard masters and state over each group (ZeRO-1).
+    master_weights: fp32 masters, gradient buffers and state for parameters of a lower precision. False
     keeps everything in the parameter's dtype (pure bf16).
     counts_in_norm: False on a rank whose parameters duplicate another rank's (the DualPipe mirror): its
     gradients are left out of :meth:`clip_grad_norm_`'s sum.
@@ -140,16 +235,16 @@ class DistributedAdamW:
     def __init__(
         self,
         groups: Sequence[ShardGroup],
+        optimizer: str = "adamw",
         *,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
         zero: bool = False,
         master_weights: bool = True,
         counts_in_norm: bool = True,
         foreach: bool | None = None,
+        **hyper: Any,
     ) -> None:
+        self.spec = OPTIMIZERS.lookup(optimizer)
+        self.spec.check(hyper)  # on every rank: one that owns nothing builds no torch optimizer to object
         seen: set[int] = set()
         for g in groups:
             for p in g.params:
@@ -158,27 +253,21 @@ class DistributedAdamW:
                 if id(p) in seen:
                     raise ValueError("a parameter appears twice in the shard groups")
                 if hasattr(p, "main_grad"):
-                    raise ValueError("a parameter already has a main_grad (another DistributedAdamW owns it)")
+                    raise ValueError("a parameter already has a main_grad (another DistributedOptimizer owns it)")
                 if not p.dtype.is_floating_point:
                     raise ValueError(f"parameters must be floating point, got {p.dtype}")
                 seen.add(id(p))
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
-        if not all(0.0 <= b < 1.0 for b in betas):  # checked here too: a rank that owns nothing has no AdamW
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        hyper = {**_torch_defaults(self.spec), **hyper}
         self.shard_groups = list(groups)
         self.zero = zero
         self.master_weights = master_weights
         self.counts_in_norm = counts_in_norm
         self.steps = 0
         """Optimizer steps taken (the trainer may set it when it resumes)."""
-        self.param_groups = [
-            {"params": list(g.params), "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-            for g in groups
-        ]
+        self.param_groups = [{"params": list(g.params), **hyper} for g in groups]
         self._slots: dict[int, _Slot] = {}
         self._group_slots: list[list[_Slot]] = []
-        self._inner: list[torch.optim.AdamW | None] = []
+        self._inner: list[torch.optim.Optimizer | None] = []
         self._grad_buffers: list[list[torch.Tensor]] = []
         self._buckets: list[list[tuple[int, list[torch.Tensor], bool]]] = []
         self._hooks = []
@@ -190,11 +279,9 @@ class DistributedAdamW:
             owned = [s.master for s in self._group_slots[-1] if s.master is not None]
             inner = None
             if owned:
-                inner = torch.optim.AdamW(
-                    owned, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach
-                )
+                inner = self.spec.torch_class(owned, **hyper, foreach=foreach)
                 for m in owned:
-                    _init_state(inner, m)
+                    inner.state[m] = self.spec.init_state(m)
             self._inner.append(inner)
             self._buckets.append(self._broadcast_buckets(len(self._buckets)) if zero else [])
         for p in self.params():
@@ -300,12 +387,12 @@ class DistributedAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        """One AdamW step on the masters this rank holds, then masters -> parameters, then (ZeRO) every owner
+        """One optimizer step on the masters this rank holds, then masters -> parameters, then (ZeRO) every owner
         broadcasts its parameters to its group."""
         for gi, inner in enumerate(self._inner):
             if inner is not None:
                 hyper = self.param_groups[gi]
-                for key in ("lr", "betas", "eps", "weight_decay"):
+                for key in self.spec.hyper:
                     inner.param_groups[0][key] = hyper[key]
                 slots = self._owned(gi)
                 for s in slots:
@@ -409,33 +496,33 @@ class DistributedAdamW:
         return self._slot(p).master is not None
 
     def state_for(self, p: nn.Parameter) -> dict[str, torch.Tensor] | None:
-        """``p``'s AdamW state (the live tensors, so a checkpoint loader may fill them in place): ``step`` (0-d
-        fp32), ``exp_avg`` and ``exp_avg_sq`` (``p``'s shape, fp32 unless pure bf16). None if another rank of
-        its group owns ``p``."""
+        """``p``'s optimizer state (the live tensors, so a checkpoint loader may fill them in place), keyed by
+        :attr:`OptimizerSpec.state` (AdamW: ``step`` 0-d fp32, ``exp_avg`` and ``exp_avg_sq`` of ``p``'s shape,
+        fp32 unless pure bf16). None if another rank of its group owns ``p``."""
         slot = self._slot(p)
         if slot.master is None:
             return None
         inner = self._inner[slot.group_index]
         assert inner is not None  # a group with a master on this rank has an AdamW
         state = inner.state[slot.master]
-        return {k: state[k] for k in _STATE_KEYS}
+        return {k: state[k] for k in self.spec.state}
 
     @torch.no_grad()
     def load_state_for(self, p: nn.Parameter, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` (keys of :meth:`state_for`, ``p``'s shape) into ``p``'s AdamW state on its owner."""
+        """Copy ``state`` (keys of :meth:`state_for`, ``p``'s shape) into ``p``'s optimizer state on its owner."""
         live = self.state_for(p)
         if live is None:
             raise ValueError("this rank does not own the parameter; load its state on the owner (see owns)")
-        missing = [k for k in _STATE_KEYS if k not in state]
+        missing = [k for k in self.spec.state if k not in state]
         if missing:
             raise ValueError(f"optimizer state lacks {missing}")
-        for k in _STATE_KEYS:
+        for k in self.spec.state:
             if state[k].shape != live[k].shape:
                 raise ValueError(f"state {k!r} has shape {tuple(state[k].shape)}, expected {tuple(live[k].shape)}")
             live[k].copy_(state[k])
 
     def master_for(self, p: nn.Parameter) -> torch.Tensor | None:
-        """The fp32 weight AdamW steps for ``p`` (``p`` itself when it is fp32 or without masters), None if
+        """The fp32 weight the optimizer steps for ``p`` (``p`` itself when it is fp32 or without masters), None if
         another rank owns ``p``. Checkpoints save it as the weight."""
         return self._slot(p).master
 
@@ -455,27 +542,26 @@ class DistributedAdamW:
         return sum(flat.numel() * flat.element_size() for flats in self._grad_buffers for flat in flats)
 
     def state_bytes(self) -> int:
-        """Optimizer-state bytes on this rank: AdamW moments plus masters where separate from the parameters
-        (the 0-d step counters are left out)."""
+        """Optimizer-state bytes on this rank: the state tensors of the parameters' size (AdamW's two moments)
+        plus masters where separate from the parameters (the 0-d step counters are left out)."""
         total = 0
         for gi, inner in enumerate(self._inner):
             if inner is None:
                 continue
             for s in self._owned(gi):
                 state = inner.state[s.master]
-                total += sum(state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
+                sized = (k for k in self.spec.state if k not in self.spec.scalar_state)
+                total += sum(state[k].numel() * state[k].element_size() for k in sized)
                 if s.master is not s.param:
                     total += s.master.numel() * s.master.element_size()  # type: ignore[union-attr]
         return total
 
 
-def _init_state(inner: torch.optim.AdamW, master: torch.Tensor) -> None:
-    """The state AdamW would create on its first step, made now so that checkpoints can load into it and
-    :meth:`DistributedAdamW.state_bytes` counts it from the start."""
-    # AdamW keeps a non-capturable step on the CPU in the default float dtype's width (its _get_scalar_dtype).
-    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    inner.state[master] = {
-        "step": torch.tensor(0.0, dtype=scalar),
-        "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(master, memory_format=torch.preserve_format),
-    }
+def _torch_defaults(spec: OptimizerSpec) -> dict[str, Any]:
+    """The torch optimizer's own defaults for the hyper-parameters the spec names."""
+    params = inspect.signature(spec.torch_class.__init__).parameters
+    return {k: params[k].default for k in spec.hyper if params[k].default is not inspect.Parameter.empty}
+
+
+DistributedAdamW = DistributedOptimizer
+"""The name from before the registry: ``optimizer`` defaults to ``"adamw"``."""

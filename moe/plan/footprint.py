@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from dualpipe.schedule import build_schedule, schedule_spec
 from dualpipe.simulate import simulate
 from moe.config import MoEConfig
-from moe.optimizer import partition
+from moe.optimizer import OPTIMIZERS, partition
 from moe.plan.costs import Parallelism, Workload
 from moe.plan.hardware import GPU
 from moe.plan.params import ParamSpec, rank_params, rank_stages
@@ -167,16 +167,26 @@ def module_activation_bytes(
 
 
 def state_bytes(
-    specs: list[ParamSpec], *, param_bytes: int, master_weights: bool, dp: int, edp: int, zero: bool
+    specs: list[ParamSpec],
+    *,
+    param_bytes: int,
+    master_weights: bool,
+    dp: int,
+    edp: int,
+    zero: bool,
+    optimizer: str = "adamw",
 ) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes of one rank holding ``specs``.
 
-    Optimizer state: AdamW's two moments, plus an fp32 master where the parameters are lower precision and
-    ``master_weights``; with ``zero`` the worst rank of moe.optimizer's partition (dense over ``dp``, experts
-    over ``edp``). The 0-d step counters are left out, as ``DistributedAdamW.state_bytes`` leaves them."""
+    Optimizer state: the optimizer's state tensors of the parameter's size (AdamW's two moments, SGD's one
+    momentum: :attr:`moe.optimizer.OptimizerSpec.moments`), plus an fp32 master where the parameters are lower
+    precision and ``master_weights``; with ``zero`` the worst rank of moe.optimizer's partition (dense over
+    ``dp``, experts over ``edp``). The 0-d step counters are left out, as ``DistributedOptimizer.state_bytes``
+    leaves them."""
+    moments = OPTIMIZERS.lookup(optimizer).moments
     mixed = master_weights and param_bytes < FP32
     grad_elem = FP32 if mixed else param_bytes
-    state_elem = (3 * FP32) if mixed else 2 * (FP32 if master_weights else param_bytes)
+    state_elem = (moments + 1) * FP32 if mixed else moments * (FP32 if master_weights else param_bytes)
     params = sum(p.numel for p in specs) * param_bytes
     grads = sum(p.numel for p in specs) * grad_elem
     state = 0
@@ -232,12 +242,13 @@ def footprint(
     num_chunks: int | None = None,
     zero: bool = True,
     param_bytes: int = 2,
+    optimizer: str = "adamw",
 ) -> Footprint:
     """Memory of every pipeline rank of ``par`` running ``work``; the largest is returned.
 
     ``num_chunks``: micro-batches per step (default: the schedule's default for ``pp``; the peak stops
     growing once it reaches the pipeline depth). ``param_bytes``: 2 for bf16 parameters (issue 12's
-    default), 4 for an fp32 model."""
+    default), 4 for an fp32 model. ``optimizer``: a name of :data:`moe.optimizer.OPTIMIZERS`."""
     spec = schedule_spec(par.schedule)
     chunks = num_chunks if num_chunks is not None else spec.default_chunks(par.pp)
     peaks = _peak_modules(par.schedule, par.pp, chunks, par.modules_per_rank)
@@ -272,6 +283,7 @@ def footprint(
             dp=par.dp,
             edp=par.edp,
             zero=zero,
+            optimizer=optimizer,
         )
         fp = Footprint(r, p, g, o, acts, peaks[r], a2a)
         if worst is None or fp.total > worst.total:
