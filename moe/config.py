@@ -115,8 +115,8 @@ class MoEConfig:
 
 PRESETS: Mapping[str, MoEConfig] = MappingProxyType(
     {
-        # Tests and the CPU demo: small enough for several gloo ranks on two cores.
-        "tiny": MoEConfig(),
+        # Tests and the CPU demo: small enough for several gloo ranks on two cores; byte-level vocabulary.
+        "tiny": MoEConfig(vocab_size=256),
         # One GPU: V3 proportions at ~1/16 width.
         "small": MoEConfig(
             vocab_size=32000,

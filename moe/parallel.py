@@ -64,8 +64,8 @@ class ParallelConfig:
     """Expert-parallel ranks: the experts are sharded over them. Must divide ``dp``."""
     dp: int | None = None
     """Data-parallel ranks per pipeline stage (dense weights are replicated over them, and each takes its
-    slice of the global batch); ``None`` means ``ep`` (one expert replica). ``dp / ep`` is the number of
-    expert-data-parallel replicas (``edp``)."""
+    slice of the global batch); ``None`` means ``ep`` (one expert replica; the trainer makes it world / pp).
+    ``dp / ep`` is the number of expert-data-parallel replicas (``edp``)."""
     schedule: str = DEFAULT_SCHEDULE
     """A schedule of :data:`dualpipe.schedule.SCHEDULES`; its layout says how many stages there are and where
     each lives (``dualpipev``: 2*pp stages, two per rank; ``dualpipe``: pp stages, two mirrored copies per
@@ -91,6 +91,12 @@ class ParallelConfig:
     """Worst-case receive buffers, so a layer's routing and dispatch never wait on the host for row counts
     (DeepEP's ``num_worst_tokens``; a padded capacity for ``alltoall``). Costs ep x the all-to-all bytes and
     expert rows, and needs the same token count on every rank."""
+    num_chunks: int | None = None
+    """Micro-batches per pipeline step; ``None`` takes the fewest the schedule accepts that is at least
+    ``2 x pp`` (resolved in ``__post_init__``, checked against the schedule's rules)."""
+    overlap: bool = True
+    """Run paired forward/backward chunks through ``overlapped_forward_backward`` (DualPipe family); resolved
+    to False for schedules that pair nothing."""
 
     def __post_init__(self) -> None:
         if self.dp is None:
@@ -106,6 +112,10 @@ class ParallelConfig:
             raise ValueError(f"unknown dispatcher {self.dispatcher!r}; choose one of {DISPATCHERS}")
         spec.check_ranks(self.pp)
         self.modules_per_rank = spec.resolve_modules(self.modules_per_rank)
+        if self.num_chunks is None:
+            self.num_chunks = spec.default_chunks(self.pp)
+        spec.validate(self.pp, self.num_chunks, self.modules_per_rank)
+        self.overlap = self.overlap and spec.overlaps
         order = _full_order(tuple(self.rank_order))
         if sorted(order) != sorted(MESH_DIMS):
             raise ValueError(f"rank_order must order the dimensions {MESH_DIMS}, got {self.rank_order}")
@@ -260,7 +270,7 @@ def with_schedule(base: ParallelLayout, schedule: str) -> ParallelLayout:
     """``base``'s groups configured for another schedule (one set of groups, several pipelines: the overlap
     benchmark). Creates the mirror groups if the new schedule needs them: collective, like
     :func:`init_layout`."""
-    config = dataclasses.replace(base.config, schedule=schedule, modules_per_rank=None)
+    config = dataclasses.replace(base.config, schedule=schedule, modules_per_rank=None, num_chunks=None, overlap=True)
     mirror_group = None
     if config.stage_layout.mirrored:
         mirror_group = base.mirror_group or _mirror_group(config, rank_grid(config, dist.get_world_size()))

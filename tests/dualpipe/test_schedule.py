@@ -220,7 +220,7 @@ def _gpipe(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
 
 def test_a_schedule_is_one_generator_and_one_registry_entry() -> None:
     from dualpipe import PIPELINES
-    from examples.train import parse_args
+    from moe.train import config_from_args
 
     spec = ScheduleSpec(
         name="gpipe",
@@ -239,7 +239,7 @@ def test_a_schedule_is_one_generator_and_one_registry_entry() -> None:
         assert compute_order(s.ranks[2]) == ["F0.0", "F0.1", "F0.2", "F0.3", "B0.0", "B0.1", "B0.2", "B0.3"]
         cls = PIPELINES["gpipe"]  # a pipeline class exists for it, and train.py offers it
         assert cls.__name__ == "GPipe" and cls.schedule_name == "gpipe" and "gpipe" in list(PIPELINES)
-        assert parse_args(["--schedule", "gpipe"]).schedule == "gpipe"
+        assert config_from_args(["--schedule", "gpipe", "--pp", "3"], world=3)[0].parallel.schedule == "gpipe"
     finally:
         unregister_schedule("gpipe")
     assert "gpipe" not in SCHEDULES

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tests.examples.test_launch import ROOT, _env, _free_port
-from tests.examples.test_train import COMMON
+from tests.train.test_trainer import COMMON
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 TRAIN = str(ROOT / "examples/train.py")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.examples.test_train import COMMON
+from tests.train.test_trainer import COMMON
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,22 +153,21 @@ def test_the_readme_main_command(tmp_path: Path) -> None:
 def test_the_readme_deepseek_v3_command_passes_every_launch_check() -> None:
     """The README's 2,048-GPU command: its flags parse, its layout is valid, and every one of its 2048 / 64
     expert groups sits where DeepEP's internode kernels need it (8 consecutive ranks per node)."""
-    from examples.train import check_args, parse_args
-    from moe.config import preset
     from moe.dispatch import DISPATCHERS, Launch
-    from moe.parallel import ParallelConfig, rank_grid
+    from moe.parallel import rank_grid
+    from moe.train import config_from_args
 
     text = (ROOT / "README.md").read_text()
     command = text[text.index("sbatch --nodes 256") :].split("\n\n")[0].replace("\\\n", " ")
     argv = command.split()[4:]  # after "sbatch --nodes 256 examples/launch/slurm.sbatch"
-    args = parse_args(argv)
-    check_args(args, world=256 * 8)
-    assert (args.pp, args.dp, args.ep, args.zero, args.dtype) == (16, 128, 64, 1, "bfloat16")
-    spec = DISPATCHERS.lookup(args.dispatcher)
-    rows = Launch(dtype=getattr(torch, args.dtype), hidden_size=preset(args.preset).hidden_size, comm_sms=args.comm_sms)
+    config, _ = config_from_args(argv, world=256 * 8)
+    pc = config.parallel
+    assert (pc.pp, pc.dp, pc.ep, config.optimizer.zero, config.training.dtype) == (16, 128, 64, 1, "bfloat16")
+    spec = DISPATCHERS.lookup(pc.dispatcher)
+    dtype = getattr(torch, config.training.dtype)
+    rows = Launch(dtype=dtype, hidden_size=config.model_config.hidden_size, comm_sms=pc.comm_sms)
     assert spec.violations(rows) == []
-    config = ParallelConfig(pp=args.pp, dp=args.dp, ep=args.ep, schedule=args.schedule)
-    groups = rank_grid(config, 2048).reshape(-1, args.ep).tolist()
+    groups = rank_grid(pc, 2048).reshape(-1, pc.ep).tolist()
     assert len(groups) == 32
     assert all(spec.violations(Launch(ep_ranks=tuple(g), local_world_size=8)) == [] for g in groups)
 

@@ -180,13 +180,13 @@ COUNTING = DispatcherSpec(name="test-counting", factory=_make_counting, needs_gr
 
 
 def test_registered_backend_is_selectable_by_name():
-    from examples.train import parse_args
+    from moe.train import config_from_args
 
     register_dispatcher(COUNTING)
     try:
         assert DISPATCHERS[COUNTING.name] is COUNTING
         assert ParallelConfig(ep=2, dispatcher=COUNTING.name).dispatcher == COUNTING.name
-        assert parse_args(["--dispatcher", COUNTING.name]).dispatcher == COUNTING.name
+        assert config_from_args(["--dispatcher", COUNTING.name], world=1)[0].parallel.dispatcher == COUNTING.name
         with pytest.raises(ValueError, match="needs an expert-parallel process group"):
             make_dispatcher(COUNTING.name, 4)
         with pytest.raises(ValueError, match="already registered"):
@@ -198,8 +198,8 @@ def test_registered_backend_is_selectable_by_name():
         make_dispatcher(COUNTING.name, 4)
     with pytest.raises(ValueError, match="unknown dispatcher"):
         ParallelConfig(dispatcher=COUNTING.name)
-    with pytest.raises(SystemExit):
-        parse_args(["--dispatcher", COUNTING.name])
+    with pytest.raises(SystemExit, match="unknown dispatcher 'test-counting'"):
+        config_from_args(["--dispatcher", COUNTING.name], world=1)
 
 
 def _build_with_registered_backend(rank: int, world: int) -> int:
@@ -222,13 +222,13 @@ def test_build_stages_uses_a_registered_backend():
 
 
 def test_train_flags_come_from_the_registry():
-    from examples.train import parse_args
+    from moe.train import config_from_args
 
     for name in DISPATCHERS:
-        assert parse_args(["--dispatcher", name]).dispatcher == name
-    with pytest.raises(SystemExit):
-        parse_args(["--dispatcher", "nccl"])
-    assert parse_args([]).comm_sms == ParallelConfig().comm_sms == DEFAULT_COMM_SMS
+        assert config_from_args(["--dispatcher", name], world=1)[0].parallel.dispatcher == name
+    with pytest.raises(SystemExit, match="unknown dispatcher 'nccl'"):
+        config_from_args(["--dispatcher", "nccl"], world=1)
+    assert config_from_args([], world=1)[0].parallel.comm_sms == ParallelConfig().comm_sms == DEFAULT_COMM_SMS
 
 
 def test_cuda_and_package_are_reported_limits_enforced(monkeypatch):

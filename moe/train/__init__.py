@@ -1,0 +1,35 @@
+"""The trainer as a library: one configuration (:class:`TrainConfig`, a TOML file and flags), a :class:`Trainer`.
+
+    from moe.train import Trainer, config_from_args
+
+    config, _ = config_from_args(["--config", "examples/configs/tiny.toml", "--steps", "10"], world=4)
+    trainer = Trainer(config)   # collective: every rank builds one
+    trainer.train()
+    trainer.close()
+
+Modules: :mod:`.config` (the sections), :mod:`.cli` (flags and TOML from the fields), :mod:`.lr` (learning-rate
+schedules), :mod:`.preflight` (checks before the first collective), :mod:`.metrics` (records and sinks),
+:mod:`.trainer` (the loop), :mod:`.launch` (the command).
+"""
+
+from moe.train.cli import UsageError, build_parser, config_from_args, dump_toml, load_config
+from moe.train.config import ConfigError, TrainConfig
+from moe.train.launch import cli, main
+from moe.train.lr import LR_SCHEDULES, lr_at
+from moe.train.trainer import Trainer, TrainingError
+
+__all__ = [
+    "LR_SCHEDULES",
+    "ConfigError",
+    "TrainConfig",
+    "Trainer",
+    "TrainingError",
+    "UsageError",
+    "build_parser",
+    "cli",
+    "config_from_args",
+    "dump_toml",
+    "load_config",
+    "lr_at",
+    "main",
+]

@@ -1,0 +1,335 @@
+"""Command line and TOML file for :class:`moe.train.config.TrainConfig`, both generated from its fields.
+
+Every field of every section is a flag ``--section.field`` (``--optimizer.lr``); a field whose name no other
+section uses also answers to its bare name (``--lr``), and :data:`FLAG_ALIASES` keeps the flags of earlier
+releases (``--ckpt-dir`` for ``checkpoint.dir``). The help text of a flag is its field's docstring, its type
+the field's annotation. A new option is therefore one documented field.
+
+Precedence: field defaults < the preset (``[model] name``) < ``--config FILE.toml`` < flags.
+``--print-config`` prints the resolved job as TOML that ``--config`` reads back into the same job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import itertools
+import os
+import re
+import sys
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from dualpipe.schedule import SCHEDULES
+from moe.config import PRESETS, MoEConfig
+from moe.dispatch import DISPATCHERS
+from moe.optimizer import OPTIMIZERS
+from moe.parallel import ParallelConfig
+from moe.train.config import DTYPES, SECTIONS, TOKEN_DTYPES, ConfigError, ModelConfig, TrainConfig
+from moe.train.lr import LR_SCHEDULES
+
+__all__ = ["FLAG_ALIASES", "UsageError", "build_parser", "config_from_args", "dump_toml", "load_config"]
+
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    "model.name": ("--model", "--preset"),
+    "model.num_layers": ("--layers",),
+    "parallel.modules_per_rank": ("--stages-per-rank",),
+    "optimizer.name": ("--optimizer",),
+    "lr_schedule.name": ("--lr-schedule",),
+    "data.path": ("--data",),
+    "data.dtype": ("--data-dtype",),
+    "training.dtype": ("--dtype",),
+    "checkpoint.dir": ("--ckpt-dir",),
+    "checkpoint.every": ("--ckpt-every",),
+    "metrics.file": ("--metrics-file",),
+}
+"""Flags of earlier releases and the short names of fields whose bare name several sections share."""
+
+CHOICES: dict[str, object] = {
+    "model.name": PRESETS,
+    "parallel.schedule": SCHEDULES,
+    "parallel.dispatcher": DISPATCHERS,
+    "optimizer.name": OPTIMIZERS,
+    "lr_schedule.name": LR_SCHEDULES,
+    "training.dtype": DTYPES,
+    "data.dtype": TOKEN_DTYPES,
+}
+"""The registries (or tuples) a field's value comes from, for ``--help``; the sections validate against them."""
+
+_WORLD_DEPENDENT = ("parallel.dp",)  # resolved from the world size when not given
+
+
+class UsageError(SystemExit):
+    """A command-line or config-file mistake: one line, printed once (see :func:`moe.train.cli.main`)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # argparse would print its usage on every rank
+        raise UsageError(f"error: {message} (see --help)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Field:
+    section: str
+    name: str
+    type: Any
+    default: Any
+    doc: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+_RST = re.compile(r":[a-z]+:`~?([^`]+)`|``([^`]+)``")
+
+
+def plain(doc: str) -> str:
+    """A docstring as help text: whitespace collapsed, reST roles and literals as plain words."""
+    return _RST.sub(lambda m: m.group(1) or m.group(2), " ".join(doc.split()))
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal under each field) of a dataclass, from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for stmt, nxt in itertools.pairwise(body):
+        named = isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+        literal = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+        if named and literal and isinstance(nxt.value.value, str):
+            docs[stmt.target.id] = plain(nxt.value.value)
+    return docs
+
+
+def _dataclass_fields(section: str, cls: type, skip: tuple[str, ...] = ()) -> list[_Field]:
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out.append(_Field(section, f.name, hints[f.name], default, docs.get(f.name, "")))
+    return out
+
+
+@functools.cache
+def schema() -> tuple[_Field, ...]:
+    """Every configurable field in file order; ``[model]`` lists ``name`` then MoEConfig's fields (defaults:
+    the ``tiny`` preset's)."""
+    fields: list[_Field] = []
+    for section, cls in SECTIONS.items():
+        if cls is ModelConfig:
+            fields += _dataclass_fields(section, cls, skip=("overrides",))
+            tiny = PRESETS["tiny"]
+            fields += [
+                dataclasses.replace(f, default=getattr(tiny, f.name)) for f in _dataclass_fields(section, MoEConfig)
+            ]
+        else:
+            fields += _dataclass_fields(section, cls)
+    return tuple(fields)
+
+
+def _base(tp: Any) -> tuple[Any, bool]:
+    """(the type without ``| None``, whether None is allowed)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(tp))
+    return tp, False
+
+
+def _flags(f: _Field, bare_names: dict[str, int]) -> list[str]:
+    flags = [f"--{f.section.replace('_', '-')}.{f.name.replace('_', '-')}"]
+    aliases = FLAG_ALIASES.get(f.key)
+    if aliases:
+        flags += aliases
+    elif bare_names[f.name] == 1:
+        flags.append(f"--{f.name.replace('_', '-')}")
+    return flags
+
+
+def _add_argument(group: argparse._ArgumentGroup, f: _Field, flags: list[str]) -> None:
+    tp, optional = _base(f.type)
+    choices = CHOICES.get(f.key)
+    help_text = f.doc + (f" Choices: {', '.join(choices)}." if choices else "")
+    shown = "unset" if f.default is None else f.default
+    kwargs: dict[str, Any] = {"dest": f.key, "default": argparse.SUPPRESS}
+    kwargs["help"] = f"{help_text} (default: {shown})".replace("%", "%%")
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif origin is list:
+        kwargs.update(nargs="+", metavar="VALUE")
+    elif origin is tuple:
+        args = typing.get_args(tp)
+        if args[-1] is Ellipsis:  # tuple[str, ...]: one comma-separated argument
+            kwargs.update(type=lambda s: tuple(x.strip() for x in s.split(",")), metavar="A,B,...")
+        else:
+            kwargs.update(nargs=len(args), type=args[0], metavar=f.name.upper())
+    else:
+        kwargs["type"] = _none_or(tp) if optional else tp
+        kwargs["metavar"] = {int: "N", float: "X"}.get(tp, f.name.upper())
+    group.add_argument(*flags, **kwargs)
+
+
+def _none_or(tp: type) -> Any:
+    def parse(s: str) -> Any:
+        return None if s.lower() in ("none", "auto") else tp(s)
+
+    parse.__name__ = tp.__name__
+    return parse
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The trainer's argument parser: ``--config``, ``--print-config`` and one flag per field (see the module
+    docstring); a flag not given is absent from the namespace, so only what the user typed overrides."""
+    p = _Parser(
+        description=description,
+        usage="%(prog)s [--config FILE.toml] [--print-config] [--section.field VALUE | --flag VALUE ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="a TOML file, one table per section (examples/configs/)")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration as TOML (what --config reads) and exit",
+    )
+    fields = schema()
+    bare: dict[str, int] = {}
+    for f in fields:
+        bare[f.name] = bare.get(f.name, 0) + 1
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields:
+        if f.section not in groups:
+            doc = plain((SECTIONS[f.section].__doc__ or "").strip().split("\n\n")[0])
+            groups[f.section] = p.add_argument_group(f"[{f.section}]", doc.replace("%", "%%"))
+        _add_argument(groups[f.section], f, _flags(f, bare))
+    return p
+
+
+def load_config(path: str | Path) -> dict[str, dict[str, Any]]:
+    """A TOML file as ``{section: {field: value}}``; unknown tables and keys are one-line errors."""
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise UsageError(f"error: --config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"error: --config {path}: not valid TOML ({exc})") from None
+    known: dict[str, set[str]] = {}
+    for f in schema():
+        known.setdefault(f.section, set()).add(f.name)
+    owner = {f.name: f.section for f in reversed(schema())}
+    for section, table in raw.items():
+        if not isinstance(table, dict):
+            where = f"[{owner[section]}]" if section in owner else "its table"
+            raise UsageError(f"error: --config {path}: {section} is outside any table; put it under {where}")
+        if section not in known:
+            raise UsageError(f"error: --config {path}: unknown table [{section}]; tables: {', '.join(known)}")
+        for key in table:
+            if key not in known[section]:
+                raise UsageError(f"error: --config {path}: [{section}] has no field {key!r}")
+    return raw
+
+
+def _sections(values: dict[str, dict[str, Any]], world: int) -> dict[str, Any]:
+    """Section objects from ``{section: {field: value}}``; ``parallel.dp`` defaults to world / pp."""
+    built: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        given = dict(values.get(section, {}))
+        if cls is ModelConfig:
+            built[section] = ModelConfig(name=given.pop("name", "tiny"), overrides=given)
+            continue
+        if cls is ParallelConfig:
+            if "rank_order" in given:
+                given["rank_order"] = tuple(given["rank_order"])
+            if given.get("dp") is None:
+                pp = given.get("pp", 1)
+                if world % pp:
+                    raise ConfigError(
+                        f"parallel.pp = {pp}: the world size {world} is not a multiple of it; launch pp x dp "
+                        "processes (torchrun --nproc-per-node ...)"
+                    )
+                given["dp"] = world // pp
+        try:
+            built[section] = cls(**given)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"[{section}] {exc}") from None
+    return built
+
+
+def config_from_args(
+    argv: list[str] | None, world: int, description: str | None = None
+) -> tuple[TrainConfig, argparse.Namespace]:
+    """Parse ``argv`` (flags over an optional ``--config`` file) into a validated job for ``world`` ranks."""
+    ns = build_parser(description).parse_args(argv)
+    values = load_config(ns.config) if ns.config else {}
+    for key, value in vars(ns).items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            values.setdefault(section, {})[name] = value
+    try:
+        config = TrainConfig(**_sections(values, world))
+    except ConfigError as exc:
+        raise UsageError(f"error: {exc}") from None
+    if config.parallel.world_size != world:
+        pc = config.parallel
+        raise UsageError(
+            f"error: parallel.pp x parallel.dp = {pc.pp} x {pc.dp} = {pc.world_size}, but the world size is "
+            f"{world}; launch pp x dp processes (torchrun --nnodes ... --nproc-per-node ...)"
+        )
+    return config, ns
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if not isinstance(value, float) or value == value else "nan"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def dump_toml(config: TrainConfig) -> str:
+    """The resolved job as TOML, one table per section, every field (unset ones, TOML having no null, left
+    out: they read back as unset); the model table lists the full resolved MoEConfig."""
+    lines: list[str] = []
+    for section in SECTIONS:
+        obj = getattr(config, section)
+        lines.append(f"[{section}]")
+        if isinstance(obj, ModelConfig):
+            items = {"name": obj.name, **dataclasses.asdict(obj.build())}
+        else:
+            items = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        for key, value in items.items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def world_size_from_env() -> int:
+    """The launcher's world size (torchrun's ``WORLD_SIZE``; 1 for a plain ``python``)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def print_once(message: str, file: typing.TextIO = sys.stdout) -> None:
+    """Print on global rank 0 only (before the process group exists, from torchrun's ``RANK``)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=file, flush=True)

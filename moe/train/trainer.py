@@ -1,0 +1,467 @@
+"""The training loop as a library: :class:`Trainer` builds a job from a :class:`TrainConfig` and trains it.
+
+    trainer = Trainer(config)        # pre-flight, process group, mesh, stages, pipeline, optimizer, data
+    trainer.train()                  # steps, validation, checkpoints; records to the callbacks on rank 0
+    trainer.close()
+
+Each part is a method a subclass may override (``build_stages``, ``build_optimizer``, ``train_step``...).
+Order of construction: every check that needs no peer (:mod:`moe.train.preflight`, the data's vocabulary)
+runs before the process group exists, so a job that cannot run stops within seconds with one line.
+
+A step is a pure function of (weights, optimizer state, ``consumed_samples``): the global batch of a step is
+the data's samples ``[consumed, consumed + global_batch)``, cut per data-parallel rank, so a resumed run, or
+one at another (pp, dp, ep) with the same global batch, sees exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dualpipe import PIPELINES, Pipeline
+from dualpipe.observer import ProfilerObserver
+from kernels.warmup import KernelShapes, warm_up
+from moe.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from moe.data import DataError, open_data
+from moe.grad_sync import balance_routers, make_optimizer, reduce_gradients
+from moe.guard import find_nonfinite, weights_are_finite
+from moe.memory import MemoryMeter
+from moe.model import lm_loss
+from moe.optimizer import DistributedOptimizer, grad_of
+from moe.parallel import build_stages, init_layout, nccl_options
+from moe.plan import model_flops_per_token
+from moe.router import Router, bias_rate_at
+from moe.stage import MoEStage
+from moe.train import preflight
+from moe.train.config import TrainConfig
+from moe.train.lr import lr_at
+from moe.train.metrics import Callback, JsonlWriter, ProgressPrinter, TensorBoardWriter, peak_flops
+
+__all__ = ["Trainer", "TrainingError"]
+
+
+class TrainingError(SystemExit):
+    """A failure of the run the user can act on (diverged, a checkpoint that cannot be written or read): one
+    line on rank 0, the same decision on every rank."""
+
+
+class Trainer:
+    """One rank's share of a training job. Collective: every rank constructs one with the same config."""
+
+    def __init__(self, config: TrainConfig, callbacks: list[Callback] | None = None) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.device = self._pick_device()
+        self.memory_estimate = self.preflight()
+        self.data = self.build_data()
+        self.owns_process_group = self._init_process_group()
+        self.rank = dist.get_rank()
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+        torch.manual_seed(config.training.seed)
+        self.layout = init_layout(config.parallel, self.device.type)
+        self.stages = self.build_stages()
+        self.pipe = self.build_pipeline()
+        self.optimizer = self.build_optimizer()
+        self.meter = MemoryMeter(list(self.pipe.module), self.optimizer)
+        tr, dp = config.training, self.layout
+        split = {"seq_len": tr.seq_len, "global_batch": config.global_batch, "seed": tr.seed}
+        split.update(dp_rank=dp.dp_rank, dp_size=config.parallel.dp)
+        self.train_loader = self.data.loader("train", **split)
+        self.val_loader = self.data.loader("val", **split) if tr.val_every else None
+        self.step = 0
+        """Optimizer steps done (the checkpoint's after :meth:`resume`)."""
+        self.first_step = 1
+        self.consumed_samples = 0
+        """Global samples trained on: the next step's batch starts there."""
+        self.nonfinite_skips = 0
+        self.grad_norm = float("nan")
+        self.flops_per_token = model_flops_per_token(self.model_config, tr.seq_len)
+        self.peak_flops, self.peak_source = peak_flops(self.device, config.metrics.peak_tflops)
+        self.callbacks = self.build_callbacks() if self.rank == 0 else []
+        self.callbacks += callbacks or []
+
+    # construction
+
+    def _pick_device(self) -> torch.device:
+        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def preflight(self) -> float:
+        """Every check that needs no peer; returns the per-rank memory estimate in bytes."""
+        preflight.check_dispatcher(self.config)
+        preflight.check_checkpoint_dir(self.config)
+        preflight.check_tensorboard(self.config)
+        return preflight.check_memory(self.config, self.device)
+
+    def build_data(self):
+        """The token data, its vocabulary checked against the model's (a one-line error naming the file and the
+        position of the first id out of range)."""
+        d = self.config.data
+        try:
+            data = open_data(d.path, dtype=d.dtype, val_fraction=d.val_fraction)
+            data.check_vocab(self.model_config.vocab_size)
+        except DataError as exc:
+            raise preflight.PreflightError(f"error: --data: {exc}") from None
+        return data
+
+    def _init_process_group(self) -> bool:
+        """The default group unless the caller made one; every collective waits at most ``fault.timeout``. On
+        NCCL it gets the layout's CTA cap (it carries the per-step loss and norm reductions). Without a
+        launcher (a plain ``python``) it is a one-rank group over an in-memory store."""
+        if dist.is_initialized():
+            return False
+        cuda = self.device.type == "cuda"
+        timeout = datetime.timedelta(seconds=self.config.fault.timeout)
+        options = nccl_options(self.config.parallel.reserved_sms) if cuda else None
+        backend = "nccl" if cuda else "gloo"
+        if "RANK" not in os.environ:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            return True
+        try:
+            dist.init_process_group(backend, timeout=timeout, pg_options=options)
+        except dist.DistNetworkError as exc:
+            if "EADDRINUSE" not in str(exc):
+                raise
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            raise TrainingError(
+                f"error: the rendezvous port {where} is in use; set MASTER_PORT to a free port"
+            ) from exc
+        return True
+
+    def build_stages(self) -> tuple[MoEStage, ...]:
+        dtype = getattr(torch, self.config.training.dtype)
+        stages = build_stages(
+            self.model_config, self.layout, seed=self.config.training.seed, dtype=dtype, device=self.device
+        )
+        # Triton compiles and autotunes at the real shapes now, on every rank alike, not inside the first
+        # pipe.step while all-to-alls are in flight (a no-op off CUDA).
+        pc, tr = self.config.parallel, self.config.training
+        shapes = KernelShapes.from_config(
+            self.model_config, tokens=tr.micro_batch_size * tr.seq_len, ep=pc.ep, dtype=dtype
+        )
+        warm_up(shapes, self.device, comm_sms=pc.reserved_sms)
+        for stage in stages:
+            # The step averages the LM loss over micro-batches (loss_reduction="mean"); the balance loss, added
+            # inside each stage per micro-batch, must be averaged the same way.
+            stage.aux_loss_scale = 1.0 / pc.num_chunks  # type: ignore[operator]
+        return stages
+
+    def build_pipeline(self) -> Pipeline:
+        pc, tr = self.config.parallel, self.config.training
+        pipe = PIPELINES[pc.schedule](
+            list(self.stages), process_group=self.layout.pp_group, timeout=self.config.fault.timeout, overlap=pc.overlap
+        )
+        # Every stage boundary carries one hidden-state tensor per micro-batch: declaring it lets receives be
+        # posted ahead of the compute that consumes them (no per-message shape header to wait for).
+        pipe.set_p2p_tensor_shapes([(tr.micro_batch_size, tr.seq_len, self.model_config.hidden_size)])
+        pipe.set_p2p_tensor_dtype(getattr(torch, tr.dtype))
+        return pipe
+
+    def build_optimizer(self) -> DistributedOptimizer:
+        opt = self.config.optimizer
+        return make_optimizer(
+            self.stages,
+            self.layout,
+            opt.name,
+            zero=bool(opt.zero),
+            master_weights=self.config.training.master_weights,
+            **opt.hyper(),
+        )
+
+    def build_callbacks(self) -> list[Callback]:
+        """Rank 0's record sinks: the progress line, ``metrics.file`` and ``metrics.tensorboard_dir``."""
+        m = self.config.metrics
+        out: list[Callback] = [ProgressPrinter(self.config.training.steps, m.log_every, first_step=1)]
+        if m.file:
+            out.append(JsonlWriter(m.file))
+        if m.tensorboard_dir:
+            out.append(TensorBoardWriter(m.tensorboard_dir))
+        return out
+
+    # the loop
+
+    @property
+    def modules(self) -> list[MoEStage]:
+        return list(self.pipe.module)
+
+    def routers(self) -> list[tuple[int, Router]]:
+        """(global layer, router) of this rank's MoE blocks."""
+        return [
+            (int(key), b.router)
+            for stage in self.modules
+            for key, b in stage.blocks.items()
+            if getattr(b, "is_moe", False)
+        ]
+
+    def lr(self, step: int) -> float:
+        c = self.config
+        return lr_at(c.lr_schedule, c.optimizer.lr, step, c.training.steps)
+
+    def batch(self, loader, first_sample: int) -> tuple[tuple, tuple]:
+        """(inputs, labels) this pipeline rank feeds ``pipe.step``: its data-parallel slice of the global batch,
+        cut by the pipeline (``Pipeline.split_batch``: DualPipe feeds half at each end)."""
+        ids, labels = loader.batch(first_sample)
+        return self.pipe.split_batch((ids.to(self.device),), (labels.to(self.device),))
+
+    def train(self) -> None:
+        """Train from the current step (0, or the resumed checkpoint's) to ``training.steps``."""
+        c = self.config
+        if c.checkpoint.resume:
+            self.resume()
+        self.first_step = self.step + 1
+        if self.rank == 0:
+            self.print_banner()
+        for printer in self.callbacks:
+            if isinstance(printer, ProgressPrinter):
+                printer.first = self.first_step
+        while self.step < c.training.steps:
+            step = self.step + 1
+            self._drills(step)
+            t0 = time.monotonic()
+            figures = self._maybe_profiled(step)
+            dt = time.monotonic() - t0
+            self.step = step
+            self.consumed_samples += c.global_batch
+            record = self.record(step, figures, dt)
+            if c.training.val_every and step % c.training.val_every == 0:
+                record["val_loss"] = self.validate()
+            if c.checkpoint.every and step % c.checkpoint.every == 0:
+                self.save()
+            for cb in self.callbacks:
+                cb.on_step(record)
+
+    def record(self, step: int, figures: dict[str, Any], seconds: float) -> dict[str, Any]:
+        tokens = self.config.global_batch * self.config.training.seq_len
+        world = dist.get_world_size()
+        return {
+            "step": step,
+            "loss": figures.pop("loss"),
+            "lr": self.lr(step),
+            "grad_norm": self.grad_norm,
+            "tokens_per_s": tokens / seconds,
+            "mfu": self.flops_per_token * tokens / seconds / (self.peak_flops * world),
+            "step_time_s": seconds,
+            "expert_imbalance": figures.pop("expert_imbalance"),
+            "expert_imbalance_per_layer": figures.pop("expert_imbalance_per_layer"),
+            "nonfinite_skips": self.nonfinite_skips,
+            **figures,  # bytes: param, grad, optimizer_state, peak_activation (the fullest rank's)
+        }
+
+    def print_banner(self) -> None:
+        c, pc = self.config, self.config.parallel
+        print(
+            f"MoE {c.model.name}: pp={pc.pp} dp={pc.dp} ep={pc.ep} {pc.schedule} overlap={pc.overlap} "
+            f"chunks={pc.num_chunks} tokens/step={c.global_batch * c.training.seq_len} "
+            f"memory estimate {self.memory_estimate / 2**20:.0f} MiB/rank, MFU against {self.peak_source}; "
+            f"data: {self.data.description}",
+            flush=True,
+        )
+
+    def _maybe_profiled(self, step: int) -> dict[str, Any]:
+        """:meth:`train_step`, under the torch profiler for the second step of this run when asked."""
+        trace_dir = self.config.metrics.trace_dir
+        if not trace_dir or step != self.first_step + 1:
+            return self.train_step(step)
+        from torch.profiler import profile
+
+        observer = ProfilerObserver()  # schedule actions and pipeline messages as named spans in the trace
+        self.pipe.add_observer(observer)
+        try:
+            with profile() as prof:
+                figures = self.train_step(step)
+        finally:
+            self.pipe.remove_observer(observer)
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(trace_dir) / f"trace_rank{self.rank}.json"))
+        return figures
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step; its figures: the global mean loss, the expert imbalance after the balancing step
+        (max / mean tokens per expert over the global batch; the worst layer and each layer) and the memory
+        figures of :class:`moe.memory.MemoryMeter` (the fullest rank's)."""
+        lr = self.lr(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        inputs, labels = self.batch(self.train_loader, self.consumed_samples)
+        chunks = self.config.parallel.num_chunks
+        self.meter.start_step()
+        try:
+            loss, _ = self.pipe.step(
+                *inputs, num_chunks=chunks, criterion=lm_loss, labels=labels, loss_reduction="mean"
+            )
+            self._nan_drill(step)
+            if self.guard_nonfinite(step, loss):
+                reduce_gradients(self.modules, self.layout)
+                self.grad_norm = self.optimizer.clip_grad_norm_(self.config.optimizer.clip_grad or math.inf)
+                self.optimizer.step()
+                # The bias moves with the learning rate: routing scores drift about as fast as the weights do.
+                rate = bias_rate_at(self.model_config.bias_update_rate, lr, self.config.optimizer.lr)
+                balance_routers(self.modules, self.layout, rate=rate)
+                every = self.config.checkpoint.every
+                if every and step % every == 0 and not weights_are_finite(self.modules):
+                    raise TrainingError(
+                        f"error: non-finite weights after step {step}; its checkpoint is not written: lower --lr"
+                    )
+        finally:
+            memory = self.meter.stop_step()
+        per_layer = self._imbalance_per_layer()
+        figures = self._worst_over_ranks(memory)
+        worst = max(per_layer.values(), default=1.0)
+        return {
+            "loss": self._global_mean_loss(loss),
+            "expert_imbalance": worst,
+            "expert_imbalance_per_layer": per_layer,
+            **figures,
+        }
+
+    def _imbalance_per_layer(self) -> dict[int, float]:
+        """max / mean expert load of the last balancing step per MoE layer of the model (1.0 where no update
+        ran), each layer from the ranks that hold it (one MAX all-reduce over the world)."""
+        cfg = self.model_config
+        values = torch.ones(cfg.num_layers, dtype=torch.float64, device=self.device)
+        for layer, router in self.routers():
+            load = router.last_load
+            if load is not None and load.sum() > 0:
+                values[layer] = (load.max() / load.mean()).double()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return {i: v for i, v in enumerate(values.tolist()) if cfg.is_moe_layer(i)}
+
+    def _worst_over_ranks(self, figures: dict[str, int]) -> dict[str, int]:
+        """Each memory figure's maximum over every rank (one all-reduce): the fullest rank decides whether a
+        layout fits."""
+        values = torch.tensor(list(figures.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return {k: int(v) for k, v in zip(figures, values.tolist())}
+
+    def _global_mean_loss(self, loss: torch.Tensor | None) -> float:
+        """Mean micro-batch loss over every rank that computed one (all ranks call this)."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if loss is not None:
+            total[0], total[1] = loss.double().sum(), loss.numel()
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def validate(self) -> float:
+        """Mean loss over ``training.val_batches`` fixed global batches of the held-out split."""
+        losses = []
+        self.pipe.eval()  # routers count expert load only in training mode
+        chunks = self.config.parallel.num_chunks
+        with torch.no_grad():
+            for i in range(self.config.training.val_batches):
+                inputs, labels = self.batch(self.val_loader, i * self.config.global_batch)
+                loss, _ = self.pipe.step(*inputs, num_chunks=chunks, criterion=lm_loss, labels=labels)
+                losses.append(self._global_mean_loss(loss))
+        self.pipe.train()
+        return sum(losses) / len(losses)
+
+    def guard_nonfinite(self, step: int, loss: torch.Tensor | None) -> bool:
+        """True if the step may go on to its optimizer step. A NaN/inf loss or gradient on any rank stops the run
+        (same decision on every rank), or with ``fault.skip_nonfinite`` drops the step's gradients and loads."""
+        found = find_nonfinite(self.modules, loss, self.layout.config.num_stages)
+        if not found:
+            return True
+        if not self.config.fault.skip_nonfinite:
+            raise TrainingError(
+                f"error: {found.describe(step)}; stopped before its optimizer step (checkpoints hold earlier steps "
+                "only): lower --lr, or pass --skip-nonfinite to skip such steps"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        for _, router in self.routers():
+            router.expert_load.zero_()  # the router bias does not move on a skipped step
+        self.nonfinite_skips += 1
+        if self.rank == 0:
+            print(f"{found.describe(step)}: step skipped ({self.nonfinite_skips} so far)", flush=True)
+        return False
+
+    # checkpoints
+
+    def save(self) -> None:
+        pc = self.config.parallel
+        meta = {"consumed_samples": self.consumed_samples, "pp": pc.pp, "dp": pc.dp, "ep": pc.ep}
+        meta["config"] = {"model": self.config.model.name, "schedule": pc.schedule}
+        try:
+            save_checkpoint(
+                self.config.checkpoint.dir,
+                self.step,
+                self.modules,
+                self.optimizer,
+                meta,
+                rng_state(),
+                keep_last=self.config.checkpoint.keep_last,
+            )
+        except CheckpointError as exc:  # every rank gets it: all stop, none waits on a dead peer
+            raise TrainingError(f"error: {exc}; training stopped, the previous checkpoint is untouched") from None
+
+    def resume(self) -> None:
+        """Continue after the newest intact checkpoint (none: from step 0, one line says so;
+        ``checkpoint.resume_strict`` makes that, and a damaged newest checkpoint, an error)."""
+        ck = self.config.checkpoint
+        strict = " (--resume-strict)" if ck.resume_strict else ""
+        try:
+            path, warnings = find_checkpoint(ck.dir, strict=ck.resume_strict)
+        except CheckpointError as exc:
+            raise TrainingError(f"error: {exc}{strict}") from None
+        for warning in warnings if self.rank == 0 else []:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        if path is None and ck.resume_strict:
+            raise TrainingError(f"error: no checkpoint in {ck.dir} to resume from{strict}")
+        if path is None:
+            if self.rank == 0:
+                print(f"--resume: no checkpoint in {ck.dir}, starting from step 0", flush=True)
+            return
+        try:
+            meta, rank_state = load_checkpoint(path, self.modules, self.optimizer)
+        except CheckpointError as exc:
+            raise TrainingError(f"error: {exc}") from None
+        if rank_state is not None:
+            set_rng_state(rank_state)
+        self.step = int(meta["step"])
+        # Checkpoints from before the data position was recorded trained at this job's global batch.
+        self.consumed_samples = int(meta.get("consumed_samples", self.step * self.config.global_batch))
+        if self.rank == 0:
+            written = f"pp={meta['pp']} dp={meta.get('dp', meta['ep'])} ep={meta['ep']}"  # no dp: dp == ep
+            print(f"resumed from {path} (step {self.step}, written at {written})", flush=True)
+
+    # failure drills (fault.*): real signals and NaNs, so the recovery paths run in tests
+
+    def _drills(self, step: int) -> None:
+        f, rank = self.config.fault, self.rank
+        if f.kill_rank_at_step == step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and rank == 1:
+            print(f"failure drill: killing rank 1 at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if f.stop_rank_at_step == step and rank == 1:
+            print(f"failure drill: stopping rank 1 at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _nan_drill(self, step: int) -> None:
+        if self.config.fault.nan_at_step != step or self.rank != dist.get_world_size() - 1:
+            return
+        stage = self.modules[0]
+        grad = grad_of(next(p for p in stage.parameters() if p.requires_grad))  # main_grad under bf16
+        grad[(0,) * grad.dim()] = float("nan")
+        print(f"failure drill: a NaN in a gradient of stage {stage.stage_index} at step {step}", flush=True)
+
+    def close(self) -> None:
+        """The clean path only: flush the callbacks, release the dispatchers (DeepEP's ``destroy()`` syncs with
+        its peers, so a rank leaving with an error never calls it; its peers then fail on their collective
+        timeout instead) and the process group if this trainer made it."""
+        for cb in self.callbacks:
+            cb.close()
+        dist.barrier()
+        for dispatcher in {id(s.dispatcher): s.dispatcher for s in self.modules}.values():
+            dispatcher.close()
+        if self.owns_process_group:
+            dist.destroy_process_group()
