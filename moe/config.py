@@ -115,8 +115,9 @@ class MoEConfig:
 
 PRESETS: Mapping[str, MoEConfig] = MappingProxyType(
     {
-        # Tests and the CPU demo: small enough for several gloo ranks on two cores; byte-level vocabulary.
-        "tiny": MoEConfig(vocab_size=256),
+        # Tests and the CPU demo: small enough for several gloo ranks on two cores; byte-level vocabulary, and
+        # layers enough for DualPipeV at pp=2 (4 stages).
+        "tiny": MoEConfig(vocab_size=256, num_layers=4),
         # One GPU: V3 proportions at ~1/16 width.
         "small": MoEConfig(
             vocab_size=32000,

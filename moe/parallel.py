@@ -146,6 +146,20 @@ class ParallelConfig:
     def num_stages(self) -> int:
         return self.stage_layout.num_stages
 
+    def check_model(self, cfg: MoEConfig) -> None:
+        """``ValueError`` (naming the fields) unless ``cfg`` spreads over this layout: its experts over ``ep``,
+        its layers over the schedule's stages. The one place these rules live (the trainer's config and
+        :func:`build_stages` both ask it)."""
+        if cfg.num_experts % self.ep:
+            raise ValueError(
+                f"parallel.ep = {self.ep}: must divide the model's {cfg.num_experts} experts (model.num_experts)"
+            )
+        if cfg.num_layers < self.num_stages:
+            raise ValueError(
+                f"model.num_layers = {cfg.num_layers}: {self.schedule} at pp={self.pp} has {self.num_stages} "
+                f"stages; pass --layers {self.num_stages} or more"
+            )
+
 
 @dataclass(kw_only=True, slots=True)
 class ParallelLayout:
@@ -310,8 +324,7 @@ def build_stages(
     schedule an ordinary graph.
     """
     pc = layout.config
-    if cfg.num_experts % pc.ep:
-        raise ValueError(f"num_experts={cfg.num_experts} is not divisible by the expert-parallel size ep={pc.ep}")
+    pc.check_model(cfg)
     kind = "local" if pc.ep == 1 else pc.dispatcher
     dispatcher = make_dispatcher(
         kind,

@@ -26,7 +26,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, before it joined the standard library
+    import tomli as tomllib
 
 from dualpipe.schedule import SCHEDULES
 from moe.config import PRESETS, MoEConfig

@@ -284,15 +284,14 @@ class TrainConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
-        cfg, pc = self.model.build(), self.parallel
-        if cfg.num_experts % pc.ep:
+        try:
+            self.parallel.check_model(self.model.build())
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.training.val_every and not self.data.val_fraction:
             raise ConfigError(
-                f"parallel.ep = {pc.ep}: must divide the model's {cfg.num_experts} experts (model.num_experts)"
-            )
-        if cfg.num_layers < pc.num_stages:
-            raise ConfigError(
-                f"model.num_layers = {cfg.num_layers}: {pc.schedule} at pp={pc.pp} has {pc.num_stages} stages; "
-                f"pass --layers {pc.num_stages} or more"
+                f"training.val_every = {self.training.val_every}: there is no validation split (data.val_fraction "
+                "= 0); pass --val-every 0 or a --data.val-fraction"
             )
 
     @property

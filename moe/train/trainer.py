@@ -108,10 +108,12 @@ class Trainer:
     def build_data(self):
         """The token data, its vocabulary checked against the model's (a one-line error naming the file and the
         position of the first id out of range)."""
-        d = self.config.data
+        d, tr = self.config.data, self.config.training
         try:
             data = open_data(d.path, dtype=d.dtype, val_fraction=d.val_fraction)
             data.check_vocab(self.model_config.vocab_size)
+            for split in ("train", "val") if tr.val_every else ("train",):  # enough tokens for a window
+                data.loader(split, seq_len=tr.seq_len, global_batch=self.config.global_batch, seed=tr.seed)
         except DataError as exc:
             raise preflight.PreflightError(f"error: --data: {exc}") from None
         return data

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.distributed import run_ranks
-from tests.train.test_trainer import COMMON, losses, train
+from tests.train.test_trainer import COMMON, _bad_flags, losses, train
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE = [*COMMON, "--layers", "2", "--pp", "1", "--ep", "1", "--num-chunks", "2", "--val-every", "0"]
@@ -55,18 +55,8 @@ def test_a_70000_token_vocabulary_trains_on_a_uint32_npy(tmp_path: Path) -> None
     loss = losses(train(1, tmp_path, "big", *ONE, *LEARN, "--vocab-size", "70000", "--data", str(path)))
     assert loss[1] == pytest.approx(np.log(70_000), abs=0.3) and loss[10] < loss[1] - 1.0, loss
     # one id too many for the model: one line naming the file and the position, before any step
-    out = run_ranks(_error_of, 1, args=([*ONE, "--vocab-size", "69999", "--data", str(path)],), timeout=60)[0]
+    out = run_ranks(_bad_flags, 1, args=([*ONE, "--vocab-size", "69999", "--data", str(path)],), timeout=60)[0]
     assert out.startswith(f"error: --data: {path}: token id 69999 at position ") and "\n" not in out, out
-
-
-def _error_of(rank: int, world: int, argv: list[str]) -> str:
-    from moe.train import main
-
-    try:
-        main(argv)
-    except SystemExit as exc:
-        return str(exc.code)
-    return "no error"
 
 
 @pytest.fixture(scope="module")

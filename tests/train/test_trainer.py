@@ -124,7 +124,7 @@ def _bad_flags(rank: int, world: int, argv: list[str]) -> str:
         (["--pp", "2", "--ep", "1", "--stages-per-rank", "3"], "DualPipeV takes 2 module(s) per rank, got 3"),
         (
             ["--pp", "2", "--ep", "1", "--schedule", "interleaved-1f1b", "--stages-per-rank", "3"],
-            "model.num_layers = 2: interleaved-1f1b at pp=2 has 6 stages; pass --layers 6 or more",
+            "model.num_layers = 4: interleaved-1f1b at pp=2 has 6 stages; pass --layers 6 or more",
         ),
     ],
 )
