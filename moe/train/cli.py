@@ -26,11 +26,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # the same parser, before it joined the standard library
-    import tomli as tomllib
-
 from dualpipe.schedule import SCHEDULES
 from moe.config import PRESETS, MoEConfig
 from moe.dispatch import DISPATCHERS
@@ -223,6 +218,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 def load_config(path: str | Path) -> dict[str, dict[str, Any]]:
     """A TOML file as ``{section: {field: value}}``; unknown tables and keys are one-line errors."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # the same parser before it joined the standard library (a dependency on Python 3.10)
+        import tomli as tomllib
     try:
         with open(path, "rb") as fh:
             raw = tomllib.load(fh)
@@ -246,8 +245,9 @@ def load_config(path: str | Path) -> dict[str, dict[str, Any]]:
     return raw
 
 
-def _sections(values: dict[str, dict[str, Any]], world: int) -> dict[str, Any]:
-    """Section objects from ``{section: {field: value}}``; ``parallel.dp`` defaults to world / pp."""
+def _sections(values: dict[str, dict[str, Any]], world: int | None) -> dict[str, Any]:
+    """Section objects from ``{section: {field: value}}``; ``parallel.dp`` defaults to world / pp (to ep when
+    the world is not known)."""
     built: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         given = dict(values.get(section, {}))
@@ -257,7 +257,9 @@ def _sections(values: dict[str, dict[str, Any]], world: int) -> dict[str, Any]:
         if cls is ParallelConfig:
             if "rank_order" in given:
                 given["rank_order"] = tuple(given["rank_order"])
-            if given.get("dp") is None:
+            if given.get("dp") is None and world is None:
+                given["dp"] = given.get("ep", 1)
+            elif given.get("dp") is None:
                 pp = given.get("pp", 1)
                 if world % pp:
                     raise ConfigError(
@@ -275,9 +277,10 @@ def _sections(values: dict[str, dict[str, Any]], world: int) -> dict[str, Any]:
 
 
 def config_from_args(
-    argv: list[str] | None, world: int, description: str | None = None
+    argv: list[str] | None, world: int | None, description: str | None = None
 ) -> tuple[TrainConfig, argparse.Namespace]:
-    """Parse ``argv`` (flags over an optional ``--config`` file) into a validated job for ``world`` ranks."""
+    """Parse ``argv`` (flags over an optional ``--config`` file) into a validated job for ``world`` ranks
+    (None: the world the job asks for, pp x dp, with dp defaulting to ep)."""
     ns = build_parser(description).parse_args(argv)
     values = load_config(ns.config) if ns.config else {}
     for key, value in vars(ns).items():
@@ -288,7 +291,7 @@ def config_from_args(
         config = TrainConfig(**_sections(values, world))
     except ConfigError as exc:
         raise UsageError(f"error: {exc}") from None
-    if config.parallel.world_size != world:
+    if world is not None and config.parallel.world_size != world:
         pc = config.parallel
         raise UsageError(
             f"error: parallel.pp x parallel.dp = {pc.pp} x {pc.dp} = {pc.world_size}, but the world size is "

@@ -33,7 +33,13 @@ flags override the file. Rank 0 prints progress; --metrics-file gets one JSON li
 
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv``, then train (or, with ``--print-config``, print the resolved TOML and return)."""
-    world = dist.get_world_size() if dist.is_initialized() else world_size_from_env()
+    argv = sys.argv[1:] if argv is None else argv
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    elif "WORLD_SIZE" in os.environ or "--print-config" not in argv:
+        world = world_size_from_env()
+    else:  # printing a job outside its launcher: the world it asks for
+        world = None
     config, ns = config_from_args(argv, world, description=DESCRIPTION)
     if ns.print_config:
         if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:

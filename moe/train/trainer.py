@@ -93,8 +93,12 @@ class Trainer:
     # construction
 
     def _pick_device(self) -> torch.device:
-        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        """CUDA device ``LOCAL_RANK`` under a launcher, device 0 for a plain ``python``; the CPU otherwise, and
+        whenever the caller made a process group without a launcher (tests' gloo ranks)."""
+        launched = "LOCAL_RANK" in os.environ
+        standalone = "RANK" not in os.environ and not dist.is_initialized()
+        if torch.cuda.is_available() and (launched or standalone):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

@@ -132,12 +132,20 @@ def test_print_config_reads_back_into_the_same_job(tmp_path: Path) -> None:
     assert over.optimizer.lr == 2e-3 and over.parallel.pp == 2
 
 
+def test_a_job_printed_outside_its_launcher_asks_for_its_own_world() -> None:
+    config, _ = config_from_args(["--pp", "2", "--ep", "4", "--print-config"], world=None)
+    assert (config.parallel.dp, config.parallel.world_size) == (4, 8)
+    config, _ = config_from_args(["--pp", "2", "--dp", "8", "--ep", "4"], world=None)
+    assert config.parallel.world_size == 16
+
+
 def test_print_config_on_the_command_line(tmp_path: Path) -> None:
-    run = [sys.executable, str(ROOT / "examples/train.py"), "--schedule", "1f1b", "--num-experts", "4"]
+    run = [sys.executable, str(ROOT / "examples/train.py"), "--schedule", "1f1b", "--num-experts", "4", "--pp", "2"]
     done = subprocess.run([*run, "--print-config"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     parsed = tomllib.loads(done.stdout)
     assert parsed["parallel"]["schedule"] == "1f1b" and parsed["model"]["num_experts"] == 4
+    assert parsed["parallel"]["pp"] == 2 and parsed["parallel"]["dp"] == 1  # no launcher: the job's own world
     assert set(parsed) == set(SECTIONS)
 
 
