@@ -25,7 +25,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from moe.config import PRESETS, MoEConfig
+from moe.dispatch import DISPATCHERS, Launch
 from moe.optimizer import OPTIMIZERS
 from moe.parallel import ParallelConfig
 from moe.train.lr import LR_SCHEDULES
@@ -284,10 +287,16 @@ class TrainConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
+        cfg, pc = self.model.build(), self.parallel
         try:
-            self.parallel.check_model(self.model.build())
+            pc.check_model(cfg)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if pc.ep > 1:  # the rows the dispatcher would move (its package and topology: moe.train.preflight)
+            rows = Launch(dtype=getattr(torch, self.training.dtype), hidden_size=cfg.hidden_size, comm_sms=pc.comm_sms)
+            found = DISPATCHERS.lookup(pc.dispatcher).violations(rows)
+            if found:
+                raise ConfigError(f"--dispatcher {pc.dispatcher}: {'; '.join(found)}")
         if self.training.val_every and not self.data.val_fraction:
             raise ConfigError(
                 f"training.val_every = {self.training.val_every}: there is no validation split (data.val_fraction "

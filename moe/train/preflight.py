@@ -97,16 +97,15 @@ def check_memory(config: TrainConfig, device: torch.device) -> float:
 
 
 def check_dispatcher(config: TrainConfig) -> None:
-    """What the dispatcher cannot run here: the optional package (not CUDA: tests emulate it), the rows
-    (dtype, width), the SM budget, and every ep group's placement on nodes (all of them, so that every rank
-    reaches the same verdict). Nothing to check at ep == 1 (no dispatcher is built)."""
+    """What the dispatcher cannot run on this machine: the optional package (not CUDA: tests emulate it) and
+    every ep group's placement on nodes (all of them, so that every rank reaches the same verdict). The rows
+    it moves (dtype, width, SM budget) are the configuration's to check. Nothing to check at ep == 1 (no
+    dispatcher is built)."""
     pc = config.parallel
     if pc.ep == 1:
         return
     spec = DISPATCHERS.lookup(pc.dispatcher)
-    cfg = config.model_config
-    rows = Launch(dtype=getattr(torch, config.training.dtype), hidden_size=cfg.hidden_size, comm_sms=pc.comm_sms)
-    missing = spec.check(launch=rows)
+    missing = spec.check()
     local = local_world_size(config)
     grid = rank_grid(pc, pc.world_size)
     for ep_ranks in grid.reshape(-1, pc.ep).tolist():  # init_layout's ep groups: the grid's last axis

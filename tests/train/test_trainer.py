@@ -139,7 +139,10 @@ def _bad_launch_cases() -> list[tuple[list[str], str]]:
     return [
         ([*pp2, "--data", "/nowhere/corpus"], "error: --data: /nowhere/corpus: no such file"),
         ([*pp2, "--data", a_file], "pyproject.toml: not a data file this loader reads; give a directory"),
-        (["--pp", "1", "--ep", "2", "--dispatcher", "deepep"], "the 'deepep' dispatcher needs DeepEP"),
+        (
+            ["--pp", "1", "--ep", "2", "--dispatcher", "deepep", "--dtype", "bfloat16"],
+            "the 'deepep' dispatcher needs DeepEP",
+        ),
         ([*pp2, "--ckpt-dir", f"{a_file}/ckpt", "--ckpt-every", "1"], "is not a directory"),
         ([*pp2, "--bogus"], "error: unrecognized arguments: --bogus (see --help)"),
     ]
