@@ -50,7 +50,9 @@ class MoEConfig:
     topk_group: int = 1
     """Groups a token may pick experts from (caps the nodes a token is sent to)."""
     route_scale: float = 1.0
-    """Multiplier on the normalised routing weights (DeepSeek-V3: 2.5)."""
+    """Multiplier on the routing weights (DeepSeek-V3: 2.5; ``routed_scaling_factor`` in config.json)."""
+    norm_topk_prob: bool = True
+    """Normalise the chosen experts' scores to sum to 1 before ``route_scale`` (DeepSeek-V3: True)."""
     bias_update_rate: float = 1e-3
     """Auxiliary-loss-free balancing: step of the per-expert bias nudge (gamma in the V3 report)."""
     seq_aux_loss_coef: float = 0.0

@@ -29,7 +29,8 @@ class Routing:
     topk_idx_TK: torch.Tensor
     """Chosen global expert ids, int64, in descending biased-score order."""
     topk_weights_TK: torch.Tensor
-    """Normalised, scaled routing weights (fp32, differentiable w.r.t. the gate and its input)."""
+    """Routing weights: chosen sigmoid scores, normalised when ``norm_topk_prob``, times ``route_scale`` (fp32,
+    differentiable w.r.t. the gate and its input)."""
     aux_loss: torch.Tensor | None
     """Sequence-wise balance loss (already multiplied by its coefficient), or None when disabled."""
 
@@ -45,6 +46,7 @@ class Router(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.n_group, self.topk_group, self.route_scale = cfg.n_group, cfg.topk_group, cfg.route_scale
+        self.norm_topk_prob = cfg.norm_topk_prob
         self.aux_coef = cfg.seq_aux_loss_coef
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -82,8 +84,10 @@ class Router(nn.Module):
                     flat = topk_idx_TK.reshape(-1)
                     self.expert_load.index_add_(0, flat, torch.ones_like(flat, dtype=self.expert_load.dtype))
         scores_TE = torch.sigmoid(logits_TE.float())
-        chosen_TK = scores_TE.gather(1, topk_idx_TK)
-        weights_TK = chosen_TK / chosen_TK.sum(-1, keepdim=True) * self.route_scale
+        weights_TK = scores_TE.gather(1, topk_idx_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        weights_TK = weights_TK * self.route_scale
         aux = self._seq_aux_loss(scores_TE.view(b, s, -1), topk_idx_TK.view(b, s, -1)) if self.aux_coef else None
         return Routing(topk_idx_TK, weights_TK, aux)
 
