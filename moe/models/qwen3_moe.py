@@ -1,0 +1,146 @@
+"""Qwen3-MoE as published: attention with a per-head RMSNorm on q and k, the softmax top-k router, and the
+Switch-style load-balancing loss.
+
+Legend for shape suffixes: B batch, S sequence, D hidden, H query heads, G key/value heads, C head dim,
+P rotary pairs (C/2), T tokens (B*S), E experts, K top-k.
+
+Attribute names are the checkpoint's (``model.layers.N.self_attn.{q,k,v,o}_proj.weight``,
+``...self_attn.{q,k}_norm.weight``), so state-dict keys map 1:1. The oracle is transformers'
+``Qwen3MoeAttention``, ``Qwen3MoeTopKRouter`` and ``load_balancing_loss_func`` (tests/models/test_qwen3_moe.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe.layers import Linear, RMSNorm
+from moe.models.rope import RopeConfig, apply_rotary, hf_field, rotary_cos_sin
+
+__all__ = ["Qwen3Attention", "load_balancing_loss", "softmax_topk"]
+
+
+class Qwen3Attention(nn.Module):
+    """Causal grouped-query attention; q and k are RMS-normed per head (over C) before the rotary embedding.
+
+    Arguments are named as in config.json. ``head_dim`` is its own field (Qwen3-MoE-30B-A3B: hidden 2048,
+    32 heads, head_dim 128), not ``hidden_size // num_attention_heads``. Plain RoPE in the half-split layout.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        rope_theta: float,
+        rms_norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if num_attention_heads % num_key_value_heads:
+            raise ValueError(f"{num_attention_heads} query heads do not share {num_key_value_heads} kv heads evenly")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_attention_heads, num_key_value_heads, head_dim
+        self.q_proj = Linear(hidden_size, num_attention_heads * head_dim)
+        self.k_proj = Linear(hidden_size, num_key_value_heads * head_dim)
+        self.v_proj = Linear(hidden_size, num_key_value_heads * head_dim)
+        self.o_proj = Linear(num_attention_heads * head_dim, hidden_size)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+        self.register_buffer("inv_freq", RopeConfig(theta=rope_theta).inv_freq(head_dim), persistent=False)
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> Qwen3Attention:
+        """From a Qwen3-MoE config.json dict or config object (hub or transformers 5.x rope style).
+
+        Refuses what this module does not implement: attention biases, sliding windows and scaled RoPE
+        (every published Qwen3-MoE checkpoint has none of them).
+        """
+        if hf_field(config, "attention_bias", False):
+            raise ValueError("attention_bias=True is not supported (moe.layers.Linear has no bias)")
+        if hf_field(config, "use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported")
+        rope = RopeConfig.from_hf_config(config)
+        if rope.rope_type != "default":
+            raise ValueError(f"rope_type {rope.rope_type!r} is not supported by Qwen3Attention (plain RoPE only)")
+        hidden, heads = hf_field(config, "hidden_size"), hf_field(config, "num_attention_heads")
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=hf_field(config, "num_key_value_heads") or heads,
+            head_dim=hf_field(config, "head_dim") or hidden // heads,
+            rope_theta=rope.theta,
+            rms_norm_eps=hf_field(config, "rms_norm_eps", 1e-6),
+        )
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """``[B, S, D] -> [B, S, D]``, positions ``0..S-1``."""
+        b, s, _ = x_BSD.shape
+        q_BSHC = self.q_norm(self.q_proj(x_BSD).view(b, s, self.num_heads, self.head_dim))
+        k_BSGC = self.k_norm(self.k_proj(x_BSD).view(b, s, self.num_kv_heads, self.head_dim))
+        v_BSGC = self.v_proj(x_BSD).view(b, s, self.num_kv_heads, self.head_dim)
+        cos_SP, sin_SP = rotary_cos_sin(self.inv_freq, torch.arange(s, device=x_BSD.device))
+        q_BSHC = apply_rotary(q_BSHC, cos_SP, sin_SP, interleave=False)
+        k_BSGC = apply_rotary(k_BSGC, cos_SP, sin_SP, interleave=False)
+        # SDPA's default scale is head_dim ** -0.5, the published one.
+        o_BHSC = F.scaled_dot_product_attention(
+            q_BSHC.transpose(1, 2),
+            k_BSGC.transpose(1, 2),
+            v_BSGC.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return self.o_proj(o_BHSC.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+def softmax_topk(logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE routing: softmax over all experts in fp32, the top-k probabilities, renormalised to sum to 1
+    when ``norm_topk_prob`` (config.json; Qwen3-MoE-30B-A3B sets it True, transformers defaults to False).
+
+    logits: [T, E] any float dtype -> (idx [T, K] int64 in descending probability order, weights [T, K] fp32,
+    differentiable w.r.t. the logits). transformers casts the weights back to the logits' dtype; they stay
+    fp32 here, as :class:`moe.router.Routing` keeps them (equal in an fp32 model).
+    """
+    probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+    weights_TK, idx_TK = probs_TE.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+    return idx_TK, weights_TK
+
+
+def load_balancing_loss(
+    logits_per_layer: torch.Tensor | Sequence[torch.Tensor],
+    top_k: int,
+    *,
+    coef: float = 1.0,
+    mask_BS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Switch-Transformer balance loss as Qwen3-MoE trains with it: ``coef * E * sum_e f_e * P_e``.
+
+    logits_per_layer: the router logits ``[T, E]`` of every MoE layer (one tensor: one layer). The layers
+    are pooled *before* the product: ``f_e`` = top-k picks of expert e over all layers / (layers * T) (so
+    ``sum_e f_e = K``), ``P_e`` = its softmax probability summed over all layers / (layers * T).
+    ``mask_BS`` (1 for real tokens, 0 for padding; T = B*S) leaves padding out of both sums and the count.
+    ``coef`` = ``router_aux_loss_coef`` gives what ``Qwen3MoeForCausalLM`` adds to the LM loss; 1 gives its
+    ``aux_loss`` output. Returns an fp32 scalar, differentiable through the probabilities (not the picks).
+    """
+    if isinstance(logits_per_layer, torch.Tensor):
+        logits_per_layer = (logits_per_layer,)
+    num_experts = logits_per_layer[0].shape[-1]
+    device = logits_per_layer[0].device
+    mask_T = None if mask_BS is None else mask_BS.reshape(-1, 1).to(device, torch.float32)
+    picks_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits_TE in logits_per_layer:
+        probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+        idx_TK = probs_TE.topk(top_k, dim=-1).indices
+        weight_TK = torch.ones_like(idx_TK, dtype=torch.float32) if mask_T is None else mask_T.expand_as(idx_TK)
+        picks_E = picks_E.index_add(0, idx_TK.reshape(-1), weight_TK.reshape(-1))
+        probs_E = probs_E + (probs_TE if mask_T is None else probs_TE * mask_T).sum(0)
+        rows = rows + (len(probs_TE) if mask_T is None else mask_T.sum())
+    return coef * num_experts * ((picks_E / rows) * (probs_E / rows)).sum()
