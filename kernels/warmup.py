@@ -102,16 +102,17 @@ class KernelShapes:
         """The shapes of a model config on one rank of an ``ep``-way expert-parallel group.
 
         cfg: any object with ``moe.MoEConfig``'s fields (hidden_size, moe_intermediate_size, num_experts,
-        top_k, n_group, topk_group, route_scale, num_shared_experts, num_dense_layers,
-        dense_intermediate_size, num_layers); read by name so that this package stays free of ``moe``.
+        top_k, n_group, topk_group, route_scale, num_shared_experts, dense_intermediate_size, num_layers and
+        ``is_moe_layer(i)``); read by name so that this package stays free of ``moe``.
         tokens: micro-batch size x sequence length.
         """
         if ep < 1 or cfg.num_experts % ep:
             raise ValueError(f"ep={ep} must be positive and divide num_experts={cfg.num_experts}")
         dense = []
-        if cfg.num_dense_layers > 0:
+        moe_layers = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
+        if not all(moe_layers):
             dense.append(cfg.dense_intermediate_size)
-        if cfg.num_shared_experts > 0 and cfg.num_dense_layers < cfg.num_layers:
+        if cfg.num_shared_experts > 0 and any(moe_layers):
             dense.append(cfg.num_shared_experts * cfg.moe_intermediate_size)
         return cls(
             tokens=tokens,

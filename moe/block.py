@@ -24,7 +24,8 @@ from dualpipe.pieces import Comm, Compute, Context, Pieces
 from moe.config import MoEConfig
 from moe.dispatch.base import Dispatched, Route, TokenDispatcher
 from moe.experts import GroupedExperts
-from moe.layers import Attention, DenseMLP, RMSNorm
+from moe.layers import DenseMLP, RMSNorm
+from moe.models import build_attention
 from moe.router import Router, Routing
 
 __all__ = ["Block"]
@@ -58,7 +59,7 @@ class Block(nn.Module):
         self.is_moe = cfg.is_moe_layer(layer)
         self.comm_sms = comm_sms
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.attn_head_dim, cfg.rope_theta)
+        self.attn = build_attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         # The dispatcher holds process groups and buffers, not parameters: keep it out of the module tree.
         self._dispatcher = dispatcher if self.is_moe else None

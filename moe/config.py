@@ -12,7 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["PRESETS", "MoEConfig", "preset"]
+__all__ = ["PRESETS", "ROUTER_SCORINGS", "MoEConfig", "preset"]
+
+ROUTER_SCORINGS = ("sigmoid", "softmax")
+"""How a router scores experts (``MoEConfig.router_scoring``; moe.router)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,6 +40,14 @@ class MoEConfig:
     """Intermediate width of the dense MLP of the first layers."""
     num_dense_layers: int = 0
     """The first k layers use a dense MLP instead of experts (DeepSeek-V3 uses 3)."""
+    moe_layer_step: int = 1
+    """From ``num_dense_layers`` on, layer i has experts when ``(i + 1) % moe_layer_step == 0`` (Qwen3-MoE's
+    ``decoder_sparse_step``); 1: every layer."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers with a dense MLP whatever the two rules above say (Qwen3-MoE's ``mlp_only_layers``)."""
+    attention: str = "gqa"
+    """Attention, a name of :data:`moe.models.ATTENTIONS`: ``gqa`` (grouped-query with rotary positions) or
+    ``gqa-qk-norm`` (Qwen3: an RMSNorm over each head's q and k before the rotary embedding)."""
     num_experts: int = 8
     """Routed experts E."""
     num_shared_experts: int = 1
@@ -49,6 +60,9 @@ class MoEConfig:
     """Expert groups for group-limited routing (1 disables it)."""
     topk_group: int = 1
     """Groups a token may pick experts from (caps the nodes a token is sent to)."""
+    router_scoring: str = "sigmoid"
+    """``sigmoid`` (DeepSeek-V3: independent scores, group-limited selection) or ``softmax`` (Qwen3-MoE: a
+    softmax over the experts, then top-k; no groups)."""
     route_scale: float = 1.0
     """Multiplier on the routing weights (DeepSeek-V3: 2.5; ``routed_scaling_factor`` in config.json)."""
     norm_topk_prob: bool = True
@@ -100,6 +114,19 @@ class MoEConfig:
             )
         if self.num_shared_experts < 0 or self.seq_aux_loss_coef < 0 or self.bias_update_rate < 0:
             raise ValueError("num_shared_experts, seq_aux_loss_coef and bias_update_rate must be >= 0")
+        from moe.models import ATTENTIONS  # the registry holds the modules; imported here, not at import time
+
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention={self.attention!r}: choose one of {tuple(ATTENTIONS)}")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router_scoring={self.router_scoring!r}: choose one of {ROUTER_SCORINGS}")
+        if self.router_scoring == "softmax" and self.n_group != 1:
+            raise ValueError(f"router_scoring='softmax' takes no expert groups (n_group={self.n_group})")
+        if self.moe_layer_step < 1:
+            raise ValueError(f"moe_layer_step={self.moe_layer_step} must be >= 1")
+        self.dense_layers = tuple(self.dense_layers)  # a TOML array arrives as a list
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(f"dense_layers={self.dense_layers} outside [0, {self.num_layers})")
 
     @property
     def attn_head_dim(self) -> int:
@@ -107,8 +134,16 @@ class MoEConfig:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether global layer ``layer`` uses routed experts."""
-        return layer >= self.num_dense_layers
+        """Whether global layer ``layer`` uses routed experts (``num_dense_layers``, ``moe_layer_step``,
+        ``dense_layers``)."""
+        return (
+            layer >= self.num_dense_layers and (layer + 1) % self.moe_layer_step == 0 and layer not in self.dense_layers
+        )
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers with routed experts, in order."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
     def replace(self, **changes: object) -> MoEConfig:
         """A validated copy with ``changes`` applied."""

@@ -1,9 +1,12 @@
-"""DeepSeek-V3 router: sigmoid scores, group-limited top-k, auxiliary-loss-free bias, sequence-wise aux loss.
+"""The MoE router: DeepSeek-V3's (sigmoid scores, group-limited top-k) or Qwen3-MoE's (softmax, top-k), with
+the auxiliary-loss-free bias and the sequence-wise aux loss.
 
 Legend for shape suffixes: B batch, S sequence, T tokens (B*S), D hidden, E experts, K top-k.
 
-Selection runs in the ``router_topk`` kernel (not differentiable); the weights of the chosen experts are
-recomputed here in torch from the same logits so that the gate gets its gradient.
+Sigmoid selection runs in the ``router_topk`` kernel (not differentiable); softmax selection is a torch top-k.
+Either way the weights of the chosen experts are recomputed here in torch from the same logits so that the
+gate gets its gradient. Both are checked against transformers (tests/models/test_routing.py,
+tests/models/test_qwen3_moe.py).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Router(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.n_group, self.topk_group, self.route_scale = cfg.n_group, cfg.topk_group, cfg.route_scale
         self.norm_topk_prob = cfg.norm_topk_prob
+        self.scoring = cfg.router_scoring
         self.aux_coef = cfg.seq_aux_loss_coef
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -73,17 +77,21 @@ class Router(nn.Module):
         """
         b, s, d = z_BSD.shape
         logits_TE = self.gate(z_BSD.reshape(b * s, d))
+        softmax = self.scoring == "softmax"
+        scores_TE = torch.softmax(logits_TE.float(), dim=-1) if softmax else torch.sigmoid(logits_TE.float())
         if topk_idx_TK is None:
-            _, topk_idx_TK, _ = ops.router_topk(
-                logits_TE.detach(), self.expert_bias, self.top_k, self.n_group, self.topk_group, self.route_scale
-            )
+            if softmax:  # Qwen3-MoE: top-k of the softmax (the bias, zero unless balancing, steers it)
+                topk_idx_TK = torch.topk(scores_TE.detach() + self.expert_bias, self.top_k, dim=-1).indices
+            else:
+                _, topk_idx_TK, _ = ops.router_topk(
+                    logits_TE.detach(), self.expert_bias, self.top_k, self.n_group, self.topk_group, self.route_scale
+                )
             topk_idx_TK = topk_idx_TK.long()
             if self.training:
                 with torch.no_grad():
                     # index_add_ on the device: bincount would read max(idx) and its output size on the host.
                     flat = topk_idx_TK.reshape(-1)
                     self.expert_load.index_add_(0, flat, torch.ones_like(flat, dtype=self.expert_load.dtype))
-        scores_TE = torch.sigmoid(logits_TE.float())
         weights_TK = scores_TE.gather(1, topk_idx_TK)
         if self.norm_topk_prob:
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)

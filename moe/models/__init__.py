@@ -1,2 +1,49 @@
-"""The published architectures, block parts: rotary embeddings (:mod:`.rope`), DeepSeek-V3's multi-head latent
-attention (:mod:`.mla`)."""
+"""The published architectures' block parts: rotary embeddings (:mod:`.rope`), DeepSeek-V3's multi-head latent
+attention (:mod:`.mla`), Qwen3-MoE's attention and balance loss (:mod:`.qwen3_moe`), and the one registry of
+attention variants a block can hold (:data:`ATTENTIONS`, named by ``MoEConfig.attention``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from moe.layers import Attention
+from moe.models.qwen3_moe import Qwen3Attention
+
+if TYPE_CHECKING:
+    from moe.config import MoEConfig
+
+__all__ = ["ATTENTIONS", "build_attention"]
+
+
+def _gqa(cfg: MoEConfig) -> nn.Module:
+    return Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.attn_head_dim, cfg.rope_theta)
+
+
+def _gqa_qk_norm(cfg: MoEConfig) -> nn.Module:
+    return Qwen3Attention(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.attn_head_dim,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+    )
+
+
+ATTENTIONS: Mapping[str, Callable[[MoEConfig], nn.Module]] = MappingProxyType(
+    {
+        "gqa": _gqa,  # grouped-query attention with rotary positions (our blocks)
+        "gqa-qk-norm": _gqa_qk_norm,  # Qwen3: per-head RMSNorm on q and k before the rotary embedding
+    }
+)
+"""Attention variants by ``MoEConfig.attention``: each builds the module a block's ``attn`` holds."""
+
+
+def build_attention(cfg: MoEConfig) -> nn.Module:
+    """The attention module ``cfg.attention`` names (``[B, S, D] -> [B, S, D]``, causal)."""
+    return ATTENTIONS[cfg.attention](cfg)

@@ -1,5 +1,5 @@
-"""Qwen3-MoE as published: attention with a per-head RMSNorm on q and k, the softmax top-k router, and the
-Switch-style load-balancing loss.
+"""Qwen3-MoE as published: attention with a per-head RMSNorm on q and k and the Switch-style load-balancing
+loss (its softmax top-k router is :class:`moe.router.Router` with ``router_scoring="softmax"``).
 
 Legend for shape suffixes: B batch, S sequence, D hidden, H query heads, G key/value heads, C head dim,
 P rotary pairs (C/2), T tokens (B*S), E experts, K top-k.
@@ -21,7 +21,7 @@ from torch import nn
 from moe.layers import Linear, RMSNorm
 from moe.models.rope import RopeConfig, apply_rotary, hf_field, rotary_cos_sin
 
-__all__ = ["Qwen3Attention", "load_balancing_loss", "softmax_topk"]
+__all__ = ["Qwen3Attention", "load_balancing_loss"]
 
 
 class Qwen3Attention(nn.Module):
@@ -95,21 +95,6 @@ class Qwen3Attention(nn.Module):
             enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return self.o_proj(o_BHSC.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
-
-
-def softmax_topk(logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE routing: softmax over all experts in fp32, the top-k probabilities, renormalised to sum to 1
-    when ``norm_topk_prob`` (config.json; Qwen3-MoE-30B-A3B sets it True, transformers defaults to False).
-
-    logits: [T, E] any float dtype -> (idx [T, K] int64 in descending probability order, weights [T, K] fp32,
-    differentiable w.r.t. the logits). transformers casts the weights back to the logits' dtype; they stay
-    fp32 here, as :class:`moe.router.Routing` keeps them (equal in an fp32 model).
-    """
-    probs_TE = torch.softmax(logits_TE.float(), dim=-1)
-    weights_TK, idx_TK = probs_TE.topk(top_k, dim=-1)
-    if norm_topk_prob:
-        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
-    return idx_TK, weights_TK
 
 
 def load_balancing_loss(

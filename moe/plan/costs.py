@@ -329,7 +329,7 @@ def substage_costs(
 def _analytic(
     cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, moe: bool, timer: OpTimer = op_seconds
 ) -> SubstageCosts:
-    if moe and cfg.num_dense_layers == cfg.num_layers:
+    if moe and not cfg.moe_layers:
         raise ValueError("the config has no MoE layer")
     gpu, t, b = cluster.gpu, work.tokens, work.act_bytes
     comm_sms = work.comm_sms if (moe and par.ep > 1) else 0

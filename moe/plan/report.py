@@ -181,7 +181,7 @@ def v3_comparison(cfg: MoEConfig, cluster: Cluster, run: RunShape, measured: Mea
     cand = Candidate(layout.schedule, layout.pp, layout.dp, layout.ep, chunks, layout.comm_sms, layout.recompute)
     model = _model(cfg, cluster, run, cand, measured)
     p = _predict(model)
-    moe = model.layer(cfg.num_dense_layers)
+    moe = model.layer(cfg.moe_layers[0])
     # The report's bubble formula with this model's per-chunk costs (a middle stage's chunk, paired with itself).
     times = StageTimes(model, cfg.num_layers, layout.pp).alone(layout.pp // 2)
     formula = (layout.pp / 2 - 1) * (times.FB + times.B - 3 * times.W)

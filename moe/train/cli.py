@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from dualpipe.schedule import SCHEDULES
-from moe.config import PRESETS, MoEConfig
+from moe.config import PRESETS, ROUTER_SCORINGS, MoEConfig
 from moe.dispatch import DISPATCHERS
+from moe.models import ATTENTIONS
 from moe.optimizer import OPTIMIZERS
 from moe.parallel import ParallelConfig
 from moe.train.config import DTYPES, SECTIONS, TOKEN_DTYPES, ConfigError, ModelConfig, TrainConfig
@@ -53,6 +54,8 @@ FLAG_ALIASES: dict[str, tuple[str, ...]] = {
 
 CHOICES: dict[str, object] = {
     "model.name": PRESETS,
+    "model.attention": ATTENTIONS,
+    "model.router_scoring": ROUTER_SCORINGS,
     "parallel.schedule": SCHEDULES,
     "parallel.dispatcher": DISPATCHERS,
     "optimizer.name": OPTIMIZERS,
@@ -170,8 +173,9 @@ def _add_argument(group: argparse._ArgumentGroup, f: _Field, flags: list[str]) -
         kwargs.update(nargs="+", metavar="VALUE")
     elif origin is tuple:
         args = typing.get_args(tp)
-        if args[-1] is Ellipsis:  # tuple[str, ...]: one comma-separated argument
-            kwargs.update(type=lambda s: tuple(x.strip() for x in s.split(",")), metavar="A,B,...")
+        if args[-1] is Ellipsis:  # tuple[T, ...]: one comma-separated argument
+            elem = args[0]
+            kwargs.update(type=lambda s: tuple(elem(x.strip()) for x in s.split(",") if x.strip()), metavar="A,B,...")
         else:
             kwargs.update(nargs=len(args), type=args[0], metavar=f.name.upper())
     else:

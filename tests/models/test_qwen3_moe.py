@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from dualpipe.weight_grad import WeightGradStore
-from moe.models.qwen3_moe import Qwen3Attention, load_balancing_loss, softmax_topk
+from moe.config import MoEConfig
+from moe.models.qwen3_moe import Qwen3Attention, load_balancing_loss
+from moe.router import Router
 from tests.moe.helpers import assert_rel_close
 
 transformers = pytest.importorskip("transformers")
@@ -115,8 +117,16 @@ def test_router_matches_transformers(norm_topk_prob):
     router = hf_qwen.Qwen3MoeTopKRouter(cfg)
     _randomize(router, seed=5)
     x_TD = torch.randn(BATCH * SEQ, 64, generator=torch.Generator().manual_seed(6))
-    logits_TE, want_w_TK, want_idx_TK = router(x_TD)
-    idx_TK, weights_TK = softmax_topk(logits_TE, TOP_K, norm_topk_prob)
+    _, want_w_TK, want_idx_TK = router(x_TD)
+    ours = Router(
+        MoEConfig(
+            hidden_size=64, num_experts=EXPERTS, top_k=TOP_K, router_scoring="softmax", norm_topk_prob=norm_topk_prob
+        )
+    )
+    with torch.no_grad():
+        ours.gate.weight.copy_(router.weight)
+    routing = ours(x_TD.view(BATCH, SEQ, -1))
+    idx_TK, weights_TK = routing.topk_idx_TK, routing.topk_weights_TK
     assert idx_TK.dtype == torch.int64 and weights_TK.dtype == torch.float32
     assert torch.equal(idx_TK, want_idx_TK)
     torch.testing.assert_close(weights_TK, want_w_TK, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,113 @@
+"""Hugging Face ``config.json`` to :class:`moe.config.MoEConfig`, one entry per ``model_type``.
+
+Both config styles are read: the hub's (``rope_theta`` + ``rope_scaling``, Qwen's ``num_experts``) and what
+transformers 5.x writes (``rope_parameters``, ``num_local_experts``). A config this stack cannot run exactly
+as published (an unknown ``model_type``, a feature not built yet) is a :class:`HFConfigError`: one line naming
+the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from moe.config import MoEConfig
+
+__all__ = ["HF_CONFIGS", "HFConfigError", "from_hf_config", "read_hf_config"]
+
+
+class HFConfigError(ValueError):
+    """A config.json this stack does not run as published; the message names the field."""
+
+
+def _get(raw: Mapping[str, Any], *names: str, default: Any = ...) -> Any:
+    """The first of ``names`` present in ``raw`` (the styles spell some fields differently)."""
+    for name in names:
+        if name in raw and raw[name] is not None:
+            return raw[name]
+    if default is ...:
+        raise HFConfigError(f"config.json lacks {' / '.join(names)}")
+    return default
+
+
+def _rope_theta(raw: Mapping[str, Any]) -> float:
+    """The default-rope base from either style; any scaled rope is refused (not built for this family)."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise HFConfigError(f"rope type {kind!r} is not supported for {raw.get('model_type')} (default only)")
+    return float(_get(params, "rope_theta", default=None) or _get(raw, "rope_theta", default=10000.0))
+
+
+def _refuse(raw: Mapping[str, Any], **unsupported: Any) -> None:
+    """One line for the first field set to something these blocks do not compute."""
+    for name, fine in unsupported.items():
+        value = raw.get(name)
+        if value not in (None, fine):
+            raise HFConfigError(f"{raw.get('model_type')}: {name} = {value!r} is not supported (only {fine!r})")
+
+
+def _qwen3_moe(raw: Mapping[str, Any]) -> MoEConfig:
+    """Qwen3-MoE: GQA with per-head q/k RMSNorm, softmax top-k router, no shared experts, dense layers from
+    ``mlp_only_layers`` and ``decoder_sparse_step``."""
+    _refuse(raw, tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, hidden_act="silu")
+    heads = int(_get(raw, "num_attention_heads"))
+    hidden = int(_get(raw, "hidden_size"))
+    return MoEConfig(
+        vocab_size=int(_get(raw, "vocab_size")),
+        hidden_size=hidden,
+        num_layers=int(_get(raw, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(_get(raw, "num_key_value_heads", default=heads)),
+        head_dim=int(_get(raw, "head_dim", default=hidden // heads)),
+        rope_theta=_rope_theta(raw),
+        attention="gqa-qk-norm",
+        dense_intermediate_size=int(_get(raw, "intermediate_size")),
+        moe_layer_step=int(_get(raw, "decoder_sparse_step", default=1)),
+        dense_layers=tuple(int(i) for i in _get(raw, "mlp_only_layers", default=())),
+        num_experts=int(_get(raw, "num_local_experts", "num_experts")),
+        num_shared_experts=0,
+        moe_intermediate_size=int(_get(raw, "moe_intermediate_size")),
+        top_k=int(_get(raw, "num_experts_per_tok")),
+        router_scoring="softmax",
+        norm_topk_prob=bool(_get(raw, "norm_topk_prob", default=False)),
+        route_scale=1.0,
+        bias_update_rate=0.0,  # Qwen3-MoE balances with its auxiliary loss, not a selection bias
+        norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
+        init_std=float(_get(raw, "initializer_range", default=0.02)),
+    )
+
+
+HF_CONFIGS: Mapping[str, Callable[[Mapping[str, Any]], MoEConfig]] = MappingProxyType({"qwen3_moe": _qwen3_moe})
+"""config.json readers by ``model_type``. ``deepseek_v3`` arrives with its MLA and MTP blocks."""
+
+
+def from_hf_config(raw: Mapping[str, Any]) -> MoEConfig:
+    """The :class:`MoEConfig` of a config.json's contents."""
+    model_type = raw.get("model_type")
+    reader = HF_CONFIGS.get(model_type)  # type: ignore[arg-type]
+    if reader is None:
+        raise HFConfigError(f"model_type {model_type!r} is not supported; supported: {', '.join(HF_CONFIGS)}")
+    try:
+        return reader(raw)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, HFConfigError):
+            raise
+        raise HFConfigError(f"{model_type}: {exc}") from None
+
+
+def read_hf_config(path: str | Path) -> MoEConfig:
+    """``path``: a checkpoint directory or its config.json."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise HFConfigError(f"{file}: no such file (a Hugging Face checkpoint directory holds config.json)") from None
+    except json.JSONDecodeError as exc:
+        raise HFConfigError(f"{file}: not valid JSON ({exc})") from None
+    return from_hf_config(raw)

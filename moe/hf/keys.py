@@ -1,0 +1,139 @@
+"""Checkpoint names: ours <-> the Hugging Face hub layout, as one table read in both directions.
+
+Each :class:`Rule` pairs one of our state-dict keys (``{i}``: a global layer) with its hub key(s) and says how
+the tensors relate:
+
+- ``same``: one tensor under another name;
+- ``cat``: ours is the hub tensors concatenated along dim 0 (our fused SwiGLU ``gate_up`` = gate rows, then
+  up rows);
+- ``experts_gate_up`` / ``experts_down``: ours is ``[E, D, 2F]`` / ``[E, F, D]`` (the grouped GEMM's layout),
+  the hub holds one ``[F, D]`` / ``[D, F]`` matrix per expert ``{e}``, or, as transformers fuses them in
+  memory, one ``gate_up_proj [E, 2F, D]`` / ``down_proj [E, D, F]``.
+
+:func:`to_ours` builds our state dict from hub tensors (either expert layout); :func:`to_hub` the hub layout
+(one tensor per expert, what ``save_pretrained`` writes) from ours. A missing hub tensor or a wrong shape is a
+:class:`HFCheckpointError` naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RULES", "HFCheckpointError", "Rule", "to_hub", "to_ours"]
+
+
+class HFCheckpointError(ValueError):
+    """A hub tensor is missing, unexpected or of the wrong shape; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    ours: str
+    hub: tuple[str, ...]
+    kind: str = "same"
+
+
+_LAYER = "model.layers.{i}"
+RULES: tuple[Rule, ...] = (
+    Rule("embed.weight", ("model.embed_tokens.weight",)),
+    Rule("norm.weight", ("model.norm.weight",)),
+    Rule("head.weight", ("lm_head.weight",)),
+    Rule("blocks.{i}.attn_norm.weight", (f"{_LAYER}.input_layernorm.weight",)),
+    Rule("blocks.{i}.mlp_norm.weight", (f"{_LAYER}.post_attention_layernorm.weight",)),
+    *(
+        Rule(f"blocks.{{i}}.attn.{name}.weight", (f"{_LAYER}.self_attn.{name}.weight",))
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+    ),
+    Rule("blocks.{i}.router.gate.weight", (f"{_LAYER}.mlp.gate.weight",)),
+    Rule("blocks.{i}.mlp.gate_up.weight", (f"{_LAYER}.mlp.gate_proj.weight", f"{_LAYER}.mlp.up_proj.weight"), "cat"),
+    Rule("blocks.{i}.mlp.down.weight", (f"{_LAYER}.mlp.down_proj.weight",)),
+    Rule(
+        "blocks.{i}.experts.w1",
+        (f"{_LAYER}.mlp.experts.{{e}}.gate_proj.weight", f"{_LAYER}.mlp.experts.{{e}}.up_proj.weight"),
+        "experts_gate_up",
+    ),
+    Rule("blocks.{i}.experts.w2", (f"{_LAYER}.mlp.experts.{{e}}.down_proj.weight",), "experts_down"),
+)
+"""Every tensor of the Qwen3-MoE layout; a model's state dict uses the rules its keys match."""
+
+# transformers' in-memory fused experts, accepted on load beside the per-expert hub keys
+_FUSED = {"experts_gate_up": f"{_LAYER}.mlp.experts.gate_up_proj", "experts_down": f"{_LAYER}.mlp.experts.down_proj"}
+
+
+def _pattern(template: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+
+
+_COMPILED = [(rule, _pattern(rule.ours)) for rule in RULES]
+
+
+def _rule_for(key: str) -> tuple[Rule, str | None]:
+    for rule, pattern in _COMPILED:
+        m = pattern.match(key)
+        if m:
+            return rule, m.groupdict().get("i")
+    raise HFCheckpointError(f"our tensor {key!r} has no hub name (no rule in moe.hf.keys.RULES)")
+
+
+def _take(hub: Mapping[str, torch.Tensor], key: str, used: set[str]) -> torch.Tensor:
+    if key not in hub:
+        raise HFCheckpointError(f"the checkpoint lacks {key}")
+    used.add(key)
+    return hub[key]
+
+
+def _experts(hub: Mapping[str, torch.Tensor], rule: Rule, layer: str, num: int, used: set[str]) -> torch.Tensor:
+    fused = _FUSED[rule.kind].format(i=layer)
+    if fused in hub:  # [E, 2F, D] / [E, D, F]
+        return _take(hub, fused, used).transpose(1, 2)
+    per_expert = []
+    for e in range(num):
+        parts = [_take(hub, name.format(i=layer, e=e), used) for name in rule.hub]
+        per_expert.append(torch.cat(parts, dim=0).t())  # [2F, D] -> [D, 2F]; [D, F] -> [F, D]
+    return torch.stack(per_expert)
+
+
+def to_ours(hub: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Our tensors for the keys and shapes of ``shapes`` (a model's parameter shapes, every expert; buffers
+    such as the router's selection bias keep their own values) from hub tensors. Every hub tensor must be
+    used: one left over is an error naming it (a layout this table does not know would otherwise load
+    silently as a partial model)."""
+    used: set[str] = set()
+    out: dict[str, torch.Tensor] = {}
+    for key, shape in shapes.items():
+        rule, layer = _rule_for(key)
+        if rule.kind.startswith("experts"):
+            value = _experts(hub, rule, layer or "", shape[0], used)
+        else:
+            parts = [_take(hub, name.format(i=layer), used) for name in rule.hub]
+            value = torch.cat(parts, dim=0) if rule.kind == "cat" else parts[0]
+        if value.shape != shape:
+            names = ", ".join(name.format(i=layer, e="*") for name in rule.hub)
+            raise HFCheckpointError(f"{names}: shape {tuple(value.shape)} for our {key} of shape {tuple(shape)}")
+        out[key] = value
+    unused = sorted(set(hub) - used)
+    if unused:
+        raise HFCheckpointError(f"the checkpoint holds {len(unused)} tensor(s) with no place here: {unused[0]}")
+    return out
+
+
+def to_hub(ours: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The hub layout (per-expert matrices, as ``save_pretrained`` writes) of our state dict (every expert)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in ours.items():
+        rule, layer = _rule_for(key)
+        if rule.kind.startswith("experts"):
+            for e in range(value.shape[0]):
+                mats = value[e].t().split(value.shape[-1] // len(rule.hub), dim=0)
+                for name, mat in zip(rule.hub, mats):
+                    out[name.format(i=layer, e=e)] = mat.contiguous()
+        elif rule.kind == "cat":
+            for name, part in zip(rule.hub, value.chunk(len(rule.hub), dim=0)):
+                out[name.format(i=layer)] = part.contiguous()
+        else:
+            out[rule.hub[0].format(i=layer)] = value
+    return out
