@@ -46,8 +46,40 @@ class MoEConfig:
     dense_layers: tuple[int, ...] = ()
     """Layers with a dense MLP whatever the two rules above say (Qwen3-MoE's ``mlp_only_layers``)."""
     attention: str = "gqa"
-    """Attention, a name of :data:`moe.models.ATTENTIONS`: ``gqa`` (grouped-query with rotary positions) or
-    ``gqa-qk-norm`` (Qwen3: an RMSNorm over each head's q and k before the rotary embedding)."""
+    """Attention, a name of :data:`moe.models.ATTENTIONS`: ``gqa`` (grouped-query with rotary positions),
+    ``gqa-qk-norm`` (Qwen3: an RMSNorm over each head's q and k before the rotary embedding) or ``mla``
+    (DeepSeek-V3's multi-head latent attention, shaped by the ``*_lora_rank``, ``*_head_dim`` and ``rope_*``
+    fields; ``num_kv_heads`` and ``head_dim`` are not used)."""
+    q_lora_rank: int | None = None
+    """MLA: width of the query latent (V3: 1536); None projects queries straight from the hidden state."""
+    kv_lora_rank: int = 16
+    """MLA: width of the key/value latent (V3: 512)."""
+    qk_nope_head_dim: int = 8
+    """MLA: per-head query/key dims without position (V3: 128)."""
+    qk_rope_head_dim: int = 4
+    """MLA: per-head rotary query/key dims, the rotary key shared by all heads (V3: 64); even."""
+    v_head_dim: int = 8
+    """MLA: per-head value dims (V3: 128)."""
+    rope_type: str = "default"
+    """Rotary scaling: ``default`` (plain RoPE) or ``yarn`` (MLA only; V3's long-context extension)."""
+    rope_factor: float | None = None
+    """YaRN: how many times the pre-training context is stretched (V3: 40)."""
+    rope_original_max_position_embeddings: int | None = None
+    """YaRN: the pre-training context length (V3: 4096)."""
+    rope_beta_fast: float = 32.0
+    """YaRN: rotary pairs turning more than this many times over the original context keep their frequency."""
+    rope_beta_slow: float = 1.0
+    """YaRN: rotary pairs turning fewer than this many times are interpolated by ``rope_factor``."""
+    rope_mscale: float | None = None
+    """YaRN: numerator mscale of the cos/sin attention factor (V3: 1.0)."""
+    rope_mscale_all_dim: float | None = None
+    """YaRN: denominator mscale of the cos/sin factor and DeepSeek's softmax-scale correction (V3: 1.0)."""
+    rope_attention_factor: float | None = None
+    """YaRN: the cos/sin factor itself; None infers it from ``rope_factor`` and the two mscales."""
+    rope_truncate: bool = True
+    """YaRN: round the frequency ramp's ends to whole dims (transformers' default)."""
+    rope_interleave: bool = True
+    """MLA: rotary pairs are adjacent dims ``(2i, 2i+1)`` (DeepSeek's layout) rather than ``(i, i + R/2)``."""
     num_experts: int = 8
     """Routed experts E."""
     num_shared_experts: int = 1
@@ -95,10 +127,15 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.{name} must be positive, got {value}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} does not split into {self.num_heads} heads")
-        if self.attn_head_dim % 2:
-            raise ValueError(f"head_dim={self.attn_head_dim} must be even for rotary embeddings")
+        if self.attention == "mla":
+            self._check_mla()
+        else:
+            if self.head_dim is None and self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} does not split into {self.num_heads} heads")
+            if self.attn_head_dim % 2:
+                raise ValueError(f"head_dim={self.attn_head_dim} must be even for rotary embeddings")
+            if self.rope_type != "default":  # the GQA blocks compute plain RoPE only: refuse, never ignore
+                raise ValueError(f"rope_type={self.rope_type!r} is built for attention='mla' only")
         if not 0 <= self.num_dense_layers <= self.num_layers:
             raise ValueError(f"num_dense_layers={self.num_dense_layers} not in [0, {self.num_layers}]")
         if self.top_k > self.num_experts:
@@ -127,6 +164,24 @@ class MoEConfig:
         self.dense_layers = tuple(self.dense_layers)  # a TOML array arrives as a list
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
             raise ValueError(f"dense_layers={self.dense_layers} outside [0, {self.num_layers})")
+
+    def _check_mla(self) -> None:
+        sizes = {
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+        }
+        if self.q_lora_rank is not None:
+            sizes["q_lora_rank"] = self.q_lora_rank
+        for name, value in sizes.items():
+            if value <= 0:
+                raise ValueError(f"MoEConfig.{name} must be positive, got {value}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even for rotary embeddings")
+        from moe.models.rope import RopeConfig  # validates rope_type and YaRN's required fields
+
+        RopeConfig.from_moe_config(self)
 
     @property
     def attn_head_dim(self) -> int:

@@ -3,7 +3,8 @@
 Both config styles are read: the hub's (``rope_theta`` + ``rope_scaling``, Qwen's ``num_experts``) and what
 transformers 5.x writes (``rope_parameters``, ``num_local_experts``). A config this stack cannot run exactly
 as published (an unknown ``model_type``, a feature not built yet) is a :class:`HFConfigError`: one line naming
-the field.
+the field. A field a config.json leaves out takes transformers' default for it, except the sizes, which are
+required.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from moe.config import MoEConfig
+from moe.models.rope import RopeConfig
 
 __all__ = ["HF_CONFIGS", "HFConfigError", "from_hf_config", "read_hf_config"]
 
@@ -82,8 +84,72 @@ def _qwen3_moe(raw: Mapping[str, Any]) -> MoEConfig:
     )
 
 
-HF_CONFIGS: Mapping[str, Callable[[Mapping[str, Any]], MoEConfig]] = MappingProxyType({"qwen3_moe": _qwen3_moe})
-"""config.json readers by ``model_type``. ``deepseek_v3`` arrives with its MLA and MTP blocks."""
+def _deepseek_v3(raw: Mapping[str, Any]) -> MoEConfig:
+    """DeepSeek-V3 without multi-token prediction: MLA (plain RoPE or YaRN), the sigmoid group-limited router
+    with its selection bias (``e_score_correction_bias``, balanced aux-loss-free as in training), shared experts,
+    the first ``first_k_dense_replace`` layers dense.
+
+    ``num_nextn_predict_layers`` is read past: transformers writes 1 for every DeepSeek-V3 config, checkpoint
+    with MTP weights or not, and the MTP module is not built yet; a checkpoint that holds MTP weights is refused
+    when its tensors are mapped (:func:`moe.hf.keys.to_ours`).
+    """
+    _refuse(
+        raw,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        hidden_act="silu",
+        topk_method="noaux_tc",  # the hub config's names for the router transformers implements
+        scoring_func="sigmoid",
+        moe_layer_freq=1,  # DeepSeek's code: experts on layers >= first_k_dense_replace with i % freq == 0
+    )
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise HFConfigError(f"deepseek_v3: quantization_config ({method}) is not supported: dequantize to bf16 first")
+    heads = int(_get(raw, "num_attention_heads"))
+    kv_heads = int(_get(raw, "num_key_value_heads", default=heads))
+    if kv_heads != heads:  # MLA expands its latent to every head; GQA-style sharing is not this architecture
+        raise HFConfigError(f"deepseek_v3: num_key_value_heads = {kv_heads} must equal num_attention_heads = {heads}")
+    if "q_lora_rank" not in raw:  # null is meaningful (no query latent), so absence is not read as None
+        raise HFConfigError("config.json lacks q_lora_rank")
+    q_lora_rank = raw["q_lora_rank"]
+    return MoEConfig(
+        vocab_size=int(_get(raw, "vocab_size")),
+        hidden_size=int(_get(raw, "hidden_size")),
+        num_layers=int(_get(raw, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=heads,
+        attention="mla",
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+        kv_lora_rank=int(_get(raw, "kv_lora_rank")),
+        qk_nope_head_dim=int(_get(raw, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(_get(raw, "qk_rope_head_dim")),
+        v_head_dim=int(_get(raw, "v_head_dim")),
+        **RopeConfig.from_hf_config(raw).moe_config_fields(),
+        # transformers tests the value's truth: absent is its default True, an explicit null is half-split.
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+        dense_intermediate_size=int(_get(raw, "intermediate_size")),
+        num_dense_layers=int(_get(raw, "first_k_dense_replace", default=3)),
+        num_experts=int(_get(raw, "n_routed_experts", "num_local_experts")),
+        num_shared_experts=int(_get(raw, "n_shared_experts", default=1)),
+        moe_intermediate_size=int(_get(raw, "moe_intermediate_size")),
+        top_k=int(_get(raw, "num_experts_per_tok")),
+        n_group=int(_get(raw, "n_group", default=8)),
+        topk_group=int(_get(raw, "topk_group", default=4)),
+        router_scoring="sigmoid",
+        norm_topk_prob=bool(_get(raw, "norm_topk_prob", default=True)),
+        route_scale=float(_get(raw, "routed_scaling_factor", default=2.5)),
+        # Training goes on as V3 trained: the selection bias keeps its default step, the sequence-wise loss is
+        # off (config.json's aux_loss_alpha/seq_aux describe pre-training, not a default for fine-tuning).
+        seq_aux_loss_coef=0.0,
+        norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
+        init_std=float(_get(raw, "initializer_range", default=0.02)),
+    )
+
+
+HF_CONFIGS: Mapping[str, Callable[[Mapping[str, Any]], MoEConfig]] = MappingProxyType(
+    {"qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}
+)
+"""config.json readers by ``model_type``."""
 
 
 def from_hf_config(raw: Mapping[str, Any]) -> MoEConfig:

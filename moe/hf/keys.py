@@ -3,16 +3,18 @@
 Each :class:`Rule` pairs one of our state-dict keys (``{i}``: a global layer) with its hub key(s) and says how
 the tensors relate:
 
-- ``same``: one tensor under another name;
+- ``same``: one tensor (or buffer: the router's selection bias) under another name;
 - ``cat``: ours is the hub tensors concatenated along dim 0 (our fused SwiGLU ``gate_up`` = gate rows, then
   up rows);
 - ``experts_gate_up`` / ``experts_down``: ours is ``[E, D, 2F]`` / ``[E, F, D]`` (the grouped GEMM's layout),
   the hub holds one ``[F, D]`` / ``[D, F]`` matrix per expert ``{e}``, or, as transformers fuses them in
   memory, one ``gate_up_proj [E, 2F, D]`` / ``down_proj [E, D, F]``.
 
-:func:`to_ours` builds our state dict from hub tensors (either expert layout); :func:`to_hub` the hub layout
-(one tensor per expert, what ``save_pretrained`` writes) from ours. A missing hub tensor or a wrong shape is a
-:class:`HFCheckpointError` naming it.
+One table holds both published layouts (Qwen3-MoE, DeepSeek-V3): a model uses the rules its keys match.
+:func:`checkpoint_shapes` names what a checkpoint of a model holds, :func:`to_ours` builds our tensors from hub
+tensors (either expert layout), :func:`to_hub` the hub layout (one tensor per expert, what ``save_pretrained``
+writes) from ours. A missing hub tensor, one left over or a wrong shape is a :class:`HFCheckpointError`
+naming it.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-__all__ = ["RULES", "HFCheckpointError", "Rule", "to_hub", "to_ours"]
+__all__ = ["RULES", "HFCheckpointError", "Rule", "checkpoint_shapes", "to_hub", "to_ours"]
 
 
 class HFCheckpointError(ValueError):
@@ -44,13 +47,26 @@ RULES: tuple[Rule, ...] = (
     Rule("head.weight", ("lm_head.weight",)),
     Rule("blocks.{i}.attn_norm.weight", (f"{_LAYER}.input_layernorm.weight",)),
     Rule("blocks.{i}.mlp_norm.weight", (f"{_LAYER}.post_attention_layernorm.weight",)),
+    # Our attention modules carry the checkpoint's names: GQA (q/k/v/o), Qwen3's q/k norms, DeepSeek-V3's MLA.
     *(
         Rule(f"blocks.{{i}}.attn.{name}.weight", (f"{_LAYER}.self_attn.{name}.weight",))
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+        for name in (
+            *("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"),
+            *("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"),
+        )
     ),
     Rule("blocks.{i}.router.gate.weight", (f"{_LAYER}.mlp.gate.weight",)),
+    # A buffer: DeepSeek-V3's selection bias (checkpoint_shapes says when a checkpoint holds it).
+    Rule("blocks.{i}.router.expert_bias", (f"{_LAYER}.mlp.gate.e_score_correction_bias",)),
     Rule("blocks.{i}.mlp.gate_up.weight", (f"{_LAYER}.mlp.gate_proj.weight", f"{_LAYER}.mlp.up_proj.weight"), "cat"),
     Rule("blocks.{i}.mlp.down.weight", (f"{_LAYER}.mlp.down_proj.weight",)),
+    # DeepSeek-V3's shared experts: one SwiGLU MLP of n_shared_experts * moe_intermediate_size, fused like ours.
+    Rule(
+        "blocks.{i}.shared.gate_up.weight",
+        (f"{_LAYER}.mlp.shared_experts.gate_proj.weight", f"{_LAYER}.mlp.shared_experts.up_proj.weight"),
+        "cat",
+    ),
+    Rule("blocks.{i}.shared.down.weight", (f"{_LAYER}.mlp.shared_experts.down_proj.weight",)),
     Rule(
         "blocks.{i}.experts.w1",
         (f"{_LAYER}.mlp.experts.{{e}}.gate_proj.weight", f"{_LAYER}.mlp.experts.{{e}}.up_proj.weight"),
@@ -58,10 +74,14 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("blocks.{i}.experts.w2", (f"{_LAYER}.mlp.experts.{{e}}.down_proj.weight",), "experts_down"),
 )
-"""Every tensor of the Qwen3-MoE layout; a model's state dict uses the rules its keys match."""
+"""Every tensor of the Qwen3-MoE and DeepSeek-V3 layouts; a model's state dict uses the rules its keys match."""
 
 # transformers' in-memory fused experts, accepted on load beside the per-expert hub keys
 _FUSED = {"experts_gate_up": f"{_LAYER}.mlp.experts.gate_up_proj", "experts_down": f"{_LAYER}.mlp.experts.down_proj"}
+
+
+# DeepSeek-V3's multi-token-prediction module sits at layer index num_hidden_layers with names of its own
+_MTP = re.compile(r"^model\.layers\.(?P<i>\d+)\.(enorm|hnorm|eh_proj|shared_head)\.")
 
 
 def _pattern(template: str) -> re.Pattern[str]:
@@ -86,28 +106,46 @@ def _take(hub: Mapping[str, torch.Tensor], key: str, used: set[str]) -> torch.Te
     return hub[key]
 
 
-def _experts(hub: Mapping[str, torch.Tensor], rule: Rule, layer: str, num: int, used: set[str]) -> torch.Tensor:
+def _experts(hub: Mapping[str, torch.Tensor], rule: Rule, layer: str, experts: range, used: set[str]) -> torch.Tensor:
     fused = _FUSED[rule.kind].format(i=layer)
     if fused in hub:  # [E, 2F, D] / [E, D, F]
-        return _take(hub, fused, used).transpose(1, 2)
+        return _take(hub, fused, used)[experts.start : experts.stop].transpose(1, 2)
     per_expert = []
-    for e in range(num):
+    for e in experts:
         parts = [_take(hub, name.format(i=layer, e=e), used) for name in rule.hub]
         per_expert.append(torch.cat(parts, dim=0).t())  # [2F, D] -> [D, 2F]; [D, F] -> [F, D]
     return torch.stack(per_expert)
 
 
-def to_ours(hub: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """Our tensors for the keys and shapes of ``shapes`` (a model's parameter shapes, every expert; buffers
-    such as the router's selection bias keep their own values) from hub tensors. Every hub tensor must be
-    used: one left over is an error naming it (a layout this table does not know would otherwise load
-    silently as a partial model)."""
+def checkpoint_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """The shapes of what a checkpoint of ``model`` (a whole :class:`moe.model.MoEModel`, every expert) holds:
+    every parameter, and the routers' selection bias where the published router stores it (DeepSeek-V3's
+    sigmoid router, ``e_score_correction_bias``; Qwen3-MoE's softmax router has none, so ours keeps its own)."""
+    shapes = {key: p.shape for key, p in model.named_parameters()}
+    if model.cfg.router_scoring == "sigmoid":
+        shapes.update({key: b.shape for key, b in model.named_buffers() if key.endswith(".router.expert_bias")})
+    return shapes
+
+
+def to_ours(
+    hub: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, torch.Size],
+    *,
+    first_expert: int = 0,
+    whole: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Our tensors for the keys and shapes of ``shapes`` from hub tensors: a model's parameters, and any buffer
+    with a rule, such as the router's selection bias (:func:`checkpoint_shapes`); a buffer left out keeps its
+    own value. Expert tensors hold the experts ``first_expert ..`` (their first dim says how many: a stage on
+    an expert-parallel rank holds its own slice). With ``whole`` (a whole model) every hub tensor must be used:
+    one left over is an error naming it (a layout this table does not know would otherwise load silently as a
+    partial model); a stage reads only its share (``whole=False``)."""
     used: set[str] = set()
     out: dict[str, torch.Tensor] = {}
     for key, shape in shapes.items():
         rule, layer = _rule_for(key)
         if rule.kind.startswith("experts"):
-            value = _experts(hub, rule, layer or "", shape[0], used)
+            value = _experts(hub, rule, layer or "", range(first_expert, first_expert + shape[0]), used)
         else:
             parts = [_take(hub, name.format(i=layer), used) for name in rule.hub]
             value = torch.cat(parts, dim=0) if rule.kind == "cat" else parts[0]
@@ -115,14 +153,21 @@ def to_ours(hub: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size]) -
             names = ", ".join(name.format(i=layer, e="*") for name in rule.hub)
             raise HFCheckpointError(f"{names}: shape {tuple(value.shape)} for our {key} of shape {tuple(shape)}")
         out[key] = value
-    unused = sorted(set(hub) - used)
+    unused = sorted(set(hub) - used) if whole else []
+    mtp = next((m for m in map(_MTP.match, unused) if m), None)
+    if mtp:
+        raise HFCheckpointError(
+            f"the checkpoint holds multi-token prediction weights (model.layers.{mtp['i']}.{mtp[2]}...): "
+            "MTP is not supported yet"
+        )
     if unused:
         raise HFCheckpointError(f"the checkpoint holds {len(unused)} tensor(s) with no place here: {unused[0]}")
     return out
 
 
 def to_hub(ours: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The hub layout (per-expert matrices, as ``save_pretrained`` writes) of our state dict (every expert)."""
+    """The hub layout (per-expert matrices, as ``save_pretrained`` writes) of our tensors: those
+    :func:`checkpoint_shapes` names, every expert."""
     out: dict[str, torch.Tensor] = {}
     for key, value in ours.items():
         rule, layer = _rule_for(key)

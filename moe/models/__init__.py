@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from moe.layers import Attention
+from moe.models.mla import MLAttention
 from moe.models.qwen3_moe import Qwen3Attention
+from moe.models.rope import RopeConfig
 
 if TYPE_CHECKING:
     from moe.config import MoEConfig
@@ -35,10 +37,25 @@ def _gqa_qk_norm(cfg: MoEConfig) -> nn.Module:
     )
 
 
+def _mla(cfg: MoEConfig) -> nn.Module:
+    return MLAttention(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rope=RopeConfig.from_moe_config(cfg),
+        rope_interleave=cfg.rope_interleave,
+    )
+
+
 ATTENTIONS: Mapping[str, Callable[[MoEConfig], nn.Module]] = MappingProxyType(
     {
         "gqa": _gqa,  # grouped-query attention with rotary positions (our blocks)
         "gqa-qk-norm": _gqa_qk_norm,  # Qwen3: per-head RMSNorm on q and k before the rotary embedding
+        "mla": _mla,  # DeepSeek-V3: multi-head latent attention, rotary (plain or YaRN) on a decoupled key
     }
 )
 """Attention variants by ``MoEConfig.attention``: each builds the module a block's ``attn`` holds."""

@@ -27,6 +27,20 @@ __all__ = ["RopeConfig", "apply_rotary", "hf_field", "rotary_cos_sin", "yarn_msc
 
 _ROPE_TYPES = ("default", "yarn")
 
+# RopeConfig field -> (MoEConfig field, its type): flat and ``rope_``-prefixed there; read by both directions.
+_MOE_FIELDS: dict[str, tuple[str, type]] = {
+    "theta": ("rope_theta", float),
+    "rope_type": ("rope_type", str),
+    "factor": ("rope_factor", float),
+    "original_max_position_embeddings": ("rope_original_max_position_embeddings", int),
+    "beta_fast": ("rope_beta_fast", float),
+    "beta_slow": ("rope_beta_slow", float),
+    "mscale": ("rope_mscale", float),
+    "mscale_all_dim": ("rope_mscale_all_dim", float),
+    "attention_factor": ("rope_attention_factor", float),
+    "truncate": ("rope_truncate", bool),
+}
+
 
 def hf_field(config: Any, name: str, default: Any = None) -> Any:
     """One field of a Hugging Face config: a config.json dict or any object with the fields as attributes."""
@@ -103,6 +117,20 @@ class RopeConfig:
             attention_factor=params.get("attention_factor"),
             truncate=params.get("truncate", True),
         )
+
+    @classmethod
+    def from_moe_config(cls, cfg: Any) -> RopeConfig:
+        """The rotary parameters of a :class:`moe.config.MoEConfig` (its ``rope_theta`` and ``rope_*`` fields)."""
+        return cls(**{ours: getattr(cfg, theirs) for ours, (theirs, _) in _MOE_FIELDS.items()})
+
+    def moe_config_fields(self) -> dict[str, Any]:
+        """These parameters as :class:`moe.config.MoEConfig` keyword arguments of its types (config.json's
+        ``40`` becomes ``40.0``), the inverse of :meth:`from_moe_config`."""
+        fields = {}
+        for ours, (theirs, kind) in _MOE_FIELDS.items():
+            value = getattr(self, ours)
+            fields[theirs] = value if value is None else kind(value)
+        return fields
 
     def cos_sin_scale(self) -> float:
         """The factor on cos and sin (YaRN's ``attention_factor``; 1 for plain RoPE)."""
