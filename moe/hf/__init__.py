@@ -7,13 +7,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from moe.hf.config import HF_CONFIGS, HFConfigError, from_hf_config, read_hf_config
-from moe.hf.keys import RULES, HFCheckpointError, to_hub, to_ours
+from moe.hf.keys import RULES, HFCheckpointError, checkpoint_shapes, to_hub, to_ours
 from moe.model import MoEModel
+from moe.stage import MoEStage
 
 __all__ = [
     "HF_CONFIGS",
@@ -22,6 +24,7 @@ __all__ = [
     "HFConfigError",
     "from_hf_config",
     "load_hf_model",
+    "load_hf_weights",
     "read_hf_config",
     "read_safetensors",
     "to_hub",
@@ -29,41 +32,65 @@ __all__ = [
 ]
 
 
-def _safetensors():
-    try:
-        from safetensors.torch import load_file
-    except ImportError:
-        raise HFCheckpointError(
-            "reading safetensors needs the safetensors package: pip install 'dualpipe-moe[hf]'"
-        ) from None
-    return load_file
-
-
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory: ``model.safetensors``, or the shards its
     ``model.safetensors.index.json`` lists."""
-    path = Path(path)
-    load_file = _safetensors()
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise HFCheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(str(path / name)))
-    return tensors
+    return dict(_Files(Path(path)))
 
 
 def load_hf_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> MoEModel:
-    """The whole model of a Hugging Face checkpoint directory in one process (config.json + safetensors)."""
-    cfg = read_hf_config(path)
-    model = MoEModel(cfg)
-    shapes = {k: p.shape for k, p in model.named_parameters()}
-    ours = to_ours(read_safetensors(path), shapes)
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            p.copy_(ours[key])
+    """The whole model of a Hugging Face checkpoint directory in one process (config.json + safetensors); every
+    tensor of the files must find its place."""
+    model = MoEModel(read_hf_config(path))
+    load_hf_weights([model], path, whole=True)
     return model.to(dtype)
+
+
+class _Files(Mapping[str, torch.Tensor]):
+    """A checkpoint directory's tensors by name, each read from its file only when asked for (safetensors maps
+    the file; a rank touches only the tensors of its stages and experts)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise HFCheckpointError(
+                "reading safetensors needs the safetensors package: pip install 'dualpipe-moe[hf]'"
+            ) from None
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            self._where = dict(json.loads(index.read_text())["weight_map"])
+        elif (path / "model.safetensors").exists():
+            with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+                self._where = dict.fromkeys(f.keys(), "model.safetensors")
+        else:
+            raise HFCheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+        self._files = {name: safe_open(str(path / name), framework="pt") for name in set(self._where.values())}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._files[self._where[key]].get_tensor(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_hf_weights(stages: Sequence[MoEStage], path: str | Path, *, whole: bool = False) -> None:
+    """Set this rank's stages from a Hugging Face checkpoint directory: each reads only its own layers' tensors
+    and, of each expert tensor, its local experts (``dispatcher.local_experts``). Collective-free. ``whole``:
+    one stage that is the whole model, so a tensor of the files with no place in it is an error."""
+    if whole and len(stages) != 1:
+        raise ValueError("whole=True takes one stage holding the whole model")
+    files = _Files(Path(path))
+    for stage in stages:
+        first = stage.dispatcher.local_experts.start
+        ours = to_ours(files, checkpoint_shapes(stage), first_expert=first, whole=whole)
+        state = stage.state_dict()  # parameters and buffers, sharing their storage
+        with torch.no_grad():
+            for key, value in ours.items():
+                state[key].copy_(value)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,16 +66,19 @@ def _require(ok: bool, name: str, value: object, rule: str) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """The model: a preset of :data:`moe.config.PRESETS` with any :class:`moe.config.MoEConfig` field set over
-    it (in the file, the ``[model]`` table holds ``name`` and those fields)."""
+    """The model: a preset of :data:`moe.config.PRESETS`, or a Hugging Face checkpoint directory (its
+    config.json and weights), with any :class:`moe.config.MoEConfig` field set over it (in the file, the
+    ``[model]`` table holds ``name`` and those fields)."""
 
     name: str = "tiny"
-    """Preset the other fields start from (``--model``; ``--preset`` is the old name)."""
+    """A preset, or a Hugging Face checkpoint directory whose weights the run starts from (``--model``;
+    ``--preset`` is the old name)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """MoEConfig fields set over the preset (``vocab_size = 70000``)."""
 
     def __post_init__(self) -> None:
-        _require(self.name in PRESETS, "model.name", self.name, f"choose one of {tuple(PRESETS)}")
+        ok = self.name in PRESETS or self.checkpoint is not None
+        _require(ok, "model.name", self.name, f"choose one of {tuple(PRESETS)} or a directory with a config.json")
         known = {f.name for f in dataclasses.fields(MoEConfig)}
         unknown = sorted(set(self.overrides) - known)
         _require(not unknown, "model", unknown, "not fields of MoEConfig")
@@ -83,8 +87,18 @@ class ModelConfig:
         except ValueError as exc:
             raise ConfigError(f"model: {exc}") from None
 
+    @property
+    def checkpoint(self) -> Path | None:
+        """The Hugging Face checkpoint directory ``name`` points at, if it is one."""
+        path = Path(self.name)
+        return path if self.name not in PRESETS and (path / "config.json").is_file() else None
+
     def build(self) -> MoEConfig:
         """The resolved, validated model configuration."""
+        if self.checkpoint is not None:
+            from moe.hf import read_hf_config  # the hf package only for checkpoint directories
+
+            return read_hf_config(self.checkpoint).replace(**self.overrides)
         return PRESETS[self.name].replace(**self.overrides)
 
 

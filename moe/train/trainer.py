@@ -15,7 +15,7 @@ one at another (pp, dp, ep) with the same global batch, sees exactly the same to
 
 from __future__ import annotations
 
-import datetime
+import dataclasses
 import math
 import os
 import signal
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dualpipe import PIPELINES, Pipeline
+from dualpipe import Pipeline
 from dualpipe.observer import ProfilerObserver
 from kernels.warmup import KernelShapes, warm_up
 from moe.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -37,7 +37,7 @@ from moe.guard import find_nonfinite, weights_are_finite
 from moe.memory import MemoryMeter
 from moe.model import lm_loss
 from moe.optimizer import DistributedOptimizer, grad_of
-from moe.parallel import build_stages, init_layout, nccl_options
+from moe.parallel import build_stages, init_layout
 from moe.plan import model_flops_per_token
 from moe.router import Router, bias_rate_at
 from moe.stage import MoEStage
@@ -45,6 +45,7 @@ from moe.train import preflight
 from moe.train.config import TrainConfig
 from moe.train.lr import lr_at
 from moe.train.metrics import Callback, JsonlWriter, ProgressPrinter, TensorBoardWriter, peak_flops
+from moe.train.ranks import init_process_group, make_pipeline, pick_device
 
 __all__ = ["Trainer", "TrainingError"]
 
@@ -60,13 +61,11 @@ class Trainer:
     def __init__(self, config: TrainConfig, callbacks: list[Callback] | None = None) -> None:
         self.config = config
         self.model_config = config.model_config
-        self.device = self._pick_device()
+        self.device = pick_device()
         self.memory_estimate = self.preflight()
         self.data = self.build_data()
-        self.owns_process_group = self._init_process_group()
+        self.owns_process_group = init_process_group(self.device, config.fault.timeout, config.parallel.reserved_sms)
         self.rank = dist.get_rank()
-        if self.device.type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
         torch.manual_seed(config.training.seed)
         self.layout = init_layout(config.parallel, self.device.type)
         self.stages = self.build_stages()
@@ -92,16 +91,6 @@ class Trainer:
 
     # construction
 
-    def _pick_device(self) -> torch.device:
-        """CUDA device ``LOCAL_RANK`` under a launcher, device 0 for a plain ``python``; the CPU otherwise, and
-        whenever the caller made a process group without a launcher (tests' gloo ranks)."""
-        launched = "LOCAL_RANK" in os.environ
-        standalone = "RANK" not in os.environ and not dist.is_initialized()
-        if torch.cuda.is_available() and (launched or standalone):
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def preflight(self) -> float:
         """Every check that needs no peer; returns the per-rank memory estimate in bytes."""
         preflight.check_dispatcher(self.config)
@@ -122,35 +111,20 @@ class Trainer:
             raise preflight.PreflightError(f"error: --data: {exc}") from None
         return data
 
-    def _init_process_group(self) -> bool:
-        """The default group unless the caller made one; every collective waits at most ``fault.timeout``. On
-        NCCL it gets the layout's CTA cap (it carries the per-step loss and norm reductions). Without a
-        launcher (a plain ``python``) it is a one-rank group over an in-memory store."""
-        if dist.is_initialized():
-            return False
-        cuda = self.device.type == "cuda"
-        timeout = datetime.timedelta(seconds=self.config.fault.timeout)
-        options = nccl_options(self.config.parallel.reserved_sms) if cuda else None
-        backend = "nccl" if cuda else "gloo"
-        if "RANK" not in os.environ:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-            return True
-        try:
-            dist.init_process_group(backend, timeout=timeout, pg_options=options)
-        except dist.DistNetworkError as exc:
-            if "EADDRINUSE" not in str(exc):
-                raise
-            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-            raise TrainingError(
-                f"error: the rendezvous port {where} is in use; set MASTER_PORT to a free port"
-            ) from exc
-        return True
-
     def build_stages(self) -> tuple[MoEStage, ...]:
+        """This rank's stages: from a Hugging Face checkpoint's weights when ``--model`` is one (each rank reads
+        its own layers and experts), else initialised from ``training.seed``."""
         dtype = getattr(torch, self.config.training.dtype)
         stages = build_stages(
             self.model_config, self.layout, seed=self.config.training.seed, dtype=dtype, device=self.device
         )
+        if self.config.model.checkpoint is not None:
+            from moe.hf import HFCheckpointError, load_hf_weights
+
+            try:
+                load_hf_weights(stages, self.config.model.checkpoint)
+            except HFCheckpointError as exc:  # the same files on every rank: all stop alike
+                raise TrainingError(f"error: --model {self.config.model.checkpoint}: {exc}") from None
         # Triton compiles and autotunes at the real shapes now, on every rank alike, not inside the first
         # pipe.step while all-to-alls are in flight (a no-op off CUDA).
         pc, tr = self.config.parallel, self.config.training
@@ -165,15 +139,15 @@ class Trainer:
         return stages
 
     def build_pipeline(self) -> Pipeline:
-        pc, tr = self.config.parallel, self.config.training
-        pipe = PIPELINES[pc.schedule](
-            list(self.stages), process_group=self.layout.pp_group, timeout=self.config.fault.timeout, overlap=pc.overlap
+        tr = self.config.training
+        return make_pipeline(
+            self.stages,
+            self.layout,
+            micro_batch=tr.micro_batch_size,
+            seq_len=tr.seq_len,
+            dtype=getattr(torch, tr.dtype),
+            timeout_s=self.config.fault.timeout,
         )
-        # Every stage boundary carries one hidden-state tensor per micro-batch: declaring it lets receives be
-        # posted ahead of the compute that consumes them (no per-message shape header to wait for).
-        pipe.set_p2p_tensor_shapes([(tr.micro_batch_size, tr.seq_len, self.model_config.hidden_size)])
-        pipe.set_p2p_tensor_dtype(getattr(torch, tr.dtype))
-        return pipe
 
     def build_optimizer(self) -> DistributedOptimizer:
         opt = self.config.optimizer
@@ -398,6 +372,7 @@ class Trainer:
         pc = self.config.parallel
         meta = {"consumed_samples": self.consumed_samples, "pp": pc.pp, "dp": pc.dp, "ep": pc.ep}
         meta["config"] = {"model": self.config.model.name, "schedule": pc.schedule}
+        meta["model"] = dataclasses.asdict(self.model_config)  # what moe.eval rebuilds the model from
         try:
             save_checkpoint(
                 self.config.checkpoint.dir,
