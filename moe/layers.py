@@ -20,7 +20,7 @@ from dualpipe.weight_grad import WeightGradStore
 from kernels import functional
 from kernels.functional import accumulate_grad
 
-__all__ = ["Attention", "DenseMLP", "Linear", "RMSNorm", "accumulate_grad", "defer_wgrad"]
+__all__ = ["Attention", "DenseMLP", "Linear", "RMSNorm", "accumulate_grad", "causal_attention", "defer_wgrad"]
 
 
 def _without_grad(fn: Callable[[], None]) -> Callable[[], None]:
@@ -100,6 +100,24 @@ def _rotate(x_BSHC: torch.Tensor, cos_SC: torch.Tensor, sin_SC: torch.Tensor) ->
     return out.to(x_BSHC.dtype)
 
 
+def causal_attention(
+    q_BSHC: torch.Tensor, k_BSGC: torch.Tensor, v_BSGV: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Causal softmax attention of every attention variant (SDPA: FlashAttention's kernel where it applies):
+    ``[B, S, H, C]`` queries over ``G`` key/value heads (``H % G == 0``, grouped-query when ``G < H``), value
+    width ``V`` (may differ from ``C``, as in MLA) -> ``[B, S, H, V]``. ``scale``: the softmax scale (None:
+    ``C ** -0.5``)."""
+    o_BHSV = F.scaled_dot_product_attention(
+        q_BSHC.transpose(1, 2),
+        k_BSGC.transpose(1, 2),
+        v_BSGV.transpose(1, 2),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=k_BSGC.shape[2] != q_BSHC.shape[2],
+    )
+    return o_BHSV.transpose(1, 2)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary positions (SDPA does the softmax)."""
 
@@ -121,14 +139,7 @@ class Attention(nn.Module):
         angles_SC = torch.arange(s, device=x_BSD.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         cos_SC, sin_SC = angles_SC.cos(), angles_SC.sin()
         q_BSHC, k_BSGC = _rotate(q_BSHC, cos_SC, sin_SC), _rotate(k_BSGC, cos_SC, sin_SC)
-        o_BHSC = F.scaled_dot_product_attention(
-            q_BSHC.transpose(1, 2),
-            k_BSGC.transpose(1, 2),
-            v_BSGC.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
-        return self.wo(o_BHSC.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(causal_attention(q_BSHC, k_BSGC, v_BSGC).reshape(b, s, -1))
 
 
 class DenseMLP(nn.Module):

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RankFailure", "RankTimeout", "run_ranks"]
+__all__ = ["RankFailure", "RankTimeout", "exit_message", "run_ranks"]
 
 
 class RankFailure(AssertionError):
@@ -171,3 +171,15 @@ def run_ranks(
             for p in procs:
                 p.join(timeout=10)
     return [results[r] for r in range(world_size)]
+
+
+def exit_message(rank: int, world: int, module: str, argv: list[str]) -> str:
+    """A rank body for :func:`run_ranks`: ``module.main(argv)`` (a command's entry point, e.g. ``moe.train``),
+    returning the message it exits with (``"no error"`` when it returns)."""
+    import importlib
+
+    try:
+        importlib.import_module(module).main(argv)
+    except SystemExit as exc:
+        return str(exc.code)
+    return "no error"

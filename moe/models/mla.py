@@ -17,10 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moe.layers import Linear, RMSNorm
+from moe.layers import Linear, RMSNorm, causal_attention
 from moe.models.rope import RopeConfig, apply_rotary, hf_field, rotary_cos_sin
 
 __all__ = ["LATENT_NORM_EPS", "MLAttention"]
@@ -127,14 +126,8 @@ class MLAttention(nn.Module):
         q_BSHC = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
         k_BSHC = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(b, s, h, r)], dim=-1)
         # SDPA takes a value head dim different from the query/key one (V != C).
-        o_BHSV = F.scaled_dot_product_attention(
-            q_BSHC.transpose(1, 2),
-            k_BSHC.transpose(1, 2),
-            v_BSHV.transpose(1, 2),
-            is_causal=True,
-            scale=self.softmax_scale,
-        )
-        return self.o_proj(o_BHSV.transpose(1, 2).reshape(b, s, h * v))
+        o_BSHV = causal_attention(q_BSHC, k_BSHC, v_BSHV, scale=self.softmax_scale)
+        return self.o_proj(o_BSHV.reshape(b, s, h * v))
 
     def extra_repr(self) -> str:
         return (

@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moe.layers import Linear, RMSNorm
+from moe.layers import Linear, RMSNorm, causal_attention
 from moe.models.rope import RopeConfig, apply_rotary, hf_field, rotary_cos_sin
 
 __all__ = ["Qwen3Attention", "load_balancing_loss"]
@@ -86,15 +85,8 @@ class Qwen3Attention(nn.Module):
         cos_SP, sin_SP = rotary_cos_sin(self.inv_freq, torch.arange(s, device=x_BSD.device))
         q_BSHC = apply_rotary(q_BSHC, cos_SP, sin_SP, interleave=False)
         k_BSGC = apply_rotary(k_BSGC, cos_SP, sin_SP, interleave=False)
-        # SDPA's default scale is head_dim ** -0.5, the published one.
-        o_BHSC = F.scaled_dot_product_attention(
-            q_BSHC.transpose(1, 2),
-            k_BSGC.transpose(1, 2),
-            v_BSGC.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
-        return self.o_proj(o_BHSC.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        o_BSHC = causal_attention(q_BSHC, k_BSGC, v_BSGC)  # scale head_dim ** -0.5, the published one
+        return self.o_proj(o_BSHC.reshape(b, s, self.num_heads * self.head_dim))
 
 
 def load_balancing_loss(

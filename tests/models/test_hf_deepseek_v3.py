@@ -16,6 +16,7 @@ from moe.config import MoEConfig
 from moe.hf import HFCheckpointError, HFConfigError, from_hf_config, load_hf_model, read_safetensors, to_hub, to_ours
 from moe.hf.keys import checkpoint_shapes
 from moe.model import MoEModel, lm_loss
+from tests.models.helpers import large_random_weights
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -61,11 +62,9 @@ def _hf_model(q_lora_rank: int | None = 32):
         attn_implementation="eager",
     )
     model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # large weights: a missing feature must move the logits far beyond the tolerance
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.3 * noise if name.endswith("norm.weight") else noise / p.shape[-1] ** 0.5)
+    large_random_weights(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
         for name, b in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):  # as large as the gaps between sigmoid scores
                 b.copy_(0.3 * torch.randn(b.shape, generator=gen))

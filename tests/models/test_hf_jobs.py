@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import run_ranks
+from tests.distributed import exit_message, run_ranks
 from tests.models import test_hf_deepseek_v3, test_hf_qwen3_moe
 from tests.train.test_trainer import losses
 
@@ -71,18 +71,8 @@ def test_eval_refuses_what_it_cannot_run_in_one_line(job, tmp_path: Path) -> Non
         (_argv(ckpt, tokens, "--batch-size", "1"), "DualPipeV needs num_chunks >= 2 * ranks = 2 (got 1)"),
     ]
     for argv, message in cases:
-        out = run_ranks(_eval_error, 1, args=(argv,), timeout=60)[0]
+        out = run_ranks(exit_message, 1, args=("moe.eval", argv), timeout=60)[0]
         assert out.startswith("error: ") and message in out and "\n" not in out, out
-
-
-def _eval_error(rank: int, world: int, argv: list[str]) -> str:
-    from moe.eval import main
-
-    try:
-        main(argv)
-    except SystemExit as exc:
-        return str(exc.code)
-    return "no error"
 
 
 def test_training_from_a_checkpoint_pipelined_equals_one_process(job, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from moe.hf import HFCheckpointError, HFConfigError, from_hf_config, load_hf_model, read_safetensors, to_hub, to_ours
 from moe.model import MoEModel, lm_loss
+from tests.models.helpers import large_random_weights
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -37,11 +38,7 @@ def _hf_model(norm_topk_prob: bool = True):
         attn_implementation="eager",
     )
     model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # large weights: a missing feature must move the logits far beyond the tolerance
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.3 * noise if name.endswith("norm.weight") else noise / p.shape[-1] ** 0.5)
+    large_random_weights(model)
     return model
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.distributed import exit_message, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,13 +89,7 @@ def test_a_checkpoint_loads_at_another_layout(tmp_path: Path) -> None:
 
 
 def _bad_flags(rank: int, world: int, argv: list[str]) -> str:
-    from moe.train import main
-
-    try:
-        main(argv)
-    except SystemExit as exc:
-        return str(exc.code)
-    return "no error"
+    return exit_message(rank, world, "moe.train", argv)
 
 
 @pytest.mark.parametrize(
