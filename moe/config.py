@@ -1,8 +1,14 @@
 """Model configuration: one dataclass, validated on construction, with named presets.
 
-DeepSeek-V3 proportions for the GPU presets: 256 routed experts + 1 shared, top-8 routing over 8 groups
-with at most 4 groups per token (which caps a token at 4 nodes when experts are laid out node-major),
-the first 3 layers dense, the routed weights scaled by 2.5.
+DeepSeek-V3 proportions for the GPU presets ``small``, ``medium`` and ``v3``: 256 routed experts + 1 shared,
+top-8 routing over 8 groups with at most 4 groups per token (which caps a token at 4 nodes when experts are
+laid out node-major), the first 3 layers dense, the routed weights scaled by 2.5; grouped-query attention.
+
+The published architectures, exactly as their config.json (what :func:`moe.hf.from_hf_config` reads from it):
+``deepseek-v3`` (671B, MLA with YaRN; its multi-token-prediction module is not built), ``deepseek-v2-lite``
+(16B: MLA without a query latent, a softmax router without groups or selection bias), ``qwen3-30b-a3b`` and
+``qwen3-235b-a22b`` (grouped-query attention with q/k norms, a softmax router, no shared expert). Each family
+has a CPU-sized shape with every one of its features: ``deepseek-v3-tiny`` and ``qwen3-moe-tiny``.
 """
 
 from __future__ import annotations
@@ -265,6 +271,187 @@ PRESETS: Mapping[str, MoEConfig] = MappingProxyType(
             topk_group=4,
             route_scale=2.5,
             seq_aux_loss_coef=1e-4,
+        ),
+        # The published architectures, each field what its config.json says (tests/models/test_presets.py reads
+        # the config.json values through moe.hf.from_hf_config and compares). Training-only fields keep what the
+        # reader gives a checkpoint: the selection-bias step (DeepSeek-V3: the default; the softmax routers:
+        # none) and no sequence-wise loss.
+        # deepseek-ai/DeepSeek-V3 (671B). Its config.json also has num_nextn_predict_layers = 1: the
+        # multi-token-prediction module, which is not built here (the main model only).
+        "deepseek-v3": MoEConfig(
+            vocab_size=129280,
+            hidden_size=7168,
+            num_layers=61,
+            num_heads=128,
+            num_kv_heads=128,
+            attention="mla",
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rope_theta=10000.0,
+            rope_type="yarn",
+            rope_factor=40.0,
+            rope_original_max_position_embeddings=4096,
+            rope_beta_fast=32.0,
+            rope_beta_slow=1.0,
+            rope_mscale=1.0,
+            rope_mscale_all_dim=1.0,
+            rope_interleave=True,
+            dense_intermediate_size=18432,
+            num_dense_layers=3,
+            num_experts=256,
+            num_shared_experts=1,
+            moe_intermediate_size=2048,
+            top_k=8,
+            n_group=8,
+            topk_group=4,
+            router_scoring="sigmoid",
+            route_scale=2.5,
+            norm_topk_prob=True,
+            norm_eps=1e-6,
+        ),
+        # deepseek-ai/DeepSeek-V2-Lite (16B): no query latent, the softmax router's greedy top-6 of 64 with the
+        # weights left unnormalised and unscaled, 2 shared experts, YaRN with mscale = mscale_all_dim = 0.707.
+        # No reader maps its config.json (model_type deepseek_v2): a preset to train, not a checkpoint to load.
+        "deepseek-v2-lite": MoEConfig(
+            vocab_size=102400,
+            hidden_size=2048,
+            num_layers=27,
+            num_heads=16,
+            num_kv_heads=16,
+            attention="mla",
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rope_theta=10000.0,
+            rope_type="yarn",
+            rope_factor=40.0,
+            rope_original_max_position_embeddings=4096,
+            rope_beta_fast=32.0,
+            rope_beta_slow=1.0,
+            rope_mscale=0.707,
+            rope_mscale_all_dim=0.707,
+            rope_interleave=True,
+            dense_intermediate_size=10944,
+            num_dense_layers=1,
+            num_experts=64,
+            num_shared_experts=2,
+            moe_intermediate_size=1408,
+            top_k=6,
+            router_scoring="softmax",
+            route_scale=1.0,
+            norm_topk_prob=False,
+            bias_update_rate=0.0,  # topk_method "greedy": no selection bias
+            norm_eps=1e-6,
+        ),
+        # Qwen/Qwen3-30B-A3B: every layer routed (decoder_sparse_step 1, mlp_only_layers []); the dense MLP width
+        # is config.json's intermediate_size, which no layer of this model uses.
+        "qwen3-30b-a3b": MoEConfig(
+            vocab_size=151936,
+            hidden_size=2048,
+            num_layers=48,
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            rope_theta=1e6,
+            attention="gqa-qk-norm",
+            dense_intermediate_size=6144,
+            num_experts=128,
+            num_shared_experts=0,
+            moe_intermediate_size=768,
+            top_k=8,
+            router_scoring="softmax",
+            route_scale=1.0,
+            norm_topk_prob=True,
+            bias_update_rate=0.0,  # Qwen3-MoE balances with an auxiliary loss, not a selection bias
+            norm_eps=1e-6,
+        ),
+        # Qwen/Qwen3-235B-A22B: as qwen3-30b-a3b, wider and deeper.
+        "qwen3-235b-a22b": MoEConfig(
+            vocab_size=151936,
+            hidden_size=4096,
+            num_layers=94,
+            num_heads=64,
+            num_kv_heads=4,
+            head_dim=128,
+            rope_theta=1e6,
+            attention="gqa-qk-norm",
+            dense_intermediate_size=12288,
+            num_experts=128,
+            num_shared_experts=0,
+            moe_intermediate_size=1536,
+            top_k=8,
+            router_scoring="softmax",
+            route_scale=1.0,
+            norm_topk_prob=True,
+            bias_update_rate=0.0,
+            norm_eps=1e-6,
+        ),
+        # CPU shapes of the two families (tests, demos): byte-level vocabulary, 4 layers (DualPipeV at pp=2),
+        # 8 experts (ep=2 divides them), every architecture feature of the family at a width that runs in
+        # milliseconds.
+        # DeepSeek-V3's: MLA with a query latent, YaRN (an original context of 16 so the interpolated
+        # frequencies matter on short sequences), interleaved rotary pairs, top-2 over 2 of 4 groups, a shared
+        # expert, a dense first layer, the weights scaled by 2.5.
+        "deepseek-v3-tiny": MoEConfig(
+            vocab_size=256,
+            hidden_size=32,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=4,
+            attention="mla",
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_theta=10000.0,
+            rope_type="yarn",
+            rope_factor=4.0,
+            rope_original_max_position_embeddings=16,
+            rope_beta_fast=32.0,
+            rope_beta_slow=1.0,
+            rope_mscale=1.0,
+            rope_mscale_all_dim=1.0,
+            rope_interleave=True,
+            dense_intermediate_size=64,
+            num_dense_layers=1,
+            num_experts=8,
+            num_shared_experts=1,
+            moe_intermediate_size=16,
+            top_k=2,
+            n_group=4,
+            topk_group=2,
+            router_scoring="sigmoid",
+            route_scale=2.5,
+            norm_topk_prob=True,
+            norm_eps=1e-6,
+        ),
+        # Qwen3-MoE's: q/k norms, a head width (16) other than hidden / heads (8), grouped kv heads, the
+        # softmax router's top-2 of 8 renormalised, no shared expert, rope base 1e6.
+        "qwen3-moe-tiny": MoEConfig(
+            vocab_size=256,
+            hidden_size=32,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            rope_theta=1e6,
+            attention="gqa-qk-norm",
+            dense_intermediate_size=64,
+            num_experts=8,
+            num_shared_experts=0,
+            moe_intermediate_size=16,
+            top_k=2,
+            router_scoring="softmax",
+            route_scale=1.0,
+            norm_topk_prob=True,
+            bias_update_rate=0.0,
+            norm_eps=1e-6,
         ),
     }
 )

@@ -179,7 +179,7 @@ def test_each_preset_has_a_config_file_that_loads() -> None:
         (["--lr-schedule", "step"], "error: lr_schedule.name = 'step': choose one of ('warmup-cosine', 'wsd')"),
         (["--steps", "0"], "error: training.steps = 0: must be positive"),
         (["--dtype", "float16"], "error: training.dtype = 'float16': choose one of ('float32', 'bfloat16')"),
-        (["--preset", "huge"], "error: model.name = 'huge': choose one of ('tiny', 'small', 'medium', 'v3')"),
+        (["--preset", "huge"], "error: model.name = 'huge': choose one of ('tiny', 'small', 'medium', 'v3', "),
         (["--num-experts", "6", "--top-k", "8"], "error: model: top_k=8 is larger than num_experts=6"),
         (["--data-dtype", "int8"], "error: data.dtype = 'int8': choose one of ('uint16', 'uint32')"),
         (["--ep", "2", "--num-experts", "5"], "error: parallel.ep = 2: must divide the model's 5 experts"),
