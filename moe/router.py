@@ -111,6 +111,15 @@ class Router(nn.Module):
         p_BE = (scores_BSE / scores_BSE.sum(-1, keepdim=True)).mean(1)
         return self.aux_coef * (f_BE * p_BE).sum(-1).mean()
 
+    def imbalance(self) -> torch.Tensor:
+        """max / mean expert load of the last balancing step (:attr:`last_load`) as a 0-d fp32 tensor on the
+        router's device (no host sync); 1.0 before any step, or with no load counted."""
+        one = torch.ones((), dtype=torch.float32, device=self.expert_bias.device)
+        load = self.last_load
+        if load is None:
+            return one
+        return torch.where(load.sum() > 0, load.max() / load.mean(), one)
+
     @torch.no_grad()
     def update_bias(self, rate: float, group: dist.ProcessGroup | None = None) -> None:
         """Auxiliary-loss-free balancing step: ``bias += rate * sign(mean_load - load)``; resets the count.
@@ -150,9 +159,4 @@ def bias_rate_at(rate: float, lr: float, peak_lr: float) -> float:
 def routing_imbalance(routers: Iterable[Router]) -> float:
     """max / mean expert load of the last balancing step, the worst of ``routers`` (1.0: perfectly even).
     1.0 when no update ran yet."""
-    worst = 1.0
-    for r in routers:
-        load = r.last_load
-        if load is not None and load.sum() > 0:
-            worst = max(worst, (load.max() / load.mean()).item())
-    return worst
+    return max((r.imbalance().item() for r in routers), default=1.0)

@@ -117,7 +117,7 @@ def _dataclass_fields(section: str, cls: type, skip: tuple[str, ...] = ()) -> li
     docs = _field_docs(cls)
     out = []
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        if f.name in skip or not f.init:  # derived state is no option
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         out.append(_Field(section, f.name, hints[f.name], default, docs.get(f.name, "")))

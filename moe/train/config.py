@@ -75,6 +75,7 @@ class ModelConfig:
     ``--preset`` is the old name)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """MoEConfig fields set over the preset (``vocab_size = 70000``)."""
+    _built: MoEConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ok = self.name in PRESETS or self.checkpoint is not None
@@ -83,7 +84,7 @@ class ModelConfig:
         unknown = sorted(set(self.overrides) - known)
         _require(not unknown, "model", unknown, "not fields of MoEConfig")
         try:
-            self.build()
+            self._built = self._resolve()
         except ValueError as exc:
             raise ConfigError(f"model: {exc}") from None
 
@@ -94,7 +95,12 @@ class ModelConfig:
         return path if self.name not in PRESETS and (path / "config.json").is_file() else None
 
     def build(self) -> MoEConfig:
-        """The resolved, validated model configuration."""
+        """The resolved, validated model configuration (resolved once, on construction: a checkpoint's
+        config.json is read there, not on every call)."""
+        assert self._built is not None
+        return self._built
+
+    def _resolve(self) -> MoEConfig:
         if self.checkpoint is not None:
             from moe.hf import read_hf_config  # the hf package only for checkpoint directories
 

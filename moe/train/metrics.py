@@ -70,12 +70,16 @@ class TensorBoardWriter:
 class ProgressPrinter:
     """The progress line every ``log_every`` steps (and the first, the last and every evaluated one)."""
 
-    def __init__(self, total_steps: int, log_every: int, first_step: int) -> None:
-        self.total, self.every, self.first = total_steps, log_every, first_step
+    def __init__(self, total_steps: int, log_every: int) -> None:
+        self.total, self.every = total_steps, log_every
+        self.first: int | None = None
+        """The run's first step (a resumed run's is past 1): the first record's."""
         self._t0 = time.monotonic()
 
     def on_step(self, record: dict[str, Any]) -> None:
         step = record["step"]
+        if self.first is None:
+            self.first = step
         if not (step % self.every == 0 or step in (self.first, self.total) or "val_loss" in record):
             return
         done = step - self.first + 1

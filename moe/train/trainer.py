@@ -163,7 +163,7 @@ class Trainer:
     def build_callbacks(self) -> list[Callback]:
         """Rank 0's record sinks: the progress line, ``metrics.file`` and ``metrics.tensorboard_dir``."""
         m = self.config.metrics
-        out: list[Callback] = [ProgressPrinter(self.config.training.steps, m.log_every, first_step=1)]
+        out: list[Callback] = [ProgressPrinter(self.config.training.steps, m.log_every)]
         if m.file:
             out.append(JsonlWriter(m.file))
         if m.tensorboard_dir:
@@ -203,9 +203,6 @@ class Trainer:
         self.first_step = self.step + 1
         if self.rank == 0:
             self.print_banner()
-        for printer in self.callbacks:
-            if isinstance(printer, ProgressPrinter):
-                printer.first = self.first_step
         while self.step < c.training.steps:
             step = self.step + 1
             self._drills(step)
@@ -297,34 +294,27 @@ class Trainer:
                     )
         finally:
             memory = self.meter.stop_step()
-        per_layer = self._imbalance_per_layer()
-        figures = self._worst_over_ranks(memory)
-        worst = max(per_layer.values(), default=1.0)
+        per_layer, figures = self._worst_over_ranks(memory)
         return {
             "loss": self._global_mean_loss(loss),
-            "expert_imbalance": worst,
+            "expert_imbalance": max(per_layer.values(), default=1.0),
             "expert_imbalance_per_layer": per_layer,
             **figures,
         }
 
-    def _imbalance_per_layer(self) -> dict[int, float]:
-        """max / mean expert load of the last balancing step per MoE layer of the model (1.0 where no update
-        ran), each layer from the ranks that hold it (one MAX all-reduce over the world)."""
+    def _worst_over_ranks(self, memory: dict[str, int]) -> tuple[dict[int, float], dict[str, int]]:
+        """One MAX all-reduce over the world: each MoE layer's expert imbalance of the last balancing step (max /
+        mean load, from the ranks that hold the layer; 1.0 where no update ran), and each memory figure of the
+        fullest rank, the one that decides whether a layout fits."""
         cfg = self.model_config
-        values = torch.ones(cfg.num_layers, dtype=torch.float64, device=self.device)
+        values = torch.ones(cfg.num_layers + len(memory), dtype=torch.float64, device=self.device)
         for layer, router in self.routers():
-            load = router.last_load
-            if load is not None and load.sum() > 0:
-                values[layer] = (load.max() / load.mean()).double()
+            values[layer] = router.imbalance()
+        values[cfg.num_layers :] = torch.tensor(list(memory.values()), dtype=torch.float64)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        return {i: v for i, v in enumerate(values.tolist()) if cfg.is_moe_layer(i)}
-
-    def _worst_over_ranks(self, figures: dict[str, int]) -> dict[str, int]:
-        """Each memory figure's maximum over every rank (one all-reduce): the fullest rank decides whether a
-        layout fits."""
-        values = torch.tensor(list(figures.values()), dtype=torch.float64, device=self.device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        return {k: int(v) for k, v in zip(figures, values.tolist())}
+        worst = values.tolist()
+        layers = {i: v for i, v in enumerate(worst[: cfg.num_layers]) if cfg.is_moe_layer(i)}
+        return layers, {k: int(v) for k, v in zip(memory, worst[cfg.num_layers :])}
 
     def _global_mean_loss(self, loss: torch.Tensor | None) -> float:
         """Mean micro-batch loss over every rank that computed one (all ranks call this)."""

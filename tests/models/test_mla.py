@@ -16,6 +16,7 @@ import torch
 from dualpipe.weight_grad import WeightGradStore
 from moe.models.mla import MLAttention
 from moe.models.rope import RopeConfig
+from tests.models.test_presets import DEEPSEEK_V3
 
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV3Config  # noqa: E402
@@ -194,22 +195,17 @@ def test_rms_norm_equals_transformers() -> None:
         assert torch.equal(ours(x), theirs(x))
 
 
-# DeepSeek-V3's published config.json, rope part.
+# DeepSeek-V3's published config.json (tests/models/test_presets.py holds it), its rope part.
 HUB_DSV3 = {
-    "hidden_size": 7168,
-    "num_attention_heads": 128,
-    "qk_rope_head_dim": 64,
-    "max_position_embeddings": 163840,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
+    key: DEEPSEEK_V3[key]
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "qk_rope_head_dim",
+        "max_position_embeddings",
+        "rope_theta",
+        "rope_scaling",
+    )
 }
 
 
