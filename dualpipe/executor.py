@@ -420,8 +420,16 @@ class Pipeline(nn.Module):
         if st.forward_only:
             del st.inputs[key]  # no backward will ask for them
         with self.grad_store.activate(enabled=False):
-            outputs = self.module[a.module](*inputs)
+            outputs = self.module[a.module](*self._with_labels(st, key, inputs))
         self._after_forward(a.module, a.chunk, outputs, st)
+
+    def _with_labels(self, st: _StepState, key: Key, inputs: list[torch.Tensor | None]) -> list[Any]:
+        """A last stage that computes a loss of its own in forward (``forward_takes_labels``) gets its
+        micro-batch's labels after its inputs."""
+        m, k = key
+        if self.layout.is_last(self.rank, m) and getattr(self.module[m], "forward_takes_labels", False):
+            return [*inputs, *st.labels[m][k]]
+        return inputs
 
     def _after_forward(self, m: int, k: int, outputs: Any, st: _StepState, loss: torch.Tensor | None = None) -> None:
         outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
@@ -498,7 +506,7 @@ class Pipeline(nn.Module):
         with self.grad_store.activate(enabled=False):
             outputs0, loss0 = type(module0).overlapped_forward_backward(
                 module0,
-                inputs0,
+                self._with_labels(st, fkey, inputs0),
                 criterion0,
                 labels0,
                 module1,

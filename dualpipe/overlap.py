@@ -58,14 +58,17 @@ class StageRun:
     """One micro-batch through one :class:`OverlapStage`: a :class:`BlockRun` per block."""
 
     def __init__(self, stage: OverlapStage, inputs: Sequence[Any]) -> None:
-        if len(inputs) != 1:
+        if len(inputs) != 1 and not (stage.forward_takes_labels and len(inputs) > 1):
             raise ValueError(f"{type(stage).__name__}: a stage built from pieces takes one input, got {len(inputs)}")
         decls = list(stage.pieces() or ())  # a forgotten return (None) reads as no blocks
         _check_blocks(type(stage).__name__, decls)
         grad = torch.is_grad_enabled()
         self.stage = stage
         self.inputs = tuple(inputs)
-        self.blocks = [BlockRun(d, recompute=stage.recompute, recorder=stage.recorder, grad=grad) for d in decls]
+        side = tuple(inputs[1:])
+        self.blocks = [
+            BlockRun(d, recompute=stage.recompute, recorder=stage.recorder, grad=grad, side=side) for d in decls
+        ]
         self.capture = False
         self.captured_grad: torch.Tensor | None = None
 
@@ -401,6 +404,10 @@ class OverlapStage(nn.Module):
 
     recompute: bool = False
     recorder: Recorder | None = None
+    forward_takes_labels: bool = False
+    """A last stage that needs its micro-batch's labels in forward (a loss computed inside the stage, such
+    as multi-token prediction's) sets this: the pipeline then calls ``stage(x, *labels)`` and the labels
+    reach every piece as ``ctx.side``."""
 
     def pieces(self) -> Sequence[Pieces]:
         """The stage's blocks in forward order (built per micro-batch; cheap)."""

@@ -144,6 +144,8 @@ class Context:
 
     recomputing: bool = False
     """True while a compute piece runs again before its backward (activation recompute)."""
+    side: tuple[Any, ...] = ()
+    """The stage's inputs beyond the first (a last stage's labels, when it asks for them: no gradient)."""
 
 
 def _leaf(value: Any) -> Any:
@@ -185,10 +187,17 @@ class BlockRun:
     """
 
     def __init__(
-        self, decl: Pieces, *, recompute: bool = False, recorder: Recorder | None = None, grad: bool = True
+        self,
+        decl: Pieces,
+        *,
+        recompute: bool = False,
+        recorder: Recorder | None = None,
+        grad: bool = True,
+        side: tuple[Any, ...] = (),
     ) -> None:
         self.decl = decl
         self.ctx = Context()
+        self.ctx.side = side
         self.recompute = recompute
         self.recorder = recorder
         self.grad = grad

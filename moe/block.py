@@ -28,7 +28,7 @@ from moe.layers import DenseMLP, RMSNorm
 from moe.models import build_attention
 from moe.router import Router, Routing
 
-__all__ = ["Block"]
+__all__ = ["Block", "attach_loss"]
 
 
 class _AttachAux(torch.autograd.Function):
@@ -48,6 +48,12 @@ class _AttachAux(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         shape, dtype, device, scale = ctx.aux_meta
         return grad, torch.full(shape, scale, dtype=dtype, device=device), None
+
+
+def attach_loss(x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` unchanged, with ``loss`` added to the objective: the backward through ``x`` also gives ``loss`` the
+    gradient ``scale`` (the weight the training loss gives one micro-batch)."""
+    return _AttachAux.apply(x, loss, scale)
 
 
 class Block(nn.Module):
@@ -92,7 +98,7 @@ class Block(nn.Module):
             return a_BSD, z_BSD, None
         routing = self.router(z_BSD, replay_idx_TK)
         if routing.aux_loss is not None:
-            a_BSD = _AttachAux.apply(a_BSD, routing.aux_loss, aux_scale)
+            a_BSD = attach_loss(a_BSD, routing.aux_loss, aux_scale)
         return a_BSD, z_BSD, routing
 
     def mlp_compute(self, recv: Dispatched | None, z_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

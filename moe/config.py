@@ -5,7 +5,7 @@ top-8 routing over 8 groups with at most 4 groups per token (which caps a token 
 laid out node-major), the first 3 layers dense, the routed weights scaled by 2.5; grouped-query attention.
 
 The published architectures, exactly as their config.json (what :func:`moe.hf.from_hf_config` reads from it):
-``deepseek-v3`` (671B, MLA with YaRN; its multi-token-prediction module is not built), ``deepseek-v2-lite``
+``deepseek-v3`` (671B, MLA with YaRN, one multi-token-prediction module), ``deepseek-v2-lite``
 (16B: MLA without a query latent, a softmax router without groups or selection bias), ``qwen3-30b-a3b`` and
 ``qwen3-235b-a22b`` (grouped-query attention with q/k norms, a softmax router, no shared expert). Each family
 has a CPU-sized shape with every one of its features: ``deepseek-v3-tiny`` and ``qwen3-moe-tiny``.
@@ -109,6 +109,10 @@ class MoEConfig:
     """Auxiliary-loss-free balancing: step of the per-expert bias nudge (gamma in the V3 report)."""
     seq_aux_loss_coef: float = 0.0
     """Weight of the sequence-wise balance loss (0 disables it; V3 uses 1e-4)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction modules after the last block (DeepSeek-V3 report section 2.2; config.json's
+    ``num_nextn_predict_layers``): module k predicts token i+k+1 from module k-1's hidden state and token
+    i+k's embedding, sharing the embedding and the output head (:mod:`moe.models.mtp`). 0: none."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     init_std: float = 0.02
@@ -155,8 +159,8 @@ class MoEConfig:
                 f"top_k={self.top_k} exceeds the experts of the {self.topk_group} eligible groups "
                 f"({self.topk_group * (self.num_experts // self.n_group)})"
             )
-        if self.num_shared_experts < 0 or self.seq_aux_loss_coef < 0 or self.bias_update_rate < 0:
-            raise ValueError("num_shared_experts, seq_aux_loss_coef and bias_update_rate must be >= 0")
+        if min(self.num_shared_experts, self.seq_aux_loss_coef, self.bias_update_rate, self.mtp_layers) < 0:
+            raise ValueError("num_shared_experts, seq_aux_loss_coef, bias_update_rate and mtp_layers must be >= 0")
         from moe.models import ATTENTIONS  # the registry holds the modules; imported here, not at import time
 
         if self.attention not in ATTENTIONS:
@@ -196,7 +200,9 @@ class MoEConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` uses routed experts (``num_dense_layers``, ``moe_layer_step``,
-        ``dense_layers``)."""
+        ``dense_layers``). The multi-token-prediction modules (layers ``num_layers ..``) always do."""
+        if layer >= self.num_layers:
+            return True
         return (
             layer >= self.num_dense_layers and (layer + 1) % self.moe_layer_step == 0 and layer not in self.dense_layers
         )
@@ -275,8 +281,7 @@ _PRESETS: dict[str, MoEConfig] = {
     # the config.json values through moe.hf.from_hf_config and compares). Training-only fields keep what the
     # reader gives a checkpoint: the selection-bias step (DeepSeek-V3: the default; the softmax routers:
     # none) and no sequence-wise loss.
-    # deepseek-ai/DeepSeek-V3 (671B). Its config.json also has num_nextn_predict_layers = 1: the
-    # multi-token-prediction module, which is not built here (the main model only).
+    # deepseek-ai/DeepSeek-V3 (671B), with its one multi-token-prediction module (num_nextn_predict_layers).
     "deepseek-v3": MoEConfig(
         vocab_size=129280,
         hidden_size=7168,
@@ -309,6 +314,7 @@ _PRESETS: dict[str, MoEConfig] = {
         router_scoring="sigmoid",
         route_scale=2.5,
         norm_topk_prob=True,
+        mtp_layers=1,
         norm_eps=1e-6,
     ),
     # deepseek-ai/DeepSeek-V2-Lite (16B): no query latent, the softmax router's greedy top-6 of 64 with the

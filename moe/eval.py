@@ -5,7 +5,9 @@
 
 Windows: window i is ``tokens[i*S : i*S + S + 1]`` (input its first S tokens, target its last S: stride S from
 offset 0, so each target is predicted once); batch b holds windows ``b*B .. b*B + B - 1``. The loss is the mean
-cross-entropy of the main head over every target (fp32 by default). ``--model`` is a Hugging Face checkpoint
+cross-entropy of the main head over every target (fp32 by default); a model with multi-token prediction also
+reports ``mtp_loss``, the mean over its depths of each depth's cross-entropy (depth k predicts token i+k+2 at
+position i, so a window's last k+1 positions have no target for it). ``--model`` is a Hugging Face checkpoint
 directory (config.json + safetensors) or one of our checkpoints (a ``step_*`` directory, or the directory of
 them: its ``latest``). Under torchrun: world = pp x dp, each data-parallel rank takes its share of a batch, one
 sequence per micro-batch.
@@ -138,7 +140,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, float]:
         load_checkpoint(weights, stages, None)
     pipe = make_pipeline(stages, layout, micro_batch=1, seq_len=args.seq_len, dtype=dtype, timeout_s=args.timeout)
     pipe.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, micro-batches; the same for MTP
     per_rank = args.batch_size // pc.dp
     with torch.no_grad():
         for b in range(args.batches):
@@ -149,8 +151,15 @@ def evaluate(args: argparse.Namespace) -> dict[str, float]:
             if loss is not None:  # micro-batch means over equal token counts: their sum weighs every token alike
                 total[0] += loss.double().sum()
                 total[1] += loss.numel()
+            for stage in stages:
+                mtp = stage.pop_mtp_losses()  # [micro-batches, depths]
+                if mtp is not None:
+                    total[2] += mtp.mean(1).double().sum()
+                    total[3] += mtp.shape[0]
     dist.all_reduce(total)
     result = {"loss": (total[0] / total[1]).item(), "tokens": args.batches * args.batch_size * args.seq_len}
+    if cfg.mtp_layers:  # the mean over depths; each depth's over the positions that have its target
+        result["mtp_loss"] = (total[2] / total[3]).item()
     if owns:
         dist.destroy_process_group()
     return result
@@ -166,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         elif args.json:
             Path(args.json).write_text(text + "\n")
         else:
-            print(f"loss {result['loss']:.6f} over {result['tokens']} tokens", flush=True)
+            mtp = f", MTP loss {result['mtp_loss']:.6f}" if "mtp_loss" in result else ""
+            print(f"loss {result['loss']:.6f}{mtp} over {result['tokens']} tokens", flush=True)
     return result
 
 

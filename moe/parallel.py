@@ -19,6 +19,7 @@ group before anything else. Gradient reduction and the router balancing step liv
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +28,12 @@ import torch.distributed as dist
 from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, schedule_spec
 from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
+from moe.layers import selective_recompute
 from moe.stage import MoEStage
 
 __all__ = [
     "MESH_DIMS",
+    "RECOMPUTE",
     "ParallelConfig",
     "ParallelLayout",
     "build_stages",
@@ -38,7 +41,9 @@ __all__ = [
     "mirror_pairs",
     "nccl_options",
     "rank_grid",
+    "recompute_granularity",
     "split_layers",
+    "tie_embeddings",
     "with_schedule",
 ]
 
@@ -52,6 +57,19 @@ def _full_order(order: tuple[str, ...]) -> tuple[str, ...]:
         i = order.index("ep")
         return (*order[:i], "edp", *order[i:])
     return order
+
+
+RECOMPUTE = ("none", "selective", "full")
+"""Activation-recompute granularities (``ParallelConfig.recompute``), from keeping everything to keeping least."""
+
+
+def recompute_granularity(value: bool | str) -> str:
+    """A granularity of :data:`RECOMPUTE`; True and False (the switch of earlier releases) are full and none."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if value not in RECOMPUTE:
+        raise ValueError(f"recompute = {value!r}: choose one of {', '.join(RECOMPUTE)} (true: full, false: none)")
+    return value
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,8 +103,12 @@ class ParallelConfig:
     cap on every group the step uses (pipeline P2P, data-parallel reductions and all-to-all alike, so no
     communicator takes SMs the grouped GEMM counts as free). 20 is the DeepSeek-V3 figure (enough to
     saturate IB and NVLink on H800). Nothing is reserved at ep == 1: there is no all-to-all to hide."""
-    recompute: bool = False
-    """Recompute attention and MLP sub-stages in backward instead of keeping their activations."""
+    recompute: bool | str = "none"
+    """Activation recompute, a granularity of :data:`RECOMPUTE`: ``none`` keeps every activation for backward;
+    ``selective`` (the DeepSeek-V3 report's) keeps only the inputs of the RMSNorms and of MLA's up-projections
+    and runs those again in backward (:func:`moe.layers.selective_recompute`); ``full`` keeps only each
+    attention and MLP sub-stage's inputs and runs the sub-stage again before its backward. ``true`` and
+    ``false`` (a bare ``--recompute``, ``--no-recompute``, earlier job files) mean ``full`` and ``none``."""
     sync_free: bool = False
     """Worst-case receive buffers, so a layer's routing and dispatch never wait on the host for row counts
     (DeepEP's ``num_worst_tokens``; a padded capacity for ``alltoall``). Costs ep x the all-to-all bytes and
@@ -122,6 +144,7 @@ class ParallelConfig:
         self.rank_order = order
         if self.comm_sms < 0:
             raise ValueError(f"comm_sms must be >= 0, got {self.comm_sms}")
+        self.recompute = recompute_granularity(self.recompute)
 
     @property
     def edp(self) -> int:
@@ -158,6 +181,13 @@ class ParallelConfig:
             raise ValueError(
                 f"model.num_layers = {cfg.num_layers}: {self.schedule} at pp={self.pp} has {self.num_stages} "
                 f"stages; pass --layers {self.num_stages} or more"
+            )
+        stages = self.stage_layout
+        if cfg.mtp_layers and any(stages.exits(r) and not stages.entries(r) for r in range(self.pp)):
+            raise ValueError(
+                f"model.mtp_layers = {cfg.mtp_layers}: the multi-token-prediction modules share the embedding, "
+                f"which {self.schedule} at pp={self.pp} puts on another rank than the head; use dualpipe or "
+                "dualpipev (embedding and head on one rank), or pp=1"
             )
 
 
@@ -346,11 +376,25 @@ def build_stages(
             first=sid == 0,
             last=sid == pc.num_stages - 1,
             dispatcher=dispatcher,
-            recompute=pc.recompute,
+            recompute=pc.recompute == "full",
             comm_sms=pc.reserved_sms if torch.device(device).type == "cuda" else 0,
             stage_index=sid,
             piecewise=piecewise,
         )
+        selective_recompute(stage, pc.recompute == "selective")
         stage.reset_parameters(seed)
         stages.append(stage.to(device=device, dtype=dtype))
+    tie_embeddings(stages)
     return tuple(stages)
+
+
+def tie_embeddings(stages: Sequence[MoEStage]) -> None:
+    """A last stage with multi-token prediction uses the embedding of the first stage on the same rank (one
+    parameter: its gradient gathers both uses). :meth:`ParallelConfig.check_model` refuses layouts that put
+    them on different ranks."""
+    first = next((s for s in stages if s.first), None)
+    for stage in stages:
+        if stage.mtp_blocks and not stage.first:
+            if first is None:
+                raise ValueError(f"stage {stage.stage_index} has MTP modules but this rank holds no first stage")
+            stage.embed = first.embed

@@ -23,6 +23,7 @@ from moe.config import MoEConfig
 from moe.dispatch.base import TokenDispatcher
 from moe.dispatch.local import LocalDispatcher
 from moe.layers import Linear, RMSNorm
+from moe.models.mtp import MTPBlock, mtp_graph, mtp_pieces
 
 __all__ = ["MoEStage"]
 
@@ -48,6 +49,12 @@ class MoEStage(OverlapStage):
     ``aux_loss_scale`` weights the sequence-wise balance loss's gradient per micro-batch: keep 1.0 when the
     pipeline sums micro-batch losses (DualPipe's default), set ``1 / num_chunks`` with
     ``loss_reduction="mean"`` so the balance loss is averaged like the language-model loss.
+
+    With ``cfg.mtp_layers`` the last stage also holds the multi-token-prediction modules
+    (:mod:`moe.models.mtp`, layers ``num_layers ..``) and an embedding (the main one: the pipeline ties it to
+    the first stage's where both are on one rank). It then takes its micro-batch's labels in forward,
+    ``stage(h, labels)``; ``mtp_loss_weight`` (lambda) weights the mean MTP loss in the objective and
+    :meth:`pop_mtp_losses` returns each depth's loss of each micro-batch run since the last call.
     """
 
     def __init__(
@@ -76,8 +83,13 @@ class MoEStage(OverlapStage):
         self.recorder: EventRecorder | None = None
         self.stage_index = stage_index
         self.aux_loss_scale = 1.0
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first else None
+        self.mtp_loss_weight = 0.3  # the DeepSeek-V3 report's lambda for its first 10T tokens
+        mtp = range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers) if last else range(0)
+        self.forward_takes_labels = bool(mtp)
+        self._mtp_losses: list[list[torch.Tensor]] = []
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first or mtp else None
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i, dispatcher, comm_sms) for i in layers})
+        self.blocks.update({str(i): MTPBlock(cfg, i, dispatcher, comm_sms) for i in mtp})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if last else None
         self.head = Linear(cfg.hidden_size, cfg.vocab_size) if last else None
 
@@ -109,9 +121,31 @@ class MoEStage(OverlapStage):
         """Parameters sharded over the expert-parallel group (the rest are replicated)."""
         return [p for n, p in self.named_parameters() if ".experts." in n]
 
+    @property
+    def mtp_blocks(self) -> list[MTPBlock]:
+        """The multi-token-prediction modules, by depth (none unless the model has MTP and this stage is last)."""
+        return [b for b in self.blocks.values() if isinstance(b, MTPBlock)]
+
+    def record_mtp(self, losses: Sequence[torch.Tensor]) -> None:
+        """Keep one micro-batch's per-depth MTP losses (detached) for :meth:`pop_mtp_losses`."""
+        self._mtp_losses.append(list(losses))
+
+    def pop_mtp_losses(self) -> torch.Tensor | None:
+        """The MTP losses of the micro-batches run since the last call, ``[micro-batches, depths]`` fp32 (None:
+        none ran)."""
+        runs, self._mtp_losses = self._mtp_losses, []
+        if not runs:
+            return None
+        return torch.stack([torch.stack(r) for r in runs]).float()
+
+    def _main_blocks(self) -> list[Block]:
+        return [b for b in self.blocks.values() if isinstance(b, Block) and not isinstance(b, MTPBlock)]
+
     def pieces(self) -> list[Pieces]:
-        blocks = [block.pieces(self.aux_loss_scale) for block in self.blocks.values() if isinstance(block, Block)]
-        if self.embed is not None:
+        blocks = [block.pieces(self.aux_loss_scale) for block in self._main_blocks()]
+        if self.mtp_blocks:
+            blocks.append(mtp_pieces(self, self.mtp_blocks))
+        if self.first:
             embed = Compute("embed", self._embed, "ids", "h", recompute=False)
             blocks.insert(0, Pieces((embed,), "ids", "h", paired=False))
         if self.head is not None:
@@ -127,15 +161,23 @@ class MoEStage(OverlapStage):
         assert self.head is not None and self.norm is not None
         return self.head(self.norm(h_BSD))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
+        if self.forward_takes_labels != bool(labels):
+            raise ValueError(
+                "this stage holds multi-token-prediction modules: call it with the labels, stage(x, labels)"
+                if self.forward_takes_labels
+                else "this stage takes one input (labels only reach a last stage with multi-token prediction)"
+            )
         if not self.piecewise:
-            return self._graph_forward(x)
-        return super().forward(x)
+            return self._graph_forward(x, *labels)
+        return super().forward(x, *labels)
 
-    def _graph_forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.embed is not None else x
-        for block in self.blocks.values():
+    def _graph_forward(self, x: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.first else x
+        for block in self._main_blocks():
             h = block(h, self.aux_loss_scale, self.recorder)
+        if self.mtp_blocks:
+            h = mtp_graph(self, self.mtp_blocks, h, *labels)
         if self.head is not None:
             assert self.norm is not None
             h = self.head(self.norm(h))

@@ -85,13 +85,13 @@ def _qwen3_moe(raw: Mapping[str, Any]) -> MoEConfig:
 
 
 def _deepseek_v3(raw: Mapping[str, Any]) -> MoEConfig:
-    """DeepSeek-V3 without multi-token prediction: MLA (plain RoPE or YaRN), the sigmoid group-limited router
-    with its selection bias (``e_score_correction_bias``, balanced aux-loss-free as in training), shared experts,
-    the first ``first_k_dense_replace`` layers dense.
+    """DeepSeek-V3: MLA (plain RoPE or YaRN), the sigmoid group-limited router with its selection bias
+    (``e_score_correction_bias``, balanced aux-loss-free as in training), shared experts, the first
+    ``first_k_dense_replace`` layers dense, ``num_nextn_predict_layers`` multi-token-prediction modules.
 
-    ``num_nextn_predict_layers`` is read past: transformers writes 1 for every DeepSeek-V3 config, checkpoint
-    with MTP weights or not, and the MTP module is not built yet; a checkpoint that holds MTP weights is refused
-    when its tensors are mapped (:func:`moe.hf.keys.to_ours`).
+    transformers writes ``num_nextn_predict_layers`` = 1 into every DeepSeek-V3 config.json, whether the
+    checkpoint holds MTP weights or not: :func:`read_hf_config` keeps the modules only when the directory's
+    tensors include them.
     """
     _refuse(
         raw,
@@ -141,6 +141,7 @@ def _deepseek_v3(raw: Mapping[str, Any]) -> MoEConfig:
         # Training goes on as V3 trained: the selection bias keeps its default step, the sequence-wise loss is
         # off (config.json's aux_loss_alpha/seq_aux describe pre-training, not a default for fine-tuning).
         seq_aux_loss_coef=0.0,
+        mtp_layers=int(_get(raw, "num_nextn_predict_layers", "num_mtp_layers", default=0)),
         norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
         init_std=float(_get(raw, "initializer_range", default=0.02)),
     )
@@ -176,4 +177,22 @@ def read_hf_config(path: str | Path) -> MoEConfig:
         raise HFConfigError(f"{file}: no such file (a Hugging Face checkpoint directory holds config.json)") from None
     except json.JSONDecodeError as exc:
         raise HFConfigError(f"{file}: not valid JSON ({exc})") from None
-    return from_hf_config(raw)
+    cfg = from_hf_config(raw)
+    if cfg.mtp_layers and not _holds_layer(file.parent, cfg.num_layers):
+        cfg = cfg.replace(mtp_layers=0)  # config.json names MTP modules its tensors do not hold (see above)
+    return cfg
+
+
+def _holds_layer(path: Path, layer: int) -> bool:
+    """Whether a checkpoint directory's tensors include layer ``layer`` (its weight index, or the names in
+    ``model.safetensors``); True when it holds no tensors to look at (a config.json alone)."""
+    prefix = f"model.layers.{layer}."
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return any(k.startswith(prefix) for k in json.loads(index.read_text()).get("weight_map", {}))
+    single = path / "model.safetensors"
+    if not single.exists():
+        return True
+    with single.open("rb") as f:  # the format's header: 8 bytes of length, then JSON keyed by tensor name
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return any(k.startswith(prefix) for k in header)

@@ -73,6 +73,9 @@ RULES: tuple[Rule, ...] = (
         "experts_gate_up",
     ),
     Rule("blocks.{i}.experts.w2", (f"{_LAYER}.mlp.experts.{{e}}.down_proj.weight",), "experts_down"),
+    # DeepSeek-V3's multi-token-prediction modules (moe.models.mtp), at layers num_hidden_layers ..
+    *(Rule(f"blocks.{{i}}.{name}.weight", (f"{_LAYER}.{name}.weight",)) for name in ("enorm", "hnorm", "eh_proj")),
+    Rule("blocks.{i}.head_norm.weight", (f"{_LAYER}.shared_head.norm.weight",)),
 )
 """Every tensor of the Qwen3-MoE and DeepSeek-V3 layouts; a model's state dict uses the rules its keys match."""
 
@@ -80,8 +83,10 @@ RULES: tuple[Rule, ...] = (
 _FUSED = {"experts_gate_up": f"{_LAYER}.mlp.experts.gate_up_proj", "experts_down": f"{_LAYER}.mlp.experts.down_proj"}
 
 
-# DeepSeek-V3's multi-token-prediction module sits at layer index num_hidden_layers with names of its own
-_MTP = re.compile(r"^model\.layers\.(?P<i>\d+)\.(enorm|hnorm|eh_proj|shared_head)\.")
+# The published DeepSeek-V3 checkpoint repeats the shared embedding and head inside each MTP layer: read past
+# on load (the model shares the main ones), written on save (as published: inference engines read them there).
+_MTP_COPIES = {"embed.weight": f"{_LAYER}.embed_tokens.weight", "head.weight": f"{_LAYER}.shared_head.head.weight"}
+_MTP_LAYER = re.compile(r"^blocks\.(?P<i>\d+)\.eh_proj\.weight$")
 
 
 def _pattern(template: str) -> re.Pattern[str]:
@@ -153,21 +158,17 @@ def to_ours(
             names = ", ".join(name.format(i=layer, e="*") for name in rule.hub)
             raise HFCheckpointError(f"{names}: shape {tuple(value.shape)} for our {key} of shape {tuple(shape)}")
         out[key] = value
-    unused = sorted(set(hub) - used) if whole else []
-    mtp = next((m for m in map(_MTP.match, unused) if m), None)
-    if mtp:
-        raise HFCheckpointError(
-            f"the checkpoint holds multi-token prediction weights (model.layers.{mtp['i']}.{mtp[2]}...): "
-            "MTP is not supported yet"
-        )
+    copies = {name.format(i=m["i"]) for m in map(_MTP_LAYER.match, shapes) if m for name in _MTP_COPIES.values()}
+    unused = sorted(set(hub) - used - copies) if whole else []
     if unused:
         raise HFCheckpointError(f"the checkpoint holds {len(unused)} tensor(s) with no place here: {unused[0]}")
     return out
 
 
-def to_hub(ours: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hub(ours: Mapping[str, torch.Tensor], *, first_expert: int = 0) -> dict[str, torch.Tensor]:
     """The hub layout (per-expert matrices, as ``save_pretrained`` writes) of our tensors: those
-    :func:`checkpoint_shapes` names, every expert."""
+    :func:`checkpoint_shapes` names. Expert tensors hold the experts ``first_expert ..`` (every expert by
+    default; an expert-parallel rank's slice keeps its global expert indices)."""
     out: dict[str, torch.Tensor] = {}
     for key, value in ours.items():
         rule, layer = _rule_for(key)
@@ -175,10 +176,12 @@ def to_hub(ours: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for e in range(value.shape[0]):
                 mats = value[e].t().split(value.shape[-1] // len(rule.hub), dim=0)
                 for name, mat in zip(rule.hub, mats):
-                    out[name.format(i=layer, e=e)] = mat.contiguous()
+                    out[name.format(i=layer, e=first_expert + e)] = mat.contiguous()
         elif rule.kind == "cat":
             for name, part in zip(rule.hub, value.chunk(len(rule.hub), dim=0)):
                 out[name.format(i=layer)] = part.contiguous()
         else:
             out[rule.hub[0].format(i=layer)] = value
+    for m in filter(None, map(_MTP_LAYER.match, ours)):
+        out.update({hub.format(i=m["i"]): ours[key] for key, hub in _MTP_COPIES.items() if key in ours})
     return out

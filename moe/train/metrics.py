@@ -1,7 +1,8 @@
 """Where a step's record goes: the progress line, a JSONL file, TensorBoard; and the MFU's FLOP rates.
 
 A record is a flat dict per step (``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``mfu``, the worst
-``expert_imbalance`` and ``expert_imbalance_per_layer``, the memory figures, ``val_loss`` when evaluated).
+``expert_imbalance`` and ``expert_imbalance_per_layer``, the memory figures, ``val_loss`` when evaluated,
+``mtp_loss`` for a model with multi-token prediction: the main loss is ``loss`` alone).
 The trainer's own sinks (progress, JSONL, TensorBoard) run on global rank 0; callbacks passed to
 ``Trainer(config, callbacks=...)`` run on every rank (the figures are already global). A callback is an object
 with ``on_step`` and ``close``.
@@ -85,8 +86,9 @@ class ProgressPrinter:
         done = step - self.first + 1
         eta = (time.monotonic() - self._t0) / done * (self.total - step)
         val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
+        mtp = f"  mtp {record['mtp_loss']:.4f}" if "mtp_loss" in record else ""
         print(
-            f"step {step:5d}/{self.total}  loss {record['loss']:.4f}{val}  lr {record['lr']:.2e}  "
+            f"step {step:5d}/{self.total}  loss {record['loss']:.4f}{mtp}{val}  lr {record['lr']:.2e}  "
             f"{record['tokens_per_s']:8.0f} tok/s  MFU {record['mfu']:6.2%}  "
             f"imbalance {record['expert_imbalance']:4.2f}  eta {eta:6.1f}s",
             flush=True,

@@ -136,6 +136,7 @@ class Trainer:
             # The step averages the LM loss over micro-batches (loss_reduction="mean"); the balance loss, added
             # inside each stage per micro-batch, must be averaged the same way.
             stage.aux_loss_scale = 1.0 / pc.num_chunks  # type: ignore[operator]
+            stage.mtp_loss_weight = tr.mtp_loss_weight
         return stages
 
     def build_pipeline(self) -> Pipeline:
@@ -295,8 +296,10 @@ class Trainer:
         finally:
             memory = self.meter.stop_step()
         per_layer, figures = self._worst_over_ranks(memory)
+        mtp = self._global_mean_mtp_loss()
         return {
             "loss": self._global_mean_loss(loss),
+            **({"mtp_loss": mtp} if mtp is not None else {}),
             "expert_imbalance": max(per_layer.values(), default=1.0),
             "expert_imbalance_per_layer": per_layer,
             **figures,
@@ -324,6 +327,14 @@ class Trainer:
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
 
+    def _global_mean_mtp_loss(self) -> float | None:
+        """The mean multi-token-prediction loss (over depths and micro-batches) of the micro-batches run since
+        the last call, over every rank that ran one; None for a model without MTP (all ranks call this)."""
+        if not self.model_config.mtp_layers:
+            return None
+        runs = [losses.mean(1) for stage in self.stages if (losses := stage.pop_mtp_losses()) is not None]
+        return self._global_mean_loss(torch.cat(runs) if runs else None)
+
     def validate(self) -> float:
         """Mean loss over ``training.val_batches`` fixed global batches of the held-out split."""
         losses = []
@@ -334,6 +345,7 @@ class Trainer:
                 inputs, labels = self.batch(self.val_loader, i * self.config.global_batch)
                 loss, _ = self.pipe.step(*inputs, num_chunks=chunks, criterion=lm_loss, labels=labels)
                 losses.append(self._global_mean_loss(loss))
+                self._global_mean_mtp_loss()  # held-out MTP losses: not part of the next step's figure
         self.pipe.train()
         return sum(losses) / len(losses)
 

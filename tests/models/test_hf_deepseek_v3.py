@@ -144,7 +144,7 @@ def test_both_config_styles_read_the_same() -> None:
         topk_method="noaux_tc",
         scoring_func="sigmoid",
         moe_layer_freq=1,
-        num_nextn_predict_layers=1,  # accepted: the MTP module is not built, its weights are refused on load
+        num_nextn_predict_layers=1,  # one MTP module (read_hf_config keeps it only when the tensors hold it)
     )
     ours = from_hf_config(written)
     assert from_hf_config(hub) == ours
@@ -159,11 +159,11 @@ def test_bad_checkpoints_are_one_line(checkpoint) -> None:
     path, _, ours = checkpoint
     shapes = checkpoint_shapes(ours)
     hub = read_safetensors(path)
-    # An MTP module as DeepSeek-V3 ships it: layer num_hidden_layers, its own names beside a decoder layer's.
+    # An MTP module as DeepSeek-V3 ships it (layer num_hidden_layers) for a model built without one.
     names = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight", "mlp.gate.weight")
     mtp = {f"model.layers.{LAYERS}.{name}": torch.zeros(1) for name in names}
     cases = [
-        ({**hub, **mtp}, rf"prediction weights \(model\.layers\.{LAYERS}\.eh_proj\.\.\.\): MTP is not supported yet$"),
+        ({**hub, **mtp}, rf"5 tensor\(s\) with no place here: model\.layers\.{LAYERS}\.eh_proj\.weight$"),
         ({**hub, "model.layers.1.mlp.gate.bias": torch.zeros(8)}, r"no place here: model\.layers\.1\.mlp\.gate\.bias$"),
         (
             {k: v for k, v in hub.items() if not k.endswith("3.mlp.gate.e_score_correction_bias")},

@@ -47,7 +47,7 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3
     "num_experts_per_tok": 8,
     "num_hidden_layers": 61,
     "num_key_value_heads": 128,
-    "num_nextn_predict_layers": 1,  # the MTP module: not built, read past
+    "num_nextn_predict_layers": 1,  # one multi-token-prediction module
     "q_lora_rank": 1536,
     "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
