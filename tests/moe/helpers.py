@@ -47,7 +47,7 @@ def single_process_grads(
         model.blocks[str(layer)].router.expert_bias.copy_(b)
     losses = []
     for ids, labels in micro_batches:
-        loss = lm_loss(model(ids), labels)
+        loss = lm_loss(model(ids, *([labels] if model.forward_takes_labels else [])), labels)  # MTP: labels
         loss.backward()
         losses.append(loss.item())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

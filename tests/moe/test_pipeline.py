@@ -1,7 +1,8 @@
 """PP x EP training steps through the dualpipe executor equal the single-process model.
 
 PP=2 x EP=2 on 4 gloo ranks, with DualPipeV (4 stages, one layer each) and DualPipe (2 stages, two
-mirrored copies). Each ep rank is a data-parallel replica with its own half of the batch; after
+mirrored copies), on our blocks and on both published architectures (DeepSeek-V3 with its MTP module, whose
+embedding is the first stage's on the same rank; Qwen3-MoE). Each ep rank is a data-parallel replica with its own half of the batch; after
 ``reduce_gradients`` every gradient must equal the single-process gradient of the same micro-batches
 (losses summed over micro-batches, as DualPipe does, averaged over the replicas).
 """
@@ -18,9 +19,15 @@ from moe import EventRecorder, lm_loss
 from moe.grad_sync import reduce_gradients
 from moe.parallel import ParallelConfig, build_stages, init_layout
 from tests.distributed import run_ranks
+from moe.config import preset
 from tests.moe.helpers import SEED, assert_rel_close, batch, single_process_grads, tiny_config
 
 PP, EP, PER_REPLICA, CHUNKS = 2, 2, 4, 4
+ARCHITECTURES = {
+    "ours": tiny_config,
+    "deepseek_v3": lambda: preset("deepseek-v3-tiny"),
+    "qwen3_moe": lambda: preset("qwen3-moe-tiny"),
+}
 
 
 def _replica_batch(cfg, ep_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,8 +36,8 @@ def _replica_batch(cfg, ep_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[mine], labels[mine]
 
 
-def _pipeline_step(rank: int, world: int, schedule: str, recompute: bool, overlap: bool):
-    cfg = tiny_config()
+def _pipeline_step(rank: int, world: int, schedule: str, recompute: bool, overlap: bool, arch: str):
+    cfg = ARCHITECTURES[arch]()
     layout = init_layout(ParallelConfig(pp=PP, ep=EP, schedule=schedule, recompute=recompute))
     stages = build_stages(cfg, layout, seed=SEED)
     ids, labels = _replica_batch(cfg, layout.ep_rank)
@@ -66,23 +73,27 @@ def _pipeline_step(rank: int, world: int, schedule: str, recompute: bool, overla
 
 
 @pytest.mark.parametrize(
-    ("schedule", "recompute", "overlap"),
+    ("schedule", "recompute", "overlap", "arch"),
     [
-        ("dualpipev", False, True),
-        ("dualpipev", True, True),
-        ("dualpipev", False, False),
-        ("dualpipe", False, True),
-        ("zb1p", False, False),
+        ("dualpipev", False, True, "ours"),
+        ("dualpipev", True, True, "ours"),
+        ("dualpipev", False, False, "ours"),
+        ("dualpipe", False, True, "ours"),
+        ("zb1p", False, False, "ours"),
+        ("dualpipev", False, True, "deepseek_v3"),
+        ("dualpipe", True, True, "deepseek_v3"),
+        ("dualpipev", True, True, "qwen3_moe"),
+        ("zb1p", False, False, "qwen3_moe"),
     ],
 )
-def test_pp2_ep2_matches_single_process(schedule: str, recompute: bool, overlap: bool):
-    cfg = tiny_config()
+def test_pp2_ep2_matches_single_process(schedule: str, recompute: bool, overlap: bool, arch: str):
+    cfg = ARCHITECTURES[arch]()
     micro = []
     for ep_rank in range(EP):
         ids, labels = _replica_batch(cfg, ep_rank)
         micro += list(zip(ids.tensor_split(CHUNKS), labels.tensor_split(CHUNKS)))
     ref_losses, ref_grads, _ = single_process_grads(cfg, micro)
-    results = run_ranks(_pipeline_step, world_size=PP * EP, args=(schedule, recompute, overlap), timeout=180)
+    results = run_ranks(_pipeline_step, world_size=PP * EP, args=(schedule, recompute, overlap, arch), timeout=180)
 
     # With overlap the executor handed paired chunks to MoEStage.overlapped_forward_backward, which hid
     # all-to-alls behind the other micro-batch's compute; without, nothing overlaps.
