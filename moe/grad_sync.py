@@ -5,6 +5,9 @@ turns them into the gradient of the mean loss over the global batch:
 
 - DualPipe's two copies of a stage (pipeline ranks r and N-1-r) saw different micro-batches: their
   gradients are summed over the two-rank mirror group first;
+- the embedding, when a last stage with multi-token prediction holds a copy of it on another pipeline rank
+  than the first stage's (1F1B, ZB1P, interleaved at pp > 1): the two copies' gradients are summed over the
+  embedding group, so both take the same step;
 - dense parameters are replicated over the dp ranks of a stage: all-reduced over dp and scaled by 1/dp;
 - expert parameters are sharded over ep: the all-to-all already brought every ep rank's tokens to them, so
   each replica's gradient is the sum over its own ep group; they are summed over the edp replicas and
@@ -145,6 +148,10 @@ def reduce_gradients(
     """
     dense, expert = split_params(modules)
     config = layout.config
+    if layout.embed_group is not None and any(m.cfg.mtp_layers for m in modules):
+        # the first stage's embedding and the MTP stage's copy of it, on two pipeline ranks: one gradient
+        embeds = {id(m.embed.weight): m.embed.weight for m in modules if m.embed is not None}
+        all_reduce_buckets([grad_of(p) for p in embeds.values()], layout.embed_group, bucket_bytes=bucket_bytes)
     if layout.mirror_group is not None:
         all_reduce_buckets([grad_of(p) for p in dense + expert], layout.mirror_group, bucket_bytes=bucket_bytes)
     dp = config.dp

@@ -37,6 +37,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelLayout",
     "build_stages",
+    "embedding_ends",
     "init_layout",
     "mirror_pairs",
     "nccl_options",
@@ -104,7 +105,7 @@ class ParallelConfig:
     communicator takes SMs the grouped GEMM counts as free). 20 is the DeepSeek-V3 figure (enough to
     saturate IB and NVLink on H800). Nothing is reserved at ep == 1: there is no all-to-all to hide."""
     recompute: bool | str = "none"
-    """Activation recompute, a granularity of :data:`RECOMPUTE`: ``none`` keeps every activation for backward;
+    """Activation recompute in backward: ``none`` keeps every activation;
     ``selective`` (the DeepSeek-V3 report's) keeps only the inputs of the RMSNorms and of MLA's up-projections
     and runs those again in backward (:func:`moe.layers.selective_recompute`); ``full`` keeps only each
     attention and MLP sub-stage's inputs and runs the sub-stage again before its backward. ``true`` and
@@ -182,13 +183,6 @@ class ParallelConfig:
                 f"model.num_layers = {cfg.num_layers}: {self.schedule} at pp={self.pp} has {self.num_stages} "
                 f"stages; pass --layers {self.num_stages} or more"
             )
-        stages = self.stage_layout
-        if cfg.mtp_layers and any(stages.exits(r) and not stages.entries(r) for r in range(self.pp)):
-            raise ValueError(
-                f"model.mtp_layers = {cfg.mtp_layers}: the multi-token-prediction modules share the embedding, "
-                f"which {self.schedule} at pp={self.pp} puts on another rank than the head; use dualpipe or "
-                "dualpipev (embedding and head on one rank), or pp=1"
-            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -208,6 +202,11 @@ class ParallelLayout:
     mirror_group: dist.ProcessGroup | None
     """Layouts that hold each stage twice (DualPipe): this rank and the pipeline rank holding the same stages
     (same dp coordinates)."""
+    embed_group: dist.ProcessGroup | None = None
+    """Layouts that put the first stage and the head on different pipeline ranks (1F1B, ZB1P, interleaved at
+    pp > 1): this rank and the other end (same dp coordinates), when it is one of the two. A last stage with
+    multi-token prediction holds its own copy of the embedding; the copies' gradients are summed over this
+    group (Megatron's embedding group), so the two stay equal."""
     mesh: object
     """The ``DeviceMesh`` over (pp, edp, ep)."""
 
@@ -224,6 +223,12 @@ class ParallelLayout:
             return False
         partner = self.config.stage_layout.mirror(self.pp_rank, 0)[0]
         return self.pp_rank > partner
+
+    @property
+    def holds_embedding_copy(self) -> bool:
+        """True on a rank whose last stage would copy the first stage's embedding (:attr:`embed_group`): that
+        copy is left out of what is counted once per model (the gradient norm)."""
+        return self.embed_group is not None and not self.config.stage_layout.entries(self.pp_rank)
 
 
 def nccl_options(comm_sms: int, *, high_priority: bool = False) -> object | None:
@@ -294,8 +299,31 @@ def init_layout(config: ParallelConfig, device_type: str = "cpu") -> ParallelLay
         edp_group=mesh["edp"].get_group(),
         ep_group=mesh["ep"].get_group(),
         mirror_group=_mirror_group(config, grid),
+        embed_group=_embed_group(config, grid),
         mesh=mesh,
     )
+
+
+def embedding_ends(layout: Layout) -> tuple[int, int] | None:
+    """(the pipeline rank of the first stage, that of the head) when they differ, else None."""
+    first = [r for r in range(layout.num_ranks) if layout.entries(r)]
+    last = [r for r in range(layout.num_ranks) if layout.exits(r)]
+    if set(first) == set(last):
+        return None
+    return first[0], last[0]
+
+
+def _embed_group(config: ParallelConfig, grid: torch.Tensor) -> dist.ProcessGroup | None:
+    """Create every embedding group of ``config``'s layout (collective); return this rank's, if any."""
+    ends = embedding_ends(config.stage_layout)
+    if ends is None:
+        return None
+    rank, mine = dist.get_rank(), None
+    for ranks in torch.stack([grid[ends[0]], grid[ends[1]]], dim=-1).reshape(-1, 2).tolist():
+        g = dist.new_group(ranks, pg_options=group_options(config))
+        if rank in ranks:
+            mine = g
+    return mine
 
 
 def _mirror_group(config: ParallelConfig, grid: torch.Tensor) -> dist.ProcessGroup | None:
@@ -312,13 +340,16 @@ def _mirror_group(config: ParallelConfig, grid: torch.Tensor) -> dist.ProcessGro
 
 def with_schedule(base: ParallelLayout, schedule: str) -> ParallelLayout:
     """``base``'s groups configured for another schedule (one set of groups, several pipelines: the overlap
-    benchmark). Creates the mirror groups if the new schedule needs them: collective, like
+    benchmark). Creates the mirror and embedding groups if the new schedule needs them: collective, like
     :func:`init_layout`."""
     config = dataclasses.replace(base.config, schedule=schedule, modules_per_rank=None, num_chunks=None, overlap=True)
     mirror_group = None
     if config.stage_layout.mirrored:
         mirror_group = base.mirror_group or _mirror_group(config, rank_grid(config, dist.get_world_size()))
-    return dataclasses.replace(base, config=config, mirror_group=mirror_group)
+    embed_group = None
+    if embedding_ends(config.stage_layout) is not None:
+        embed_group = base.embed_group or _embed_group(config, rank_grid(config, dist.get_world_size()))
+    return dataclasses.replace(base, config=config, mirror_group=mirror_group, embed_group=embed_group)
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -390,11 +421,10 @@ def build_stages(
 
 def tie_embeddings(stages: Sequence[MoEStage]) -> None:
     """A last stage with multi-token prediction uses the embedding of the first stage on the same rank (one
-    parameter: its gradient gathers both uses). :meth:`ParallelConfig.check_model` refuses layouts that put
-    them on different ranks."""
+    parameter: its gradient gathers both uses). Where the first stage is on another rank, the last stage keeps
+    its own copy, initialised alike (by name) and kept equal by :func:`moe.grad_sync.reduce_gradients` over
+    :attr:`ParallelLayout.embed_group`."""
     first = next((s for s in stages if s.first), None)
     for stage in stages:
-        if stage.mtp_blocks and not stage.first:
-            if first is None:
-                raise ValueError(f"stage {stage.stage_index} has MTP modules but this rank holds no first stage")
+        if stage.mtp_blocks and not stage.first and first is not None:
             stage.embed = first.embed

@@ -82,6 +82,7 @@ def _pipeline_step(rank: int, world: int, schedule: str, recompute: bool, overla
         ("zb1p", False, False, "ours"),
         ("dualpipev", False, True, "deepseek_v3"),
         ("dualpipe", True, True, "deepseek_v3"),
+        ("zb1p", False, False, "deepseek_v3"),  # the MTP stage's embedding copy on the other pipeline rank
         ("dualpipev", True, True, "qwen3_moe"),
         ("zb1p", False, False, "qwen3_moe"),
     ],
