@@ -24,7 +24,7 @@ from dualpipe.pieces import Comm, Compute, Context, Pieces
 from moe.config import MoEConfig
 from moe.dispatch.base import Dispatched, Route, TokenDispatcher
 from moe.experts import GroupedExperts
-from moe.layers import DenseMLP, RMSNorm
+from moe.layers import DenseMLP, RMSNorm, release
 from moe.models import build_attention
 from moe.router import Router, Routing
 
@@ -91,8 +91,15 @@ class Block(nn.Module):
     def attn_compute(
         self, h_BSD: torch.Tensor, replay_idx_TK: torch.Tensor | None = None, aux_scale: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor, Routing | None]:
-        """Attention sub-stage: residual ``a``, normed MLP input ``z`` and (MoE) the routing."""
-        a_BSD = h_BSD + self.attn(self.attn_norm(h_BSD))
+        """Attention sub-stage: residual ``a``, normed MLP input ``z`` and (MoE) the routing.
+
+        Selective recompute (:func:`moe.layers.selective_recompute`): the norms keep only their inputs, and the
+        attention norm's output, which the q/k/v projections save, is freed after the attention and refilled
+        when its backward starts; ``z`` is the piece's output, kept anyway."""
+        x_BSD = self.attn_norm(h_BSD)
+        o_BSD = self.attn(x_BSD)
+        release(x_BSD, after=o_BSD)  # a no-op unless the norm was recomputed
+        a_BSD = h_BSD + o_BSD
         z_BSD = self.mlp_norm(a_BSD)
         if not self.is_moe:
             return a_BSD, z_BSD, None

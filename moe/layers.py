@@ -1,4 +1,5 @@
-"""Dense building blocks: linear with a deferrable weight gradient, RMSNorm, rotary attention, SwiGLU MLP.
+"""Dense building blocks: linear with a deferrable weight gradient, RMSNorm, rotary attention, SwiGLU MLP,
+and selective activation recompute.
 
 Legend for shape suffixes: B batch, S sequence, D hidden, H query heads, G key/value heads, C head dim,
 F intermediate width, T tokens (B*S).
@@ -6,11 +7,19 @@ F intermediate width, T tokens (B*S).
 Every matrix multiply goes through :class:`Linear`, whose backward computes the input gradient at once and
 hands the weight gradient to ``WeightGradStore`` when it is enabled (:func:`defer_wgrad`, DualPipe's
 protocol). That is what lets a compute piece's backward run as "dX now, dW later" (:mod:`dualpipe.pieces`).
+
+Selective recompute (the DeepSeek-V3 report, section 3.2.3: "we recompute all RMSNorm operations and MLA
+up-projections during back-propagation, thereby eliminating the need to persistently store their output
+activations"): :func:`recompute` runs a small function keeping only its inputs, and :func:`release` frees its
+outputs too once the ops that read them have saved them, refilling them by running the function again when
+the backward reaches those ops. :func:`selective_recompute` turns it on for a model's norms and attention
+up-projections; ``ParallelConfig.recompute = "selective"`` does that for a training job.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +29,18 @@ from dualpipe.weight_grad import WeightGradStore
 from kernels import functional
 from kernels.functional import accumulate_grad
 
-__all__ = ["Attention", "DenseMLP", "Linear", "RMSNorm", "accumulate_grad", "causal_attention", "defer_wgrad"]
+__all__ = [
+    "Attention",
+    "DenseMLP",
+    "Linear",
+    "RMSNorm",
+    "accumulate_grad",
+    "causal_attention",
+    "defer_wgrad",
+    "recompute",
+    "release",
+    "selective_recompute",
+]
 
 
 def _without_grad(fn: Callable[[], None]) -> Callable[[], None]:
@@ -78,8 +98,128 @@ class Linear(nn.Module):
         return _LinearFn.apply(x, self.weight)
 
 
+class _Replay:
+    """One call of a recomputed function: the function, the outputs whose storage :func:`release` freed, and the
+    graph rebuilt in backward (built once, for the refill and the backward alike)."""
+
+    __slots__ = ("fn", "freed", "graph")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.freed: list[tuple[int, torch.Tensor]] = []  # (output index, an alias of the freed output)
+        self.graph: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+
+    def rebuild(self, saved: Sequence[Any], needs_grad: Sequence[bool]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """(leaves, outputs) of the function run again under autograd on detached copies of its inputs."""
+        if self.graph is None:
+            leaves = tuple(
+                t.detach().requires_grad_(need) if isinstance(t, torch.Tensor) else t
+                for t, need in zip(saved, needs_grad)
+            )
+            with torch.enable_grad():
+                outs = self.fn(*leaves)
+            self.graph = (leaves, outs if isinstance(outs, tuple) else (outs,))
+        return self.graph
+
+
+class _Recompute(torch.autograd.Function):
+    """``fn(*inputs)`` run without a graph; backward runs it again under autograd and back-propagates through
+    that (a nested backward, as reentrant checkpointing does: weight gradients inside reach ``.grad`` or
+    ``WeightGradStore`` exactly as in a plain backward)."""
+
+    @staticmethod
+    def forward(ctx, replay: _Replay, *inputs: Any) -> Any:
+        ctx.replay = replay
+        ctx.save_for_backward(*inputs)
+        outs = replay.fn(*inputs)  # autograd functions run forward with grad mode off
+        kept = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        for out in outs if isinstance(outs, tuple) else (outs,):
+            if out.untyped_storage().data_ptr() in kept:  # release() would free an input
+                raise ValueError("a recomputed function must return new tensors, not its inputs or views of them")
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        replay: _Replay = ctx.replay
+        leaves, outs = replay.rebuild(ctx.saved_tensors, ctx.needs_input_grad[1:])
+        replay.graph = None
+        roots = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if roots:
+            torch.autograd.backward([o for o, _ in roots], [g for _, g in roots])
+        return (None, *(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves))
+
+
+def recompute(fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+    """``fn(*inputs)`` (a tensor or a tuple of tensors) keeping only ``inputs`` for backward: nothing ``fn``
+    computes inside is saved, and the backward runs ``fn`` again. ``fn`` must be deterministic and return new
+    tensors. Pass the outputs to :func:`release` to drop them as well once their readers have run.
+
+    Plain ``fn(*inputs)`` when no graph is being built (grad mode off, as in a piece's full recompute forward,
+    or no input requiring grad)."""
+    if not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return fn(*inputs)
+    return _Recompute.apply(_Replay(fn), *inputs)
+
+
+def release(outputs: torch.Tensor | Sequence[torch.Tensor], after: torch.Tensor) -> None:
+    """Free the storage of ``outputs`` of one :func:`recompute` call, now that the ops reading them have run,
+    and refill it (by running the function again) when the backward reaches ``after``.
+
+    ``after`` is a tensor every reader of ``outputs`` feeds (the attention's output, for its q/k/v): its
+    gradient comes before any reader's backward, which then finds what it saved in place. The refilled tensors
+    are the same storages with the same bytes (the function is replayed), so the readers' saved tensors need no
+    change; the freed storages are not ``release``'s to count, an allocator is (a saved-tensors tracker that
+    counts bytes when they are saved still counts them). No-op for tensors :func:`recompute` did not make
+    (selective recompute off, or no graph)."""
+    outs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    node = outs[0].grad_fn
+    replay = getattr(node, "replay", None)
+    if not isinstance(replay, _Replay) or not after.requires_grad:
+        return
+    if any(o.grad_fn is not node for o in outs):
+        raise ValueError("release() takes outputs of one recompute() call")
+    seen: set[int] = set()
+    for out in outs:
+        storage = out.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        replay.freed.append((out.output_nr, out.detach()))
+        storage.resize_(0)
+    after.register_hook(lambda grad: _refill(node))
+
+
+def _refill(node: Any) -> None:
+    replay: _Replay = node.replay
+    if not replay.freed:
+        return
+    _, fresh = replay.rebuild(node.saved_tensors, node.needs_input_grad[1:])
+    for index, kept in replay.freed:
+        new = fresh[index]
+        if new.shape != kept.shape or new.stride() != kept.stride() or new.storage_offset() != kept.storage_offset():
+            raise RuntimeError("a released output came back with another layout: the recomputed function changed")
+        storage = kept.untyped_storage()
+        storage.resize_(new.untyped_storage().nbytes())
+        storage.copy_(new.untyped_storage())
+    replay.freed = []
+
+
+def selective_recompute(module: nn.Module, enabled: bool = True) -> nn.Module:
+    """Selective recompute on (or off) for every part of ``module`` that has it: each :class:`RMSNorm` keeps only
+    its input, and MLA (:class:`moe.models.mla.MLAttention`) recomputes its up-projections (the per-head q, k, v
+    built from the latents) instead of keeping them. A block frees its attention norm's output as well
+    (:func:`release`). Returns ``module``."""
+    for m in module.modules():
+        if hasattr(type(m), "selective_recompute"):
+            m.selective_recompute = enabled
+    return module
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dim, computed in fp32."""
+
+    selective_recompute: bool = False
+    """Keep only the input for backward, not the fp32 intermediates (:func:`selective_recompute`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -87,6 +227,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.selective_recompute:
+            return recompute(self.normalize, x)
+        return self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm itself (what :meth:`forward` computes, recomputed or not)."""
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)

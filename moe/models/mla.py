@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe.layers import Linear, RMSNorm, causal_attention
+from moe.layers import Linear, RMSNorm, causal_attention, recompute, release
 from moe.models.rope import RopeConfig, apply_rotary, hf_field, rotary_cos_sin
 
 __all__ = ["LATENT_NORM_EPS", "MLAttention"]
@@ -36,6 +36,10 @@ class MLAttention(nn.Module):
     ``[Q, D]``, ``q_a_layernorm`` ``[Q]``, ``q_b_proj`` ``[H*C, Q]``; ``kv_a_proj_with_mqa`` ``[L+R, D]``,
     ``kv_a_layernorm`` ``[L]``, ``kv_b_proj`` ``[H*(N+V), L]``; ``o_proj`` ``[D, H*V]``.
     """
+
+    selective_recompute: bool = False
+    """Recompute :meth:`up_project` in backward (from the latents it keeps) instead of keeping the per-head q,
+    k, v and what the latent norms save (:func:`moe.layers.selective_recompute`)."""
 
     def __init__(
         self,
@@ -103,31 +107,45 @@ class MLAttention(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """``x_BSD -> out_BSD``; the first token of every sequence is position 0."""
         b, s, _ = x_BSD.shape
-        h, n, r, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-
-        if self.q_lora_rank is None:
-            q_BSX = self.q_proj(x_BSD)
+        h, v = self.num_heads, self.v_head_dim
+        # The latents (or, without a query latent, the full queries) and the shared rotary key: kept for backward.
+        q_in_BSX = self.q_proj(x_BSD) if self.q_lora_rank is None else self.q_a_proj(x_BSD)
+        c_kv_BSL, k_rope_BSR = self.kv_a_proj_with_mqa(x_BSD).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        if self.selective_recompute:
+            q_BSHC, k_BSHC, v_BSHV = recompute(self.up_project, q_in_BSX, c_kv_BSL, k_rope_BSR)
         else:
-            q_BSX = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD)))
-        q_nope_BSHN, q_rope_BSHR = q_BSX.view(b, s, h, n + r).split([n, r], dim=-1)
+            q_BSHC, k_BSHC, v_BSHV = self.up_project(q_in_BSX, c_kv_BSL, k_rope_BSR)
+        # SDPA takes a value head dim different from the query/key one (V != C).
+        o_BSHV = causal_attention(q_BSHC, k_BSHC, v_BSHV, scale=self.softmax_scale)
+        # Selective recompute: the attention's saved q, k, v are refilled from the latents in its backward.
+        release((q_BSHC, k_BSHC, v_BSHV), after=o_BSHV)
+        return self.o_proj(o_BSHV.reshape(b, s, h * v))
 
-        c_kv_BSL, k_rope_BSR = self.kv_a_proj_with_mqa(x_BSD).split([self.kv_lora_rank, r], dim=-1)
-        kv_BSHX = self.kv_b_proj(self.kv_a_layernorm(c_kv_BSL)).view(b, s, h, n + v)
+    def up_project(
+        self, q_in_BSX: torch.Tensor, c_kv_BSL: torch.Tensor, k_rope_BSR: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head ``q``, ``k`` ``[B, S, H, C]`` and ``v`` ``[B, S, H, V]`` from the query latent (``[B, S, Q]``;
+        the queries themselves ``[B, S, H*C]`` without one), the key/value latent and the rotary key: the latent
+        norms, ``q_b_proj`` and ``kv_b_proj``, the rotary embedding. What selective recompute runs again in
+        backward instead of keeping its outputs."""
+        b, s, _ = q_in_BSX.shape
+        h, n, r, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        q_BSX = q_in_BSX if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm.normalize(q_in_BSX))
+        q_nope_BSHN, q_rope_BSHR = q_BSX.view(b, s, h, n + r).split([n, r], dim=-1)
+        kv_BSHX = self.kv_b_proj(self.kv_a_layernorm.normalize(c_kv_BSL)).view(b, s, h, n + v)
         k_nope_BSHN, v_BSHV = kv_BSHX.split([n, v], dim=-1)
 
         # The frequencies are recomputed (R/2 numbers), not kept as a buffer: ``module.to(bf16)`` would round a
         # buffer, and bf16 angles are off by whole turns at long positions.
-        inv_freq_P = self.rope.inv_freq(r, device=x_BSD.device)
-        positions_S = torch.arange(s, device=x_BSD.device)
+        inv_freq_P = self.rope.inv_freq(r, device=q_in_BSX.device)
+        positions_S = torch.arange(s, device=q_in_BSX.device)
         cos_SP, sin_SP = rotary_cos_sin(inv_freq_P, positions_S, self.cos_sin_scale)
         q_rope_BSHR = apply_rotary(q_rope_BSHR, cos_SP, sin_SP, interleave=self.rope_interleave)
         k_rope_BS1R = apply_rotary(k_rope_BSR[:, :, None, :], cos_SP, sin_SP, interleave=self.rope_interleave)
 
         q_BSHC = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
         k_BSHC = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(b, s, h, r)], dim=-1)
-        # SDPA takes a value head dim different from the query/key one (V != C).
-        o_BSHV = causal_attention(q_BSHC, k_BSHC, v_BSHV, scale=self.softmax_scale)
-        return self.o_proj(o_BSHV.reshape(b, s, h * v))
+        return q_BSHC, k_BSHC, v_BSHV
 
     def extra_repr(self) -> str:
         return (

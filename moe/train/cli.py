@@ -30,8 +30,8 @@ from dualpipe.schedule import SCHEDULES
 from moe.config import PRESETS, ROUTER_SCORINGS, MoEConfig
 from moe.dispatch import DISPATCHERS
 from moe.models import ATTENTIONS
-from moe.optimizer import OPTIMIZERS
-from moe.parallel import ParallelConfig
+from moe.optimizer import OPTIMIZERS, STATE_DTYPES
+from moe.parallel import RECOMPUTE, ParallelConfig
 from moe.train.config import DTYPES, SECTIONS, TOKEN_DTYPES, ConfigError, ModelConfig, TrainConfig
 from moe.train.lr import LR_SCHEDULES
 
@@ -58,7 +58,9 @@ CHOICES: dict[str, object] = {
     "model.router_scoring": ROUTER_SCORINGS,
     "parallel.schedule": SCHEDULES,
     "parallel.dispatcher": DISPATCHERS,
+    "parallel.recompute": RECOMPUTE,
     "optimizer.name": OPTIMIZERS,
+    "optimizer.state_dtype": STATE_DTYPES,
     "lr_schedule.name": LR_SCHEDULES,
     "training.dtype": DTYPES,
     "data.dtype": TOKEN_DTYPES,
@@ -167,7 +169,9 @@ def _add_argument(group: argparse._ArgumentGroup, f: _Field, flags: list[str]) -
     kwargs: dict[str, Any] = {"dest": f.key, "default": argparse.SUPPRESS}
     kwargs["help"] = f"{help_text} (default: {shown})".replace("%", "%%")
     origin = typing.get_origin(tp)
-    if tp is bool:
+    if set(typing.get_args(f.type)) == {bool, str}:  # a switch with levels: --recompute [LEVEL], --no-recompute
+        kwargs.update(action=_SwitchOrValue, metavar=f.name.upper())
+    elif tp is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif origin is list:
         kwargs.update(nargs="+", metavar="VALUE")
@@ -182,6 +186,21 @@ def _add_argument(group: argparse._ArgumentGroup, f: _Field, flags: list[str]) -
         kwargs["type"] = _none_or(tp) if optional else tp
         kwargs["metavar"] = {int: "N", float: "X"}.get(tp, f.name.upper())
     group.add_argument(*flags, **kwargs)
+
+
+class _SwitchOrValue(argparse.BooleanOptionalAction):
+    """A ``bool | str`` field: ``--flag`` is True, ``--no-flag`` False, ``--flag VALUE`` the value (the field
+    checks it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.nargs = "?"
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
+        if option_string is not None and option_string.startswith("--no-"):
+            setattr(namespace, self.dest, False)
+        else:
+            setattr(namespace, self.dest, True if values is None else values)
 
 
 def _none_or(tp: type) -> Any:

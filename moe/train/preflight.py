@@ -40,7 +40,9 @@ def memory_estimate(config: TrainConfig) -> float:
         seq_len=tr.seq_len,
         micro_batch=tr.micro_batch_size,
         comm_sms=pc.reserved_sms,
-        recompute=pc.recompute,
+        # The planner counts full recompute; a selective job is estimated as keeping every activation (an
+        # upper bound) until moe.plan models the granularity.
+        recompute=pc.recompute == "full",
         act_bytes=act_bytes,
         master_weights=tr.master_weights,
     )
@@ -85,8 +87,8 @@ def check_memory(config: TrainConfig, device: torch.device) -> float:
     if estimate > usable and not config.training.force:
         tr, pc = config.training, config.parallel
         hints = [f"a smaller --seq-len ({tr.seq_len}) or --micro-batch-size ({tr.micro_batch_size})"]
-        if not pc.recompute:
-            hints.append("--recompute")
+        if pc.recompute != "full":
+            hints.append("--recompute" if pc.recompute == "none" else "--recompute full")
         hints += ["more --pp", "--zero 1" if not config.optimizer.zero else "more --dp"]
         raise PreflightError(
             f"error: this run needs about {estimate / GiB:.1f} GiB per rank (moe.plan's footprint), above the "
