@@ -18,6 +18,11 @@ expert-data-parallel replicas). One :class:`DistributedOptimizer` serves every c
 - ZeRO-1 (``zero=True``): in each group every parameter has one owner (a size-balanced partition, the same
   on every rank); only the owner holds its master and state and steps it, then each owner broadcasts its
   updated parameters to the group in one flat message per dtype.
+- bf16 moments (``state_dtype="bfloat16"``, the DeepSeek-V3 report's "BF16 ... for the AdamW optimizer
+  moments"): the state tensors the size of a parameter are kept in bf16 between steps while the masters stay
+  fp32. torch's optimizers want their state in the parameter's dtype, so each step upcasts a bounded bucket of
+  moments to fp32, runs the torch update on that bucket, and rounds the moments back to bf16 in place: the
+  update rule is torch's, and the fp32 copies live for one bucket only.
 
 Why not torch's own (torch 2.13):
 
@@ -65,6 +70,7 @@ from dualpipe.registry import Registry
 
 __all__ = [
     "OPTIMIZERS",
+    "STATE_DTYPES",
     "DistributedAdamW",
     "DistributedOptimizer",
     "OptimizerSpec",
@@ -76,6 +82,12 @@ __all__ = [
 # Parameter broadcasts in flight at once: each message is a flat copy of an owner's parameters, so this
 # bounds the temporary memory (a large group's messages together are a second copy of its parameters).
 _MAX_IN_FLIGHT_BYTES = 256 << 20
+# Moments upcast to fp32 at once when they are stored in bf16: bounds the step's temporary memory (all of them
+# at once would be the fp32 moments the bf16 storage saves).
+_MAX_UPCAST_BYTES = 256 << 20
+
+STATE_DTYPES = ("float32", "bfloat16")
+"""Dtypes the optimizer moments of fp32 masters can be stored in (``state_dtype``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,18 +124,24 @@ class OptimizerSpec:
         if "betas" in hyper and not all(0.0 <= b < 1.0 for b in hyper["betas"]):
             raise ValueError(f"betas must lie in [0, 1), got {tuple(hyper['betas'])}")
 
-    def init_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+    def init_state(self, master: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The state the torch optimizer would create on its first step, made up front so that checkpoints can
         load into it and :meth:`DistributedOptimizer.state_bytes` counts it from the start (a zero momentum
-        buffer steps exactly as SGD's first-step clone of the gradient does)."""
+        buffer steps exactly as SGD's first-step clone of the gradient does). ``dtype``: of the tensors the size
+        of ``master`` (None: the master's)."""
         # torch keeps a non-capturable step on the CPU in the default float dtype's width (_get_scalar_dtype).
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         return {
             k: torch.tensor(0.0, dtype=scalar)
             if k in self.scalar_state
-            else torch.zeros_like(master, memory_format=torch.preserve_format)
+            else torch.zeros_like(master, dtype=dtype, memory_format=torch.preserve_format)
             for k in self.state
         }
+
+    @property
+    def moment_keys(self) -> tuple[str, ...]:
+        """The state keys of tensors the size of the parameter (AdamW: ``exp_avg``, ``exp_avg_sq``)."""
+        return tuple(k for k in self.state if k not in self.scalar_state)
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")
@@ -230,6 +248,9 @@ class DistributedOptimizer:
     keeps everything in the parameter's dtype (pure bf16).
     counts_in_norm: False on a rank whose parameters duplicate another rank's (the DualPipe mirror): its
     gradients are left out of :meth:`clip_grad_norm_`'s sum.
+    state_dtype: a name of :data:`STATE_DTYPES` (or the torch dtype): what the moments of fp32 masters are
+    stored in between steps (``bfloat16``: half their bytes, updated in fp32; see the module docstring).
+    Masters of a lower precision (pure bf16) keep their moments in their own dtype.
     """
 
     def __init__(
@@ -241,10 +262,12 @@ class DistributedOptimizer:
         master_weights: bool = True,
         counts_in_norm: bool = True,
         foreach: bool | None = None,
+        state_dtype: str | torch.dtype = "float32",
         **hyper: Any,
     ) -> None:
         self.spec = OPTIMIZERS.lookup(optimizer)
         self.spec.check(hyper)  # on every rank: one that owns nothing builds no torch optimizer to object
+        self.state_dtype = _state_dtype(state_dtype)
         seen: set[int] = set()
         for g in groups:
             for p in g.params:
@@ -281,7 +304,7 @@ class DistributedOptimizer:
             if owned:
                 inner = self.spec.torch_class(owned, **hyper, foreach=foreach)
                 for m in owned:
-                    inner.state[m] = self.spec.init_state(m)
+                    inner.state[m] = self.spec.init_state(m, self._moment_dtype(m))
             self._inner.append(inner)
             self._buckets.append(self._broadcast_buckets(len(self._buckets)) if zero else [])
         for p in self.params():
@@ -318,6 +341,10 @@ class DistributedOptimizer:
             self._slots[id(p)] = slot
             slots.append(slot)
         return slots
+
+    def _moment_dtype(self, master: torch.Tensor) -> torch.dtype:
+        """The moments' storage dtype: ``state_dtype`` for an fp32 master, the master's own otherwise."""
+        return self.state_dtype if master.dtype == torch.float32 else master.dtype
 
     def _grad_dtype(self, p: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.master_weights else p.dtype
@@ -395,9 +422,13 @@ class DistributedOptimizer:
                 for key in self.spec.hyper:
                     inner.param_groups[0][key] = hyper[key]
                 slots = self._owned(gi)
+                for bucket in self._step_buckets(slots):
+                    chosen = {id(s) for s in bucket}
+                    for s in slots:  # torch steps the masters that have a gradient: this bucket's
+                        s.master.grad = s.param.main_grad if id(s) in chosen else None  # type: ignore[union-attr]
+                    self._step_bucket(inner, bucket)
                 for s in slots:
                     s.master.grad = s.param.main_grad  # type: ignore[union-attr]
-                inner.step()
                 separate = [s for s in slots if s.master is not s.param]
                 if separate:  # masters -> parameters (rounded to their dtype), one grouped copy
                     torch._foreach_copy_([s.param for s in separate], [s.master for s in separate])
@@ -406,6 +437,43 @@ class DistributedOptimizer:
             if self.zero:
                 self._broadcast(gi)
         self.steps += 1
+
+    def _step_buckets(self, slots: list[_Slot]) -> list[list[_Slot]]:
+        """``[slots]`` when every moment is in its master's dtype (one torch step); else consecutive buckets whose
+        fp32 moments take at most ``_MAX_UPCAST_BYTES`` (each parameter in one bucket)."""
+        if all(self._moment_dtype(s.master) == s.master.dtype for s in slots):  # type: ignore[union-attr]
+            return [slots]
+        per_elem = len(self.spec.moment_keys) * 4
+        buckets: list[list[_Slot]] = [[]]
+        size = 0
+        for s in slots:
+            nbytes = s.master.numel() * per_elem  # type: ignore[union-attr]
+            if buckets[-1] and size + nbytes > _MAX_UPCAST_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(s)
+            size += nbytes
+        return buckets
+
+    def _step_bucket(self, inner: torch.optim.Optimizer, bucket: list[_Slot]) -> None:
+        """One torch step over ``bucket``'s masters; moments stored in a lower precision are upcast to the master's
+        dtype around it and rounded back into the same tensors (checkpoints hold those)."""
+        stored: list[torch.Tensor] = []
+        states: list[tuple[dict[str, Any], str]] = []
+        for s in bucket:
+            state = inner.state[s.master]
+            for k in self.spec.moment_keys:
+                if state[k].dtype != s.master.dtype:  # type: ignore[union-attr]
+                    stored.append(state[k])
+                    states.append((state, k))
+                    state[k] = state[k].to(s.master.dtype)  # type: ignore[union-attr]
+        try:
+            inner.step()
+        finally:
+            if stored:
+                torch._foreach_copy_(stored, [state[k] for state, k in states])
+                for (state, k), t in zip(states, stored):
+                    state[k] = t
 
     def _broadcast_buckets(self, group_index: int) -> list[tuple[int, list[torch.Tensor], bool]]:
         """(global source rank, the parameters it owns of one dtype, whether it is this rank) per message."""
@@ -498,7 +566,7 @@ class DistributedOptimizer:
     def state_for(self, p: nn.Parameter) -> dict[str, torch.Tensor] | None:
         """``p``'s optimizer state (the live tensors, so a checkpoint loader may fill them in place), keyed by
         :attr:`OptimizerSpec.state` (AdamW: ``step`` 0-d fp32, ``exp_avg`` and ``exp_avg_sq`` of ``p``'s shape,
-        fp32 unless pure bf16). None if another rank of its group owns ``p``."""
+        in ``state_dtype``, or bf16 under pure bf16). None if another rank of its group owns ``p``."""
         slot = self._slot(p)
         if slot.master is None:
             return None
@@ -555,6 +623,13 @@ class DistributedOptimizer:
                 if s.master is not s.param:
                     total += s.master.numel() * s.master.element_size()  # type: ignore[union-attr]
         return total
+
+
+def _state_dtype(value: str | torch.dtype) -> torch.dtype:
+    name = str(value).removeprefix("torch.")
+    if name not in STATE_DTYPES:
+        raise ValueError(f"state_dtype {value!r} is not one of {', '.join(STATE_DTYPES)}")
+    return getattr(torch, name)
 
 
 def _torch_defaults(spec: OptimizerSpec) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import torch
 
 from moe.config import PRESETS, MoEConfig
 from moe.dispatch import DISPATCHERS, Launch
-from moe.optimizer import OPTIMIZERS
+from moe.optimizer import OPTIMIZERS, STATE_DTYPES
 from moe.parallel import ParallelConfig
 from moe.train.lr import LR_SCHEDULES
 
@@ -128,6 +128,9 @@ class OptimizerConfig:
     """1: ZeRO-1, optimizer state sharded over the data-parallel group (experts over their replicas)."""
     clip_grad: float = 0.0
     """Clip the global gradient norm to this (0: no clipping)."""
+    state_dtype: str = "float32"
+    """What the optimizer moments (AdamW's exp_avg and exp_avg_sq, SGD's momentum) of the fp32 masters are
+    stored in: ``float32``, or ``bfloat16`` (half the bytes, updated in fp32; the DeepSeek-V3 report's)."""
 
     def __post_init__(self) -> None:
         _require(self.name in OPTIMIZERS, "optimizer.name", self.name, f"choose one of {OPTIMIZERS}")
@@ -142,6 +145,8 @@ class OptimizerConfig:
         _require(self.zero in (0, 1), "optimizer.zero", self.zero, "must be 0 or 1")
         ok = math.isfinite(self.clip_grad) and self.clip_grad >= 0
         _require(ok, "optimizer.clip_grad", self.clip_grad, "must be >= 0 (0: no clipping)")
+        ok = self.state_dtype in STATE_DTYPES
+        _require(ok, "optimizer.state_dtype", self.state_dtype, f"choose one of {', '.join(STATE_DTYPES)}")
 
     def hyper(self) -> dict[str, Any]:
         """The hyper-parameters the chosen rule takes (:attr:`moe.optimizer.OptimizerSpec.hyper`)."""
