@@ -2,7 +2,8 @@
 
 PP=2 x EP=2 on 4 gloo ranks, with DualPipeV (4 stages, one layer each) and DualPipe (2 stages, two
 mirrored copies), on our blocks and on both published architectures (DeepSeek-V3 with its MTP module, whose
-embedding is the first stage's on the same rank; Qwen3-MoE). Each ep rank is a data-parallel replica with its own half of the batch; after
+embedding is the first stage's on the same rank; Qwen3-MoE), with every activation kept, recomputed in full
+or selectively. Each ep rank is a data-parallel replica with its own half of the batch; after
 ``reduce_gradients`` every gradient must equal the single-process gradient of the same micro-batches
 (losses summed over micro-batches, as DualPipe does, averaged over the replicas).
 """
@@ -16,10 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from dualpipe import DualPipe, DualPipeV, ZeroBubble1P
 from dualpipe.events import hidden_communications
 from moe import EventRecorder, lm_loss
+from moe.config import preset
 from moe.grad_sync import reduce_gradients
 from moe.parallel import ParallelConfig, build_stages, init_layout
 from tests.distributed import run_ranks
-from moe.config import preset
 from tests.moe.helpers import SEED, assert_rel_close, batch, single_process_grads, tiny_config
 
 PP, EP, PER_REPLICA, CHUNKS = 2, 2, 4, 4
@@ -36,7 +37,7 @@ def _replica_batch(cfg, ep_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[mine], labels[mine]
 
 
-def _pipeline_step(rank: int, world: int, schedule: str, recompute: bool, overlap: bool, arch: str):
+def _pipeline_step(rank: int, world: int, schedule: str, recompute: bool | str, overlap: bool, arch: str):
     cfg = ARCHITECTURES[arch]()
     layout = init_layout(ParallelConfig(pp=PP, ep=EP, schedule=schedule, recompute=recompute))
     stages = build_stages(cfg, layout, seed=SEED)
@@ -82,12 +83,13 @@ def _pipeline_step(rank: int, world: int, schedule: str, recompute: bool, overla
         ("zb1p", False, False, "ours"),
         ("dualpipev", False, True, "deepseek_v3"),
         ("dualpipe", True, True, "deepseek_v3"),
+        ("dualpipev", "selective", True, "deepseek_v3"),  # norms and MLA up-projections recomputed, MTP included
         ("zb1p", False, False, "deepseek_v3"),  # the MTP stage's embedding copy on the other pipeline rank
         ("dualpipev", True, True, "qwen3_moe"),
         ("zb1p", False, False, "qwen3_moe"),
     ],
 )
-def test_pp2_ep2_matches_single_process(schedule: str, recompute: bool, overlap: bool, arch: str):
+def test_pp2_ep2_matches_single_process(schedule: str, recompute: bool | str, overlap: bool, arch: str):
     cfg = ARCHITECTURES[arch]()
     micro = []
     for ep_rank in range(EP):
