@@ -109,6 +109,13 @@ class MoEConfig:
     """Auxiliary-loss-free balancing: step of the per-expert bias nudge (gamma in the V3 report)."""
     seq_aux_loss_coef: float = 0.0
     """Weight of the sequence-wise balance loss (0 disables it; V3 uses 1e-4)."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of Qwen3-MoE's load-balancing loss, config.json's ``router_aux_loss_coef`` (softmax routers; 0
+    disables it): Switch Transformer's ``E * sum_e f_e * P_e`` over a micro-batch's tokens, ``f_e`` the
+    fraction of tokens choosing expert e (summing to top_k), ``P_e`` its mean softmax probability. Computed per
+    MoE layer and averaged over the layers; transformers pools every layer's router logits before the two
+    means (one loss coupling all layers, so all pipeline stages), Megatron-LM adds each layer's loss at the
+    full weight. Equal to transformers' for one MoE layer (:func:`moe.models.qwen3_moe.load_balancing_loss`)."""
     mtp_layers: int = 0
     """Multi-token-prediction modules after the last block (DeepSeek-V3 report section 2.2; config.json's
     ``num_nextn_predict_layers``): module k predicts token i+k+1 from module k-1's hidden state and token
@@ -161,6 +168,10 @@ class MoEConfig:
             )
         if min(self.num_shared_experts, self.seq_aux_loss_coef, self.bias_update_rate, self.mtp_layers) < 0:
             raise ValueError("num_shared_experts, seq_aux_loss_coef, bias_update_rate and mtp_layers must be >= 0")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
+        if self.router_aux_loss_coef and self.router_scoring != "softmax":
+            raise ValueError("router_aux_loss_coef is the softmax router's balance loss: set router_scoring='softmax'")
         from moe.models import ATTENTIONS  # the registry holds the modules; imported here, not at import time
 
         if self.attention not in ATTENTIONS:
@@ -373,6 +384,7 @@ _PRESETS: dict[str, MoEConfig] = {
         route_scale=1.0,
         norm_topk_prob=True,
         bias_update_rate=0.0,  # Qwen3-MoE balances with an auxiliary loss, not a selection bias
+        router_aux_loss_coef=0.001,
         norm_eps=1e-6,
     ),
     # Qwen/Qwen3-235B-A22B: as qwen3-30b-a3b, wider and deeper.
@@ -394,6 +406,7 @@ _PRESETS: dict[str, MoEConfig] = {
         route_scale=1.0,
         norm_topk_prob=True,
         bias_update_rate=0.0,
+        router_aux_loss_coef=0.001,
         norm_eps=1e-6,
     ),
 }

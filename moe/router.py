@@ -1,5 +1,5 @@
 """The MoE router: DeepSeek-V3's (sigmoid scores, group-limited top-k) or Qwen3-MoE's (softmax, top-k), with
-the auxiliary-loss-free bias and the sequence-wise aux loss.
+the auxiliary-loss-free bias, DeepSeek's sequence-wise aux loss and Qwen3-MoE's load-balancing loss.
 
 Legend for shape suffixes: B batch, S sequence, T tokens (B*S), D hidden, E experts, K top-k.
 
@@ -21,6 +21,7 @@ from torch import nn
 from kernels import ops
 from moe.config import MoEConfig
 from moe.layers import Linear
+from moe.models.qwen3_moe import load_balancing_loss
 
 __all__ = ["Router", "Routing", "bias_rate_at", "routing_imbalance"]
 
@@ -35,7 +36,8 @@ class Routing:
     """Routing weights: chosen sigmoid scores, normalised when ``norm_topk_prob``, times ``route_scale`` (fp32,
     differentiable w.r.t. the gate and its input)."""
     aux_loss: torch.Tensor | None
-    """Sequence-wise balance loss (already multiplied by its coefficient), or None when disabled."""
+    """The balance losses of this layer, each already multiplied by its coefficient (DeepSeek's sequence-wise
+    loss, Qwen3-MoE's load-balancing loss), or None when both are disabled."""
 
 
 class Router(nn.Module):
@@ -52,6 +54,8 @@ class Router(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.scoring = cfg.router_scoring
         self.aux_coef = cfg.seq_aux_loss_coef
+        # Qwen3-MoE's balance loss, per layer, weighted so the layers' losses average (MoEConfig's docstring).
+        self.lb_coef = cfg.router_aux_loss_coef / max(len(cfg.moe_layers), 1)
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
@@ -97,6 +101,9 @@ class Router(nn.Module):
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
         weights_TK = weights_TK * self.route_scale
         aux = self._seq_aux_loss(scores_TE.view(b, s, -1), topk_idx_TK.view(b, s, -1)) if self.aux_coef else None
+        if self.lb_coef:
+            balance = load_balancing_loss(logits_TE, self.top_k, coef=self.lb_coef, topk_idx_per_layer=topk_idx_TK)
+            aux = balance if aux is None else aux + balance
         return Routing(topk_idx_TK, weights_TK, aux)
 
     def _seq_aux_loss(self, scores_BSE: torch.Tensor, topk_idx_BSK: torch.Tensor) -> torch.Tensor:

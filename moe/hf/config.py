@@ -55,7 +55,7 @@ def _refuse(raw: Mapping[str, Any], **unsupported: Any) -> None:
 
 def _qwen3_moe(raw: Mapping[str, Any]) -> MoEConfig:
     """Qwen3-MoE: GQA with per-head q/k RMSNorm, softmax top-k router, no shared experts, dense layers from
-    ``mlp_only_layers`` and ``decoder_sparse_step``."""
+    ``mlp_only_layers`` and ``decoder_sparse_step``, the balance loss's ``router_aux_loss_coef``."""
     _refuse(raw, tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, hidden_act="silu")
     heads = int(_get(raw, "num_attention_heads"))
     hidden = int(_get(raw, "hidden_size"))
@@ -79,6 +79,9 @@ def _qwen3_moe(raw: Mapping[str, Any]) -> MoEConfig:
         norm_topk_prob=bool(_get(raw, "norm_topk_prob", default=False)),
         route_scale=1.0,
         bias_update_rate=0.0,  # Qwen3-MoE balances with its auxiliary loss, not a selection bias
+        # Read whatever output_router_logits says: transformers adds the loss only for calls made with that
+        # flag (false in the published configs, written for inference); our training always applies it.
+        router_aux_loss_coef=float(_get(raw, "router_aux_loss_coef", default=0.0)),
         norm_eps=float(_get(raw, "rms_norm_eps", default=1e-6)),
         init_std=float(_get(raw, "initializer_range", default=0.02)),
     )

@@ -95,6 +95,7 @@ def load_balancing_loss(
     *,
     coef: float = 1.0,
     mask_BS: torch.Tensor | None = None,
+    topk_idx_per_layer: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Switch-Transformer balance loss as Qwen3-MoE trains with it: ``coef * E * sum_e f_e * P_e``.
 
@@ -102,20 +103,30 @@ def load_balancing_loss(
     are pooled *before* the product: ``f_e`` = top-k picks of expert e over all layers / (layers * T) (so
     ``sum_e f_e = K``), ``P_e`` = its softmax probability summed over all layers / (layers * T).
     ``mask_BS`` (1 for real tokens, 0 for padding; T = B*S) leaves padding out of both sums and the count.
+    ``topk_idx_per_layer``: the experts each layer chose ``[T, K]`` (default: the top-k of the softmax, as
+    transformers counts them; a router whose selection bias steers the choice passes what it chose).
     ``coef`` = ``router_aux_loss_coef`` gives what ``Qwen3MoeForCausalLM`` adds to the LM loss; 1 gives its
     ``aux_loss`` output. Returns an fp32 scalar, differentiable through the probabilities (not the picks).
+    Training takes it per layer (:class:`moe.router.Router`, ``MoEConfig.router_aux_loss_coef``).
     """
     if isinstance(logits_per_layer, torch.Tensor):
         logits_per_layer = (logits_per_layer,)
+    if isinstance(topk_idx_per_layer, torch.Tensor):
+        topk_idx_per_layer = (topk_idx_per_layer,)
+    if topk_idx_per_layer is not None and len(topk_idx_per_layer) != len(logits_per_layer):
+        raise ValueError(f"{len(topk_idx_per_layer)} layers of picks for {len(logits_per_layer)} layers of logits")
     num_experts = logits_per_layer[0].shape[-1]
     device = logits_per_layer[0].device
     mask_T = None if mask_BS is None else mask_BS.reshape(-1, 1).to(device, torch.float32)
     picks_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probs_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
     rows = torch.zeros((), dtype=torch.float32, device=device)
-    for logits_TE in logits_per_layer:
+    for i, logits_TE in enumerate(logits_per_layer):
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
-        idx_TK = probs_TE.topk(top_k, dim=-1).indices
+        if topk_idx_per_layer is None:
+            idx_TK = probs_TE.detach().topk(top_k, dim=-1).indices
+        else:
+            idx_TK = topk_idx_per_layer[i]
         weight_TK = torch.ones_like(idx_TK, dtype=torch.float32) if mask_T is None else mask_T.expand_as(idx_TK)
         picks_E = picks_E.index_add(0, idx_TK.reshape(-1), weight_TK.reshape(-1))
         probs_E = probs_E + (probs_TE if mask_T is None else probs_TE * mask_T).sum(0)
