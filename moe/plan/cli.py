@@ -1,12 +1,16 @@
 """``python -m moe.plan``: the best layout for a model on a cluster, before the cluster is booked.
 
-    python -m moe.plan --preset v3 --gpus 2048 --gpus-per-node 8 --gpu h800 --seq-len 4096 \\
-        --global-batch 15360 --micro-batch 1 --deepseek-v3 --png plan.png
+    python -m moe.plan --model deepseek-v3 --gpus 2048 --gpus-per-node 8 --gpu h800 --seq-len 4096 \\
+        --global-batch 15360 --micro-batch 1 --deepseek-v3 --json plan.json --png plan.png
+    python -m moe.plan --model path/to/hf_checkpoint --gpus 64 --gpu h100 --recompute selective
     python -m moe.plan --config my_model.json --gpus 64 --gpu h100 --costs measured.json --json plan.json
 
-Prints the number of candidates and how many fit, the best fitting plan (step time, tokens/s per GPU, MFU,
-bubble, exposed all-to-all, memory per GPU by kind), and a table of the top ``--top`` with why each loses.
-``--deepseek-v3`` adds the DeepSeek-V3 report's layout with each of its published figures beside ours.
+``--model`` takes a preset name (:data:`moe.config.PRESETS`; ``--preset`` is the same flag) or a Hugging Face
+checkpoint directory (its config.json, :func:`moe.hf.read_hf_config`). Prints the number of candidates and
+how many fit, the best fitting plan (step time, tokens/s per GPU, MFU, bubble, exposed all-to-all, memory per
+GPU by kind and the memory options it uses), and a table of the top ``--top`` with why each loses.
+``--deepseek-v3`` adds the DeepSeek-V3 report's layout with the report's memory options, each figure beside
+the report's (in the JSON as ``deepseek_v3``).
 """
 
 from __future__ import annotations
@@ -21,20 +25,31 @@ from pathlib import Path
 
 from dualpipe.schedule import SCHEDULES
 from moe.config import PRESETS, MoEConfig, preset
+from moe.plan.costs import RECOMPUTE, STATE_DTYPES, MemoryOptions
 from moe.plan.hardware import GPUS, Cluster, gpu, with_overrides
 from moe.plan.measured import device_of, gpu_of, load_costs
-from moe.plan.report import RunShape, plan, plan_table, v3_comparison
+from moe.plan.report import RunShape, plan, plan_table, v3_comparison, v3_side_by_side
 
 __all__ = ["JSON_SCHEMA_VERSION", "main", "parse_args"]
 
-JSON_SCHEMA_VERSION = 1
+JSON_SCHEMA_VERSION = 2
+"""2: a row's ``recompute`` is a granularity and it has ``memory_options``; ``inputs.model_source``; the
+``deepseek_v3`` side-by-side with ``--deepseek-v3``."""
+
+_RECOMPUTE_FLAG = {"on": ("full",), "off": ("none",), "both": ("none", "full"), "all": RECOMPUTE}
+_RECOMPUTE_FLAG.update({name: (name,) for name in RECOMPUTE})
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m moe.plan", description=__doc__.split("\n")[0])
     model = p.add_mutually_exclusive_group()
     model.add_argument(
-        "--preset", choices=sorted(PRESETS), help="model preset (default: v3, or the model --costs measured)"
+        "--model",
+        "--preset",
+        dest="model",
+        metavar="NAME_OR_DIR",
+        help=f"a preset ({', '.join(sorted(PRESETS))}) or a Hugging Face checkpoint directory "
+        "(default: v3, or the model --costs measured)",
     )
     model.add_argument("--config", metavar="FILE", help="a JSON file of MoEConfig fields")
     p.add_argument("--gpus", type=int, default=2048, help="GPUs in the cluster")
@@ -52,7 +67,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), help="default: every registered one")
     p.add_argument("--comm-sms", type=int, nargs="+", default=[20], help="SMs for communication to try (ep > 1)")
-    p.add_argument("--recompute", choices=("both", "on", "off"), default="both")
+    p.add_argument(
+        "--recompute",
+        choices=sorted(_RECOMPUTE_FLAG),
+        default="all",
+        help="granularities to try: none, selective, full, all of them (default); on = full, off = none, "
+        "both = none and full",
+    )
+    p.add_argument(
+        "--state-dtype", choices=STATE_DTYPES, default="float32", help="optimizer moments' dtype (bfloat16: V3's)"
+    )
+    p.add_argument(
+        "--fp8-activations",
+        action="store_true",
+        help="size activations cached in FP8 as the DeepSeek-V3 report does (modelled: no FP8 trainer path yet)",
+    )
+    p.add_argument(
+        "--mtp-own-copies",
+        action="store_true",
+        help="MTP modules hold their own embedding and head instead of sharing the main model's",
+    )
     p.add_argument("--costs", metavar="FILE", help="measured sub-stage costs (bench.overlap --calibrate)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--deepseek-v3", action="store_true", help="also set the V3 report's layout beside its figures")
@@ -67,16 +101,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _config(args: argparse.Namespace, measured) -> MoEConfig:
+def _named_model(name: str) -> tuple[MoEConfig, str]:
+    """A preset by name, or a Hugging Face checkpoint directory's config; (config, ``"preset"`` or ``"hf"``)."""
+    if name in PRESETS:
+        return preset(name), "preset"
+    path = Path(name)
+    if not path.exists():
+        raise SystemExit(
+            f"error: --model {name}: neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory"
+        )
+    from moe.hf import HFConfigError, read_hf_config
+
+    try:
+        return read_hf_config(path), "hf"
+    except (HFConfigError, ValueError) as exc:
+        raise SystemExit(f"error: --model {name}: {exc}") from None
+
+
+def _config(args: argparse.Namespace, measured) -> tuple[MoEConfig, str]:
+    """The model and where it came from (``preset``, ``hf``, ``config``, ``costs``)."""
     if args.config is None:
-        if args.preset is None and measured is not None:
+        if args.model is None and measured is not None:
             if not (measured.moe or measured.dense):  # bench.kernels: single ops of a benchmarked layer shape
-                raise SystemExit(f"error: --costs {args.costs} holds single ops only: pass --preset or --config")
-            return measured.config
-        return preset(args.preset or "v3")
+                raise SystemExit(f"error: --costs {args.costs} holds single ops only: pass --model or --config")
+            return measured.config, "costs"
+        return _named_model(args.model or "v3")
     try:
         fields = json.loads(Path(args.config).read_text())
-        return MoEConfig(**fields)
+        return MoEConfig(**fields), "config"
     except (OSError, json.JSONDecodeError, TypeError, ValueError) as exc:
         raise SystemExit(f"error: --config {args.config}: {exc}") from None
 
@@ -109,20 +161,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         measured = load_costs(args.costs) if args.costs else None
     except ValueError as exc:
         raise SystemExit(f"error: --costs: {exc}") from None
-    cfg = _config(args, measured)
+    cfg, source = _config(args, measured)
     cluster = _cluster(args, measured)
     run = RunShape(args.seq_len, args.global_batch, args.micro_batch)
-    recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]
+    options = MemoryOptions(
+        state_dtype=args.state_dtype, fp8_activations=args.fp8_activations, mtp_shared=not args.mtp_own_copies
+    )
     try:
         result = plan(
-            cfg, cluster, run, schedules=args.schedules, comm_sms=args.comm_sms, recompute=recompute,
-            measured=measured, top=args.top,
+            cfg, cluster, run, schedules=args.schedules, comm_sms=args.comm_sms,
+            recompute=_RECOMPUTE_FLAG[args.recompute], measured=measured, top=args.top, options=options,
         )  # fmt: skip
+        v3 = v3_side_by_side(cfg, cluster, run, measured) if args.deepseek_v3 else None
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     text = plan_table(result, args.top)
     if args.deepseek_v3:
-        text += "\n\n" + v3_comparison(cfg, cluster, run, measured)
+        text += "\n\n" + v3_comparison(cfg, cluster, run, measured, side=v3)
     if args.json != "-":
         print(text)
     if args.json:
@@ -130,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "schema": JSON_SCHEMA_VERSION,
             "inputs": {
                 "config": args.config,
-                "preset": args.preset,
+                "preset": args.model if source == "preset" else None,
+                "model_source": {"kind": source, "name": args.model if source in ("preset", "hf") else None},
                 "model": dataclasses.asdict(cfg),
                 "gpus": cluster.num_gpus,
                 "gpus_per_node": cluster.gpus_per_node,
@@ -145,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "best": result.best.to_dict(),
             "top": [p.to_dict() for p in result.ranked[: args.top]],
         }
+        if v3 is not None:
+            doc["deepseek_v3"] = v3
         out = json.dumps(doc, indent=1)
         if args.json == "-":
             print(out)

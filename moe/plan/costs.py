@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from dualpipe.schedule import schedule_spec
 from moe.config import MoEConfig
@@ -37,20 +38,46 @@ from moe.plan.routing import expected_nodes, expected_ranks
 
 __all__ = [
     "COMPUTE_FIELDS",
+    "RECOMPUTE",
+    "STATE_DTYPES",
+    "TRAINER_DEFAULTS",
     "AllToAllBytes",
+    "CostSource",
+    "MemoryOptions",
     "Parallelism",
     "SubstageCosts",
     "Workload",
     "all_to_all_bytes",
     "all_to_all_seconds",
     "allreduce_seconds",
+    "analytic_costs",
     "dp_reduce_seconds",
     "layer_ops",
     "op_seconds",
     "p2p_seconds",
     "phase_work",
+    "recompute_granularity",
     "substage_costs",
 ]
+
+RECOMPUTE = ("none", "selective", "full")
+"""Recompute granularities, as the trainer's ``parallel.recompute`` names them: ``none``; ``selective``, the
+DeepSeek-V3 report's (3.2.3): every RMSNorm and MLA's up-projections run again in backward instead of
+keeping their outputs; ``full``: each piece keeps only its inputs and runs again whole."""
+
+STATE_DTYPES = ("float32", "bfloat16")
+"""Optimizer-state (moment) dtypes, as the trainer's ``optimizer.state_dtype`` names them. The DeepSeek-V3
+report (3.3.3) keeps AdamW's moments in bf16, the master weights and gradients in fp32."""
+
+
+def recompute_granularity(value: str | bool) -> str:
+    """``value`` as one of :data:`RECOMPUTE`; a bool reads as before granularities existed (True: ``full``)."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if value not in RECOMPUTE:
+        raise ValueError(f"recompute={value!r}: choose one of {RECOMPUTE} (or a bool)")
+    return value
+
 
 COMPUTE_FIELDS = ("attn_F", "attn_dX", "attn_dW", "mlp_F", "mlp_dX", "mlp_dW", "embed_F", "embed_B", "head_F", "head_B")
 """The compute fields of :class:`SubstageCosts` (seconds on the GPU's SMs)."""
@@ -91,6 +118,20 @@ class Parallelism:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryOptions:
+    """The memory options of a run besides its recompute granularity (which the search tries per candidate):
+    each a :class:`Workload` field of the same name."""
+
+    state_dtype: str = "float32"
+    fp8_activations: bool = False
+    mtp_shared: bool = True
+
+
+TRAINER_DEFAULTS = MemoryOptions()
+"""The trainer's defaults: fp32 moments, no FP8, MTP sharing the embedding and head."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Workload:
     """One micro-batch and the run's execution options."""
 
@@ -100,16 +141,29 @@ class Workload:
     comm_sms: int = 20
     """SMs reserved for communication while experts compute (0 at ep = 1). 20: the DeepSeek-V3 report's
     figure, enough to saturate IB and NVLink on H800 (3.2.2)."""
-    recompute: bool = False
-    """Recompute attention and MLP in backward: their forward is added to their dX."""
+    recompute: str | bool = "none"
+    """A granularity of :data:`RECOMPUTE` (a bool is read as ``full`` / ``none``): ``full`` adds the
+    attention and MLP forward to their dX, ``selective`` the forward of the ops it runs again
+    (:attr:`moe.plan.flops.Op.selective`)."""
     act_bytes: int = 2
     """Bytes per activation element (bf16)."""
     master_weights: bool = True
     """bf16 parameters with fp32 masters and fp32 gradient buffers (issue 12's default); False: pure bf16."""
+    state_dtype: str = "float32"
+    """Dtype of the optimizer's moments (:data:`STATE_DTYPES`); ``bfloat16`` as the DeepSeek-V3 report."""
+    fp8_activations: bool = False
+    """Cache activations for backward in FP8 as the DeepSeek-V3 report does (3.3.3, 3.3.4; modelled in
+    memory only, see :mod:`moe.plan.footprint`). Time is still planned for bf16 GEMMs and bf16 transfers."""
+    mtp_shared: bool = True
+    """The MTP modules share the main model's embedding and head (the report's 3.2.3; no second copy on a
+    rank that holds both); False: each module holds its own, as the published checkpoint stores them."""
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.micro_batch < 1 or self.comm_sms < 0 or self.act_bytes < 1:
             raise ValueError(f"invalid workload {self}")
+        object.__setattr__(self, "recompute", recompute_granularity(self.recompute))
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype={self.state_dtype!r}: choose one of {STATE_DTYPES}")
 
     @property
     def tokens(self) -> int:
@@ -119,6 +173,15 @@ class Workload:
     def grad_bytes(self) -> int:
         """Bytes per gradient element as reduced: fp32 main_grad under master weights, else the parameter's."""
         return 4 if self.master_weights else self.act_bytes
+
+    def memory_options(self) -> dict[str, object]:
+        """The memory-saving options this workload runs with, by the names the plan reports them."""
+        return {
+            "recompute": self.recompute,
+            "optimizer_state_dtype": self.state_dtype,
+            "mtp_shares_embedding_and_head": self.mtp_shared,
+            "fp8_activations": self.fp8_activations,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +269,7 @@ def dp_reduce_seconds(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: 
     worst = 0.0
     layout = schedule_spec(par.schedule).stage_layout(par.pp, par.modules_per_rank)
     for r in range(par.pp):
-        specs = rank_params(cfg, par.pp, par.ep, par.schedule, r, par.modules_per_rank)
+        specs = rank_params(cfg, par.pp, par.ep, par.schedule, r, par.modules_per_rank, mtp_shared=work.mtp_shared)
         dense = sum(p.numel for p in specs if not p.expert) * work.grad_bytes
         expert = sum(p.numel for p in specs if p.expert) * work.grad_bytes
         t = allreduce_seconds(dense, par.dp, _group_bw(cluster, par.dp))
@@ -224,9 +287,11 @@ class SubstageCosts:
     ``attn_*`` is the attention sub-stage (MoE layers: router included), ``mlp_*`` the MLP sub-stage
     (permute, routed and shared experts, unpermute; a dense layer's MLP). ``dispatch`` / ``combine``: one
     all-to-all (0 for a dense layer or ep = 1); each backward all-to-all costs the same. ``embed_*`` and
-    ``head_*`` (head includes the final norm and the loss) run only on the first / last stage. ``p2p``: one
-    activation to the next pipeline stage. ``dp_reduce``: the whole step's gradient reduction (once per
-    step, not per micro-batch). With recompute, ``attn_dX`` and ``mlp_dX`` include the forward again.
+    ``head_*`` (head includes the final norm and the loss, and each MTP module's work around its block:
+    :func:`moe.plan.flops.mtp_ops`) run only on the first / last stage. ``p2p``: one activation to the next
+    pipeline stage. ``dp_reduce``: the whole step's gradient reduction (once per step, not per micro-batch).
+    With recompute, ``attn_dX`` and ``mlp_dX`` (and ``head_B`` under ``selective``: its norms) include the
+    forward of what runs again.
     """
 
     moe: bool
@@ -271,7 +336,8 @@ class SubstageCosts:
 def _sub_ops(cfg: MoEConfig, tokens: int, seq_len: int, ep: int, rows: float, b: int, moe: bool) -> dict[str, list]:
     attn = fl.attention_ops(cfg, tokens, seq_len, b) + (fl.router_ops(cfg, tokens, b) if moe else [])
     mlp = fl.moe_mlp_ops(cfg, tokens, rows, b, ep) if moe else fl.dense_mlp_ops(cfg, tokens, b)
-    return {"attn": attn, "mlp": mlp, "embed": fl.embed_ops(cfg, tokens, b), "head": fl.head_ops(cfg, tokens, b)}
+    head = fl.head_ops(cfg, tokens, b) + cfg.mtp_layers * fl.mtp_ops(cfg, tokens, b)
+    return {"attn": attn, "mlp": mlp, "embed": fl.embed_ops(cfg, tokens, b), "head": head}
 
 
 def layer_ops(
@@ -301,6 +367,19 @@ def phase_work(
     return out
 
 
+class CostSource(Protocol):
+    """Measured costs that replace analytic ones (:class:`moe.plan.measured.MeasuredCosts` is one): this
+    module asks them, and never imports the module that reads them."""
+
+    def op_timer(self) -> OpTimer:
+        """:func:`op_seconds`, with what was measured of single ops in."""
+
+    def apply(
+        self, analytic: SubstageCosts, cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload
+    ) -> SubstageCosts:
+        """``analytic`` with every measured sub-stage field in."""
+
+
 def substage_costs(
     cfg: MoEConfig,
     cluster: Cluster,
@@ -308,27 +387,30 @@ def substage_costs(
     work: Workload,
     *,
     moe: bool = True,
-    measured: object | None = None,
+    measured: CostSource | None = None,
 ) -> SubstageCosts:
     """:class:`SubstageCosts` of one MoE layer (``moe=True``) or one dense layer.
 
     Analytic unless ``measured`` (a :class:`moe.plan.measured.MeasuredCosts`) is given: then each op its
     ``ops`` section holds takes its measured time scaled to this config in the sums
-    (:func:`moe.plan.measured.op_timer`), and every sub-stage field its layer entry holds replaces the sum
-    by its measured time scaled to this config (:func:`moe.plan.measured.apply_measured`); the rest stay
-    analytic. ``comm_sms`` is reserved only where an all-to-all exists (MoE layer, ep > 1), as
-    moe.parallel does."""
+    (:meth:`CostSource.op_timer`), and every sub-stage field its layer entry holds replaces the sum by its
+    measured time scaled to this config (:meth:`CostSource.apply`); the rest stay analytic. ``comm_sms`` is
+    reserved only where an all-to-all exists (MoE layer, ep > 1), as moe.parallel does."""
     if measured is None:
-        return _analytic(cfg, cluster, par, work, moe)
-    from moe.plan.measured import apply_measured, op_timer  # measured.py builds on this module
-
-    analytic = _analytic(cfg, cluster, par, work, moe, op_timer(measured))  # type: ignore[arg-type]
-    return apply_measured(measured, analytic, cfg, cluster, par, work)  # type: ignore[arg-type]
+        return analytic_costs(cfg, cluster, par, work, moe)
+    analytic = analytic_costs(cfg, cluster, par, work, moe, measured.op_timer())
+    return measured.apply(analytic, cfg, cluster, par, work)
 
 
-def _analytic(
+def _selective(ops: list[fl.Op], gpu: GPU, comm_sms: int, timer: OpTimer) -> float:
+    """Forward seconds of the ops selective recompute runs again."""
+    return sum(timer(op, "fwd", gpu, comm_sms) for op in ops if op.selective)
+
+
+def analytic_costs(
     cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, moe: bool, timer: OpTimer = op_seconds
 ) -> SubstageCosts:
+    """:class:`SubstageCosts` from the roofline of every op (``timer``: seconds of one op's phase)."""
     if moe and not cfg.moe_layers:
         raise ValueError("the config has no MoE layer")
     gpu, t, b = cluster.gpu, work.tokens, work.act_bytes
@@ -340,10 +422,14 @@ def _analytic(
     detail = {f"{op.name}.{ph}": timer(op, ph, gpu, comm_sms) for op in attn + mlp for ph in ("fwd", "dx", "dw")}
     a_f, a_dx, a_dw = _phases(attn, gpu, comm_sms, timer)
     m_f, m_dx, m_dw = _phases(mlp, gpu, comm_sms, timer)
-    if work.recompute:
-        a_dx, m_dx = a_dx + a_f, m_dx + m_f
     e_f, e_dx, e_dw = _phases(subs["embed"], gpu, 0, timer)
     h_f, h_dx, h_dw = _phases(subs["head"], gpu, 0, timer)
+    if work.recompute == "full":  # the embedding and head pieces never recompute
+        a_dx, m_dx = a_dx + a_f, m_dx + m_f
+    elif work.recompute == "selective":
+        a_dx += _selective(attn, gpu, comm_sms, timer)
+        m_dx += _selective(mlp, gpu, comm_sms, timer)
+        h_dx += _selective(subs["head"], gpu, 0, timer)
     return SubstageCosts(
         moe=moe,
         attn_F=a_f,

@@ -1,9 +1,10 @@
 """FLOPs and HBM bytes of every operation of one layer (and embedding, head) for one micro-batch.
 
 Legend: T tokens of the micro-batch (micro-batch sequences x S), S sequence length, D hidden, H query heads,
-G key/value heads, C head dim, E experts, K top-k, F expert intermediate, Fs shared width (shared experts x
-F), Fd dense intermediate, V vocabulary, R rows a rank's experts receive, M expert-sorted rows (T x K on
-average per rank), b bytes per activation element.
+G key/value heads, C query/key head dim, Cv value head dim (C but for MLA), E experts, K top-k, F expert
+intermediate, Fs shared width (shared experts x F), Fd dense intermediate, V vocabulary, R rows a rank's
+experts receive, M expert-sorted rows (T x K on average per rank), b bytes per activation element; MLA: Q
+query latent, L key/value latent, N and P the per-head dims without and with position (C = N + P).
 
 Conventions
 -----------
@@ -17,6 +18,13 @@ Conventions
 - Bytes are what an op reads and writes in HBM at least once (no cache reuse between ops): the memory
   floor of memory-bound ops. GEMMs count operands, weights and result; a weight gradient is accumulated
   into an fp32 ``main_grad`` (read and written, 8 bytes an element), as moe.optimizer does.
+- Attention follows ``MoEConfig.attention``: ``gqa`` (one fused QKV GEMM), ``gqa-qk-norm`` (Qwen3: the same
+  plus an RMSNorm over each head's q and k) and ``mla`` (DeepSeek-V3: the down-projections to the latents,
+  their norms, the up-projections per head, a rotary key shared by every head, SDPA with C = N + P and a
+  value head dim of its own).
+- :attr:`Op.selective` marks what selective recompute (``Workload.recompute == "selective"``, the DeepSeek-V3
+  report 3.2.3) runs again in backward: every RMSNorm, and MLA's up-projections with the rotary and the
+  concatenation that build SDPA's q, k and v.
 - The router sits in the attention sub-stage: :meth:`moe.block.Block.attn_compute` runs it (its routing
   must exist before the dispatch starts); permute, experts, unpermute and the shared experts are the MLP
   sub-stage (:meth:`moe.block.Block.mlp_compute`).
@@ -31,12 +39,14 @@ from moe.plan.params import active_params
 
 __all__ = [
     "Op",
+    "attention_dims",
     "attention_ops",
     "dense_mlp_ops",
     "embed_ops",
     "head_ops",
     "model_flops_per_token",
     "moe_mlp_ops",
+    "mtp_ops",
     "router_ops",
     "total",
 ]
@@ -58,6 +68,8 @@ class Op:
     dw_bytes: float = 0.0
     experts: bool = False
     """Runs on the SMs communication leaves (the grouped expert GEMMs)."""
+    selective: bool = False
+    """Run again in backward under selective recompute (norms, MLA up-projections)."""
 
 
 def total(ops: list[Op], field: str) -> float:
@@ -65,7 +77,17 @@ def total(ops: list[Op], field: str) -> float:
     return float(sum(getattr(op, field) for op in ops))
 
 
-def _gemm(name: str, m: float, k: int, n: int, b: int, *, weights: float | None = None, experts: bool = False) -> Op:
+def _gemm(
+    name: str,
+    m: float,
+    k: int,
+    n: int,
+    b: int,
+    *,
+    weights: float | None = None,
+    experts: bool = False,
+    selective: bool = False,
+) -> Op:
     """``[m, k] x [k, n]`` (``weights`` elements of weight, default ``k n``: a grouped GEMM has more)."""
     w = k * n if weights is None else weights
     flops = 2.0 * m * k * n
@@ -78,12 +100,34 @@ def _gemm(name: str, m: float, k: int, n: int, b: int, *, weights: float | None 
         dx_bytes=b * (m * n + w + m * k),
         dw_bytes=b * (m * n + m * k) + 2 * FP32 * w,
         experts=experts,
+        selective=selective,
     )
 
 
-def _elementwise(name: str, read: float, write: float) -> Op:
+def _elementwise(name: str, read: float, write: float, *, selective: bool = False) -> Op:
     """A memory-bound op: backward reads what forward read plus the output gradient, writes the input grads."""
-    return Op(name, fwd_bytes=read + write, dx_bytes=read + write + write)
+    return Op(name, fwd_bytes=read + write, dx_bytes=read + write + write, selective=selective)
+
+
+def _norm(name: str, elements: float, b: int) -> Op:
+    """An RMSNorm over ``elements`` values (recomputed under selective recompute)."""
+    return _elementwise(name, b * elements, b * elements, selective=True)
+
+
+def _sdpa(seqs: int, seq_len: int, h: int, g: int, c: int, cv: int, b: int) -> Op:
+    """Causal SDPA: QK^T over the lower triangle (``seqs H S^2 C``) and PV (``seqs H S^2 Cv``) forward,
+    2.5 x that backward; reads q, k, v and writes the output and the fp32 log-sum-exp; backward reads q, k,
+    v, the output, its gradient and the log-sum-exp and writes dq, dk, dv."""
+    t = seqs * seq_len
+    fwd = 1.0 * seqs * h * seq_len * seq_len * (c + cv)  # causal half of 2 S^2 (C + Cv) per head
+    lse = FP32 * seqs * h * seq_len
+    return Op(
+        "sdpa",
+        fwd_flops=fwd,
+        dx_flops=2.5 * fwd,
+        fwd_bytes=b * t * (h * c + g * c + g * cv + h * cv) + lse,
+        dx_bytes=b * t * (h * c + g * c + g * cv + 2 * h * cv + h * c + g * c + g * cv) + lse,
+    )
 
 
 def _swiglu(name: str, rows: float, width: int, b: int) -> Op:
@@ -92,30 +136,42 @@ def _swiglu(name: str, rows: float, width: int, b: int) -> Op:
 
 
 def attention_ops(cfg: MoEConfig, tokens: int, seq_len: int, b: int) -> list[Op]:
-    """Attention of one layer: norm, QKV, rotary, SDPA, output projection, residual and the MLP's norm (an
-    MoE layer's attention sub-stage adds :func:`router_ops`)."""
+    """Attention of one layer: norm, projections, rotary, SDPA, output projection, residual and the MLP's
+    norm (an MoE layer's attention sub-stage adds :func:`router_ops`)."""
     if tokens % seq_len:
         raise ValueError(f"tokens={tokens} is not a whole number of sequences of {seq_len}")
-    t, d, c = tokens, cfg.hidden_size, cfg.attn_head_dim
-    h, g = cfg.num_heads, cfg.num_kv_heads
+    t, d, h = tokens, cfg.hidden_size, cfg.num_heads
     seqs = t // seq_len
-    sdpa_fwd = 2.0 * seqs * h * seq_len * seq_len * c  # causal half of 4 B H S^2 C
-    ops = [
-        _elementwise("attn_norm", b * t * d, b * t * d),
-        _gemm("qkv", t, d, (h + 2 * g) * c, b),
-        _elementwise("rotary", b * t * (h + g) * c, b * t * (h + g) * c),
-        Op(
-            "sdpa",
-            fwd_flops=sdpa_fwd,
-            dx_flops=2.5 * sdpa_fwd,
-            fwd_bytes=b * t * (2 * h + 2 * g) * c + FP32 * seqs * h * seq_len,
-            # reads q, k, v, o, dO and the log-sum-exp; writes dq, dk, dv
-            dx_bytes=b * t * (3 * h + 2 * g + h + 2 * g) * c + FP32 * seqs * h * seq_len,
-        ),
-        _gemm("o_proj", t, h * c, d, b),
-        _elementwise("residual", 2 * b * t * d, b * t * d),
-        _elementwise("mlp_norm", b * t * d, b * t * d),
-    ]
+    ops = [_norm("attn_norm", t * d, b)]
+    if cfg.attention == "mla":
+        n, r, v, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        c = n + r
+        if cfg.q_lora_rank is None:
+            ops.append(_gemm("q_proj", t, d, h * c, b, selective=True))
+        else:
+            q = cfg.q_lora_rank
+            ops += [_gemm("q_a_proj", t, d, q, b), _norm("q_a_norm", t * q, b)]
+            ops.append(_gemm("q_b_proj", t, q, h * c, b, selective=True))
+        ops += [
+            _gemm("kv_a_proj", t, d, lat + r, b),
+            _norm("kv_a_norm", t * lat, b),
+            _gemm("kv_b_proj", t, lat, h * (n + v), b, selective=True),
+            # rotary on q's and the shared key's P dims, then q and k assembled per head (C = N + P)
+            _elementwise("rotary", b * t * (h * c + h * n + r), b * t * 2 * h * c, selective=True),
+            _sdpa(seqs, seq_len, h, h, c, v, b),
+            _gemm("o_proj", t, h * v, d, b),
+        ]
+    else:
+        c, g = cfg.attn_head_dim, cfg.num_kv_heads
+        ops.append(_gemm("qkv", t, d, (h + 2 * g) * c, b))
+        if cfg.attention == "gqa-qk-norm":
+            ops.append(_norm("qk_norm", t * (h + g) * c, b))
+        ops += [
+            _elementwise("rotary", b * t * (h + g) * c, b * t * (h + g) * c),
+            _sdpa(seqs, seq_len, h, g, c, c, b),
+            _gemm("o_proj", t, h * c, d, b),
+        ]
+    ops += [_elementwise("residual", 2 * b * t * d, b * t * d), _norm("mlp_norm", t * d, b)]
     return ops
 
 
@@ -177,21 +233,45 @@ def head_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
     the logits once; backward reads them and writes their gradient)."""
     t, d, v = tokens, cfg.hidden_size, cfg.vocab_size
     return [
-        _elementwise("final_norm", b * t * d, b * t * d),
+        _norm("final_norm", t * d, b),
         _gemm("head", t, d, v, b),
         Op("cross_entropy", fwd_bytes=b * t * v + FP32 * t, dx_bytes=2 * b * t * v + FP32 * t),
     ]
+
+
+def mtp_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
+    """One MTP module around its block (DeepSeek-V3 report 2.2): the next token's embedding looked up in the
+    shared table (its backward adds into the table's fp32 gradient), ``enorm`` and ``hnorm``, the
+    concatenation, ``eh_proj`` ``[T, 2D] x [2D, D]``; then its final norm, the shared head and its own
+    cross-entropy (:func:`head_ops`). Its block is timed as a block (``num_layers + k``)."""
+    t, d = tokens, cfg.hidden_size
+    return [
+        Op("mtp_embed", fwd_bytes=INDEX * t + 2 * b * t * d, dw_bytes=INDEX * t + b * t * d + 2 * FP32 * t * d),
+        _norm("mtp_norms", 2 * t * d, b),
+        _elementwise("mtp_concat", 2 * b * t * d, 2 * b * t * d),
+        _gemm("eh_proj", t, 2 * d, d, b),
+        *head_ops(cfg, tokens, b),
+    ]
+
+
+def attention_dims(cfg: MoEConfig) -> tuple[int, int]:
+    """(query/key head dim, value head dim) of one attention head."""
+    if cfg.attention == "mla":
+        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    return cfg.attn_head_dim, cfg.attn_head_dim
 
 
 def model_flops_per_token(cfg: MoEConfig, seq_len: int) -> float:
     """Model FLOPs of one trained token (forward + backward) for MFU.
 
     ``6 x active parameters`` (matmul weights a token meets: top-k routed experts, shared experts, attention,
-    router, head; the embedding lookup is not a matmul) plus the attention term ``6 x L x H x C x S``: QK^T
-    and PV are ``4 H C S`` FLOPs per token forward over the full square, half of it under the causal mask,
-    times 3 for forward and backward (PaLM's appendix B counts the full square, ``12 L H C S``; we count
-    what a causal kernel must do). Recomputation and FlashAttention's score recompute are executed work,
-    not model FLOPs: they are not here.
+    router, head; the embedding lookup is not a matmul) plus the attention term ``3 x L x H x (C + Cv) x S``:
+    QK^T and PV are ``2 H (C + Cv) S`` FLOPs per token forward over the full square, half of it under the
+    causal mask, times 3 for forward and backward (``6 L H C S`` when ``Cv = C``; PaLM's appendix B counts the
+    full square, ``12 L H C S``; we count what a causal kernel must do). The MTP modules are trained work of
+    the step: each adds its block, ``eh_proj`` and the shared head once more (``L`` counts their blocks).
+    Recomputation and FlashAttention's score recompute are executed work, not model FLOPs: they are not here.
     """
-    attn = 6.0 * cfg.num_layers * cfg.num_heads * cfg.attn_head_dim * seq_len
-    return 6.0 * active_params(cfg) + attn
+    c, cv = attention_dims(cfg)
+    attn = 3.0 * (cfg.num_layers + cfg.mtp_layers) * cfg.num_heads * (c + cv) * seq_len
+    return 6.0 * active_params(cfg, mtp=True) + attn

@@ -6,13 +6,27 @@ ZeRO-1 over the data-parallel group for dense parameters and over the edp replic
 The optimizer's sharding is a size-balanced partition of whole parameters (:func:`moe.optimizer.partition`),
 not an even split: this module runs the same partition and reports its most loaded rank. Pure bf16
 (``master_weights=False``) keeps gradients and moments in bf16 and no master. A pure fp32 model
-(``param_bytes=4``) steps the parameters themselves: no master.
+(``param_bytes=4``) steps the parameters themselves: no master. ``Workload.state_dtype="bfloat16"`` keeps
+the moments in bf16 (the DeepSeek-V3 report, 3.3.3: moments in bf16, masters and gradients in fp32).
 
-Activations: the schedule's peak live modules (:func:`dualpipe.simulate.simulate`'s count, the same action
-lists the executor runs) times one module's saved bytes for one micro-batch (:func:`layer_activations`:
-every tensor autograd keeps, listed per sub-stage). With recompute, a module keeps only its pieces'
-inputs; the backward then rebuilds one piece's graph at a time, so one layer's full activation is added
-once as the working set.
+Activations: one module's saved bytes for one micro-batch (:func:`layer_activations`: every tensor autograd
+keeps, listed per sub-stage and per attention variant, MTP modules on the last stage) weighted by the
+schedule's live micro-batches of each module at every step (the action lists the executor runs; the peak
+count is :func:`dualpipe.simulate.simulate`'s). The memory options the DeepSeek-V3 report fits 80 GB with
+(3.2.3, 3.3.3), each a field of :class:`moe.plan.costs.Workload` and reported with the plan:
+
+- ``recompute="full"``: a module keeps only its pieces' inputs; the backward rebuilds one piece's graph at a
+  time, so one layer's full activation is added once as the working set.
+- ``recompute="selective"``: every RMSNorm's saved tensors (its fp32 copies and the output a Linear saves)
+  and, for MLA, SDPA's q, k and v (the up-projections' products) are dropped; what rebuilds them is kept
+  instead (the norm inputs: the block input, the residual before the MLP norm, MLA's two latents, Qwen3's
+  q/k projections). One layer's dropped tensors are added once as the working set.
+- ``state_dtype="bfloat16"``: 2-byte moments.
+- ``mtp_shared``: the MTP modules use the main embedding and head (:mod:`moe.plan.params`).
+- ``fp8_activations`` (modelled only: the trainer has no FP8 path yet): what a Linear or grouped GEMM keeps
+  for its weight gradient is cached in FP8 with one fp32 scale per 1x128 tile (the report's fine-grained
+  quantization, 3.3.2), the output projection's input in the report's 12-bit E5M6, the MoE SwiGLU inputs in
+  FP8 (3.3.3 (1), (2)), and the rows an ep > 1 dispatch received arrive, and are kept, in FP8 (3.3.4).
 
 Headroom: :data:`HEADROOM` of HBM is kept free for the caching allocator's fragmentation, the CUDA
 context, NCCL/DeepEP buffers not listed here and kernel workspaces (cuBLAS, Triton autotuning). 10% is a
@@ -22,24 +36,28 @@ stated allowance, not a measurement: replace it with ``cuda_peak_allocated_bytes
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from dualpipe.schedule import build_schedule, schedule_spec
-from dualpipe.simulate import simulate
+from dualpipe.schedule import Op, build_schedule, schedule_spec
 from moe.config import MoEConfig
 from moe.optimizer import OPTIMIZERS, partition
-from moe.plan.costs import Parallelism, Workload
+from moe.plan.costs import Parallelism, Workload, recompute_granularity
 from moe.plan.hardware import GPU
 from moe.plan.params import ParamSpec, rank_params, rank_stages
 from moe.plan.routing import expected_ranks
 
 __all__ = [
+    "E5M6_BYTES",
+    "FP8_BYTES",
     "HEADROOM",
     "LEAVES",
     "Footprint",
+    "Saved",
     "footprint",
     "layer_activations",
     "module_activation_bytes",
+    "saved_tensors",
     "state_bytes",
 ]
 
@@ -48,7 +66,20 @@ HEADROOM = 0.10
 
 FP32 = 4
 INDEX = 8
+FP8_BYTES = 1 + FP32 / 128
+"""An FP8 (e4m3) element with its share of one fp32 scale per 1x128 tile (DeepSeek-V3 report 3.3.2)."""
+E5M6_BYTES = 1.5 + FP32 / 128
+"""The report's 12-bit E5M6 element (3.3.3 (1): the output projection's input) with its tile scale."""
 
+# Tags of a saved tensor (:class:`Saved`): what each memory option does to it.
+LEAF = "leaf"  # kept by the overlap runtime as a piece input, not saved by autograd
+NORM = "norm"  # an RMSNorm's saved tensors: selective recompute drops them
+UP = "up"  # MLA's up-projection products that SDPA saves (q, k, v): selective recompute drops them
+SELECTIVE = "selective"  # kept only under selective recompute (what rebuilds the dropped tensors)
+LINEAR = "linear-input"  # kept for a Linear's or grouped GEMM's weight gradient: FP8 under fp8_activations
+ATTN_OUT = "attention-output"  # the output projection's input (SDPA's output): E5M6 under fp8_activations
+SWIGLU = "moe-swiglu-input"  # an MoE SwiGLU's input: FP8 under fp8_activations
+ROWS = "dispatched-rows"  # rows an ep > 1 dispatch received: FP8 under fp8_activations (FP8 dispatch)
 
 LEAVES = frozenset({"attn.input", "mlp.received_rows"})
 """Entries of :func:`layer_activations` that no autograd op saves: piece inputs the overlap runtime keeps
@@ -56,73 +87,177 @@ for the backward (a bf16 block input, whose fp32 copy is what the norm saves; th
 received, which permute reads but does not save). moe.memory's tracker counts saved tensors only."""
 
 
-def _norm(prefix: str, t: int, d: int, b: int) -> dict[str, float]:
-    """RMSNorm (fp32 inside) feeding a Linear: fp32 input (the input itself for an fp32 model, else a copy),
-    rsqrt, fp32 normalised output, the fp32 weight copy (bf16 models) and the cast output the Linear saves."""
-    out = {
-        prefix + "norm_fp32_input": FP32 * t * d,
-        prefix + "norm_rsqrt": FP32 * t,
-        prefix + "norm_fp32_output": FP32 * t * d,
-        prefix + "norm_output": b * t * d,
-    }
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """One tensor kept from a module's forward for its backward: ``elements`` of ``elem_bytes`` each."""
+
+    name: str
+    elements: float
+    elem_bytes: float
+    tags: frozenset[str] = frozenset()
+
+    @property
+    def nbytes(self) -> float:
+        return self.elements * self.elem_bytes
+
+
+def _s(name: str, elements: float, elem_bytes: float, *tags: str) -> Saved:
+    return Saved(name, elements, elem_bytes, frozenset(tags))
+
+
+def _norm(
+    prefix: str, t: float, d: int, b: int, *, output: str = "kept", input_elems: float | None = None
+) -> list[Saved]:
+    """RMSNorm (fp32 inside) over ``[t, d]``: the fp32 input (the input itself for an fp32 model, else a
+    copy; ``input_elems``: the storage it is a view of), rsqrt, the fp32 normalised output and the fp32
+    weight copy (bf16 models), all dropped under selective recompute (the norm keeps its input instead); and
+    the cast output a following Linear saves: ``output="kept"`` (under every option), ``"released"`` (selective
+    recompute frees it and refills it in backward: the attention norm's, MLA's latent norms') or ``"none"``
+    (no op saves it)."""
+    out = [
+        _s(prefix + "norm_fp32_input", t * d if input_elems is None or b < FP32 else input_elems, FP32, NORM),
+        _s(prefix + "norm_rsqrt", t, FP32, NORM),
+        _s(prefix + "norm_fp32_output", t * d, FP32, NORM),
+    ]
     if b < FP32:
-        out[prefix + "norm_fp32_weight"] = FP32 * d
+        out.append(_s(prefix + "norm_fp32_weight", d, FP32, NORM))
+    if output != "none":
+        out.append(_s(prefix + "norm_output", t * d, b, LINEAR, *((NORM,) if output == "released" else ())))
+    return out
+
+
+def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int) -> list[Saved]:
+    """What the attention module saves (its input, the block norm's output, is the block's)."""
+    h, seqs = cfg.num_heads, t // seq_len
+    lse = _s("attn.sdpa_lse", seqs * h * seq_len, FP32)
+    if cfg.attention == "mla":
+        n, r, v, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        c = n + r
+        # Selective recompute reruns the up-projection (latent norms, q_b_proj, kv_b_proj, rotary) from what it
+        # keeps: the query latent (the queries themselves without one) and kv_a_proj's output [T, L + R], the
+        # latent and the shared rotary key (an fp32 model's latent norm input is a view of it).
+        q_in = t * h * c if cfg.q_lora_rank is None else t * cfg.q_lora_rank
+        out = [_s("attn.q_latent", q_in, b, SELECTIVE)]
+        if cfg.q_lora_rank is not None:
+            out += _norm("attn.q_a_", t, cfg.q_lora_rank, b, output="released")
+        out += [
+            *_norm("attn.kv_a_", t, lat, b, output="released", input_elems=t * (lat + r)),
+            _s("attn.kv_latent", t * (lat + r), b, SELECTIVE),
+        ]
+        return [
+            *out,
+            _s("attn.rotary_tables", 2 * seq_len * (r // 2), FP32),
+            _s("attn.sdpa_q", t * h * c, b, UP),
+            _s("attn.sdpa_k", t * h * c, b, UP),
+            _s("attn.sdpa_v", t * h * (n + v), b, UP),  # a view of kv_b_proj's output, which it keeps whole
+            _s("attn.sdpa_out", t * h * v, b, ATTN_OUT),
+            lse,
+        ]
+    c, g = cfg.attn_head_dim, cfg.num_kv_heads
+    out = []
+    if cfg.attention == "gqa-qk-norm":  # per-head RMSNorm on q and k; rotary saves none of its output
+        out += [
+            _s("attn.qk_norm_fp32_input", t * (h + g) * c, FP32, NORM),
+            _s("attn.qk_norm_rsqrt", t * (h + g), FP32, NORM),
+            _s("attn.qk_norm_fp32_output", t * (h + g) * c, FP32, NORM),
+            _s("attn.qk_norm_input", t * (h + g) * c, b, SELECTIVE),
+        ]
+        if b < FP32:
+            out.append(_s("attn.qk_norm_fp32_weight", 2 * c, FP32, NORM))
+    return [
+        *out,
+        _s("attn.rotary_tables", 2 * seq_len * (c // 2), FP32),
+        _s("attn.sdpa_qkv", t * (h + 2 * g) * c, b),
+        _s("attn.sdpa_out", t * h * c, b, ATTN_OUT),
+        lse,
+    ]
+
+
+def saved_tensors(
+    cfg: MoEConfig, layer: int, tokens: int, seq_len: int, act_bytes: int, ep: int = 1, prefix: str = ""
+) -> list[Saved]:
+    """Every tensor one micro-batch of ``tokens`` leaves for backward in block ``layer``, tagged with what
+    each memory option does to it (entries tagged ``selective`` exist only under selective recompute).
+
+    Follows the modules (moe/layers.py, moe/models/, moe/block.py, moe/router.py, kernels/functional.py):
+    each RMSNorm saves what :func:`_norm` lists; rotary saves only its cos/sin tables (the multiplications by
+    constants need no input); SDPA saves q, k, v (a view keeps its whole storage: MLA's v is a view of
+    kv_b_proj's output), its output and the fp32 log-sum-exp (FlashAttention's set; its output is laid out
+    ``[B, S, H, Cv]``, so the output projection's input is a view of it, not a copy); MLA's latent norms
+    save as a block norm does; the router saves fp32 sigmoid scores, the int64 top-k ids and the chosen
+    scores; the grouped experts save the sorted rows and the gate/up output, unpermute the expert outputs,
+    the int64 row ids and the fp32 routing weights; a SwiGLU MLP saves its input, the gate/up output and
+    the down projection's input. Received rows per rank are ``T x`` :func:`moe.plan.routing.expected_ranks`;
+    at ep = 1 they are the normed tokens themselves (no copy). Names ``"attn.<tensor>"`` /
+    ``"mlp.<tensor>"`` after ``prefix``; :data:`LEAVES` marks the ones kept by the runtime.
+    """
+    t, d, b, k = tokens, cfg.hidden_size, act_bytes, cfg.top_k
+    # An fp32 model's block norm saves the block input itself: the input is listed apart only in bf16, or
+    # under selective recompute, which keeps it in place of the norm's tensors.
+    out = [_s("attn.input", t * d, b, LEAF, *(() if b < FP32 else (SELECTIVE,)))]
+    out += _norm("attn.", t, d, b, output="released")
+    out += _attention(cfg, t, seq_len, b)
+    out += [*_norm("attn.mlp_", t, d, b), _s("attn.mlp_norm_input", t * d, b, SELECTIVE)]
+    if not cfg.is_moe_layer(layer):
+        f = cfg.dense_intermediate_size
+        out += [_s("mlp.swiglu_input", t * 2 * f, b), _s("mlp.down_input", t * f, b, LINEAR)]
+    else:
+        e, f = cfg.num_experts, cfg.moe_intermediate_size
+        rows = t * expected_ranks(cfg, ep) if ep > 1 else 0.0
+        m = t * k
+        out += [
+            _s("attn.router_scores_fp32", t * e, FP32),
+            _s("attn.router_topk", t * k * (INDEX + FP32) + FP32 * t, 1),  # ids, chosen scores, their sum
+            _s("mlp.received_rows", rows * d, b, LEAF, ROWS),
+            _s("mlp.routing_weights", (rows if ep > 1 else t) * k, FP32),
+            _s("mlp.row_ids", m, INDEX),
+            _s("mlp.experts_input", m * d, b, LINEAR),
+            _s("mlp.experts_gate_up_output", m * 2 * f, b, SWIGLU),
+            _s("mlp.experts_output", m * d, b),
+        ]
+        if cfg.num_shared_experts:
+            fs = cfg.num_shared_experts * f
+            out += [
+                _s("mlp.shared_swiglu_input", t * 2 * fs, b, SWIGLU),
+                _s("mlp.shared_down_input", t * fs, b, LINEAR),
+            ]
+    return [Saved(prefix + s.name, s.elements, s.elem_bytes, s.tags) for s in out]
+
+
+def _with_options(saved: Sequence[Saved], recompute: str, fp8: bool) -> list[Saved]:
+    """``saved`` as kept under ``recompute`` (none or selective) and ``fp8`` (see the module docstring)."""
+    out = []
+    for s in saved:
+        if recompute == "selective" and s.tags & {NORM, UP}:
+            continue
+        if recompute != "selective" and SELECTIVE in s.tags:
+            continue
+        if fp8 and s.tags & {LINEAR, SWIGLU, ROWS}:
+            s = Saved(s.name, s.elements, min(s.elem_bytes, FP8_BYTES), s.tags)
+        elif fp8 and ATTN_OUT in s.tags:
+            s = Saved(s.name, s.elements, min(s.elem_bytes, E5M6_BYTES), s.tags)
+        out.append(s)
     return out
 
 
 def layer_activations(
-    cfg: MoEConfig, layer: int, tokens: int, seq_len: int, act_bytes: int, ep: int = 1
+    cfg: MoEConfig,
+    layer: int,
+    tokens: int,
+    seq_len: int,
+    act_bytes: int,
+    ep: int = 1,
+    *,
+    recompute: str | bool = "none",
+    fp8: bool = False,
 ) -> dict[str, float]:
-    """Bytes one micro-batch of ``tokens`` leaves for backward in block ``layer``, by tensor.
-
-    Follows the modules (moe/layers.py, moe/block.py, moe/router.py, kernels/functional.py): each RMSNorm
-    saves what :func:`_norm` lists; rotary saves only its cos/sin tables (the multiplications by constants
-    need no input); SDPA saves q, k, v, its output and the fp32 log-sum-exp (FlashAttention's set; its output
-    is laid out ``[B, S, H, C]``, so the output projection's input is a view of it, not a copy); the router
-    saves fp32 sigmoid scores, the int64 top-k ids and the chosen scores; the grouped experts save the
-    sorted rows and the gate/up output, unpermute the expert outputs, the int64 row ids and the fp32
-    routing weights; a SwiGLU MLP saves its input, the gate/up output and the down projection's input.
-    Received rows per rank are ``T x`` :func:`moe.plan.routing.expected_ranks`; at ep = 1 they are the
-    normed tokens themselves (no copy). Keys ``"attn.<tensor>"`` / ``"mlp.<tensor>"``; :data:`LEAVES`
-    marks the ones kept by the runtime rather than saved by autograd.
-    """
-    t, d, c, b = tokens, cfg.hidden_size, cfg.attn_head_dim, act_bytes
-    h, g, k = cfg.num_heads, cfg.num_kv_heads, cfg.top_k
-    seqs = t // seq_len
-    out: dict[str, float] = {"attn.input": b * t * d} if b < FP32 else {}
-    out.update(_norm("attn.", t, d, b))
-    out.update(
-        {
-            "attn.rotary_tables": 2 * FP32 * seq_len * c // 2,
-            "attn.sdpa_qkv": b * t * (h + 2 * g) * c,
-            "attn.sdpa_out": b * t * h * c,
-            "attn.sdpa_lse": FP32 * seqs * h * seq_len,
-        }
-    )
-    out.update(_norm("attn.mlp_", t, d, b))
-    if not cfg.is_moe_layer(layer):
-        f = cfg.dense_intermediate_size
-        out.update({"mlp.swiglu_input": b * t * 2 * f, "mlp.down_input": b * t * f})
-        return out
-    e, f = cfg.num_experts, cfg.moe_intermediate_size
-    rows = t * expected_ranks(cfg, ep) if ep > 1 else 0.0
-    m = t * k
-    out.update(
-        {
-            "attn.router_scores_fp32": FP32 * t * e,
-            "attn.router_topk": t * k * (INDEX + FP32) + FP32 * t,  # ids, chosen scores, their sum
-            "mlp.received_rows": b * rows * d,
-            "mlp.routing_weights": FP32 * (rows if ep > 1 else t) * k,
-            "mlp.row_ids": INDEX * m,
-            "mlp.experts_input": b * m * d,
-            "mlp.experts_gate_up_output": b * m * 2 * f,
-            "mlp.experts_output": b * m * d,
-        }
-    )
-    if cfg.num_shared_experts:
-        fs = cfg.num_shared_experts * f
-        out.update({"mlp.shared_swiglu_input": b * t * 2 * fs, "mlp.shared_down_input": b * t * fs})
-    return out
+    """Bytes one micro-batch of ``tokens`` leaves for backward in block ``layer``, by tensor
+    (:func:`saved_tensors`), under ``recompute`` ``"none"`` or ``"selective"`` and ``fp8`` caching."""
+    granularity = recompute_granularity(recompute)
+    if granularity == "full":
+        raise ValueError("layer_activations lists what autograd saves: full recompute keeps piece inputs only")
+    saved = _with_options(saved_tensors(cfg, layer, tokens, seq_len, act_bytes, ep), granularity, fp8)
+    return {s.name: s.nbytes for s in saved}
 
 
 def _kept_with_recompute(cfg: MoEConfig, layer: int, tokens: int, act_bytes: int, ep: int) -> float:
@@ -136,14 +271,35 @@ def _kept_with_recompute(cfg: MoEConfig, layer: int, tokens: int, act_bytes: int
     return kept
 
 
-def _stage_extras(cfg: MoEConfig, tokens: int, act_bytes: int, first: bool, last: bool) -> float:
-    """Embedding (int64 ids) and head: the final norm's fp32 tensors, the head's input, the logits and
-    the loss's fp32 log-sum-exp (moe/loss.py); kept with or without recompute (those pieces never recompute)."""
-    t, d, b = tokens, cfg.hidden_size, act_bytes
-    extra = INDEX * t if first else 0.0
-    if last:
-        extra += sum(_norm("head.", t, d, b).values()) + b * t * cfg.vocab_size + (FP32 + INDEX + 1) * t
-    return extra
+def _head(prefix: str, t: int, cfg: MoEConfig, b: int) -> list[Saved]:
+    """Final norm (its input kept under selective recompute), the head's input, the logits and the loss's
+    fp32 log-sum-exp, int64 targets and mask (moe/loss.py)."""
+    return [
+        *_norm(prefix, t, cfg.hidden_size, b),
+        _s(prefix + "norm_input", t * cfg.hidden_size, b, SELECTIVE),
+        _s(prefix + "logits", t * cfg.vocab_size, b),
+        _s(prefix + "loss", t, FP32 + INDEX + 1),
+    ]
+
+
+def _mtp_extras(cfg: MoEConfig, k: int, t: int, b: int) -> list[Saved]:
+    """MTP module ``k`` around its block (:mod:`moe.models.mtp`): the shifted ids the shared embedding saves,
+    the main final norm again (depth 0: the head's normed input feeds ``hnorm``), ``enorm`` and ``hnorm``
+    (their outputs are concatenated, not saved), ``eh_proj``'s input ``[T, 2D]``, then ``head_norm``, the
+    shared head and the loss. Under selective recompute the norms keep their inputs (the embedding rows,
+    depth 0's normed hidden state, the block's output)."""
+    d, p = cfg.hidden_size, f"mtp{k}."
+    out = [_s(p + "embed_ids", t, INDEX)]
+    if k == 0:
+        out += [*_norm(p + "main_", t, d, b, output="none"), _s(p + "hnorm_input", t * d, b, SELECTIVE)]
+    out += [
+        *_norm(p + "enorm_", t, d, b, output="none"),
+        _s(p + "enorm_input", t * d, b, SELECTIVE),
+        *_norm(p + "hnorm_", t, d, b, output="none"),
+        _s(p + "eh_proj_input", t * 2 * d, b, LINEAR),
+        *_head(p + "head_", t, cfg, b),
+    ]
+    return out
 
 
 def module_activation_bytes(
@@ -156,14 +312,42 @@ def module_activation_bytes(
     *,
     first: bool,
     last: bool,
-    recompute: bool,
+    recompute: str | bool,
+    fp8: bool = False,
 ) -> float:
-    """Bytes one module (a stage's layers) keeps for one micro-batch between its forward and backward."""
-    if recompute:
-        body = sum(_kept_with_recompute(cfg, i, tokens, act_bytes, ep) for i in layers)
+    """Bytes one module (a stage's layers; the last stage's MTP modules) keeps for one micro-batch between its
+    forward and backward. The embedding (int64 ids) and the head pieces never recompute whole."""
+    granularity = recompute_granularity(recompute)
+    t, b = tokens, act_bytes
+    blocks = list(layers) + (list(range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers)) if last else [])
+    if granularity == "full":
+        body = sum(_kept_with_recompute(cfg, i, t, b, ep) for i in blocks)
+        granularity = "none"  # for the stage extras
     else:
-        body = sum(sum(layer_activations(cfg, i, tokens, seq_len, act_bytes, ep).values()) for i in layers)
-    return body + _stage_extras(cfg, tokens, act_bytes, first, last)
+        body = sum(
+            sum(layer_activations(cfg, i, t, seq_len, b, ep, recompute=granularity, fp8=fp8).values()) for i in blocks
+        )
+    extras = [_s("embed.ids", t, INDEX)] if first else []
+    if last:
+        extras += _head("head.", t, cfg, b)
+        for k in range(cfg.mtp_layers):
+            extras += _mtp_extras(cfg, k, t, b)
+    return body + sum(s.nbytes for s in _with_options(extras, granularity, fp8))
+
+
+def _working_set(cfg: MoEConfig, layers: Sequence[int], work: Workload, ep: int) -> float:
+    """What the backward of one recomputed layer rebuilds at a time (the largest of the rank's layers)."""
+    t, s, b, fp8 = work.tokens, work.seq_len, work.act_bytes, work.fp8_activations
+    if work.recompute == "none":
+        return 0.0
+
+    def rebuilt(i: int) -> float:
+        full = sum(layer_activations(cfg, i, t, s, b, ep, fp8=fp8).values())
+        if work.recompute == "full":
+            return full
+        return full - sum(layer_activations(cfg, i, t, s, b, ep, recompute="selective", fp8=fp8).values())
+
+    return max((rebuilt(i) for i in layers), default=0.0)
 
 
 def state_bytes(
@@ -175,18 +359,20 @@ def state_bytes(
     edp: int,
     zero: bool,
     optimizer: str = "adamw",
+    state_dtype: str = "float32",
 ) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes of one rank holding ``specs``.
 
     Optimizer state: the optimizer's state tensors of the parameter's size (AdamW's two moments, SGD's one
-    momentum: :attr:`moe.optimizer.OptimizerSpec.moments`), plus an fp32 master where the parameters are lower
-    precision and ``master_weights``; with ``zero`` the worst rank of moe.optimizer's partition (dense over
-    ``dp``, experts over ``edp``). The 0-d step counters are left out, as ``DistributedOptimizer.state_bytes``
-    leaves them."""
+    momentum: :attr:`moe.optimizer.OptimizerSpec.moments`), in fp32 (the parameter's dtype without masters)
+    or bf16 (``state_dtype``), plus an fp32 master where the parameters are lower precision and
+    ``master_weights``; with ``zero`` the worst rank of moe.optimizer's partition (dense over ``dp``, experts
+    over ``edp``). The 0-d step counters are left out, as ``DistributedOptimizer.state_bytes`` leaves them."""
     moments = OPTIMIZERS.lookup(optimizer).moments
     mixed = master_weights and param_bytes < FP32
     grad_elem = FP32 if mixed else param_bytes
-    state_elem = (moments + 1) * FP32 if mixed else moments * (FP32 if master_weights else param_bytes)
+    moment_elem = 2 if state_dtype == "bfloat16" else (FP32 if master_weights else param_bytes)
+    state_elem = moments * moment_elem + (FP32 if mixed else 0)
     params = sum(p.numel for p in specs) * param_bytes
     grads = sum(p.numel for p in specs) * grad_elem
     state = 0
@@ -211,12 +397,14 @@ class Footprint:
     grads: float
     optimizer: float
     activations: float
-    """Peak live modules x one module's bytes per micro-batch (+ the recompute working set)."""
+    """The live modules' bytes at the schedule's worst step (+ the recompute working set)."""
     peak_modules: int
     """The schedule's peak live activations on this rank, in modules (dualpipe.simulate)."""
     all_to_all_buffers: float
     """Send and receive buffers of one dispatch (and its combine) in flight, per micro-batch kept alive by
     the overlap: two micro-batches' worth (the overlapped pair)."""
+    options: dict[str, object] = field(default_factory=dict, compare=False)
+    """The memory options it was sized with (:meth:`moe.plan.costs.Workload.memory_options`)."""
 
     @property
     def total(self) -> float:
@@ -228,10 +416,27 @@ class Footprint:
 
 
 @functools.lru_cache(maxsize=256)
-def _peak_modules(schedule: str, pp: int, chunks: int, modules_per_rank: int | None) -> tuple[int, ...]:
-    """Peak live activations per rank, in modules (the simulator's count; cached: a search asks for the same
-    schedule shape once per candidate)."""
-    return simulate(build_schedule(schedule, pp, chunks, modules_per_rank=modules_per_rank)).peak_activations
+def _live_counts(
+    schedule: str, pp: int, chunks: int, modules_per_rank: int | None
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank, every distinct count of live micro-batches per local module after a compute action (``F``
+    adds one, ``B``/``I`` free one, ``FB`` both, as :func:`dualpipe.simulate.simulate` counts; cached: a
+    search asks for the same schedule shape once per candidate)."""
+    built = build_schedule(schedule, pp, chunks, modules_per_rank=modules_per_rank)
+    out = []
+    for actions in built.ranks:
+        live = [0] * built.layout.modules_per_rank
+        seen = {tuple(live)}
+        for a in actions:
+            if a.op in (Op.F, Op.FB):
+                live[a.module] += 1
+            if a.op in (Op.B, Op.I):
+                live[a.module] -= 1
+            elif a.op is Op.FB:
+                live[a.b_module] -= 1
+            seen.add(tuple(live))
+        out.append(tuple(sorted(seen)))
+    return tuple(out)
 
 
 def footprint(
@@ -248,44 +453,44 @@ def footprint(
 
     ``num_chunks``: micro-batches per step (default: the schedule's default for ``pp``; the peak stops
     growing once it reaches the pipeline depth). ``param_bytes``: 2 for bf16 parameters (issue 12's
-    default), 4 for an fp32 model. ``optimizer``: a name of :data:`moe.optimizer.OPTIMIZERS`."""
+    default), 4 for an fp32 model. ``optimizer``: a name of :data:`moe.optimizer.OPTIMIZERS`. The memory
+    options (recompute granularity, optimizer-state dtype, MTP sharing, FP8 caching) are ``work``'s."""
     spec = schedule_spec(par.schedule)
     chunks = num_chunks if num_chunks is not None else spec.default_chunks(par.pp)
-    peaks = _peak_modules(par.schedule, par.pp, chunks, par.modules_per_rank)
+    counts = _live_counts(par.schedule, par.pp, chunks, par.modules_per_rank)
     t, b = work.tokens, work.act_bytes
     worst: Footprint | None = None
     for r in range(par.pp):
         stages = rank_stages(cfg, par.pp, par.schedule, r, par.modules_per_rank)
         modules = [
             module_activation_bytes(
-                cfg, layers, t, work.seq_len, b, par.ep, first=first, last=last, recompute=work.recompute
+                cfg, layers, t, work.seq_len, b, par.ep, first=first, last=last, recompute=work.recompute,
+                fp8=work.fp8_activations,
             )
             for _, layers, first, last in stages
+        ]  # fmt: skip
+        acts = max(sum(n * m for n, m in zip(live, modules)) for live in counts[r])
+        layers = [
+            i
+            for _, ls, _, last in stages
+            for i in [*ls, *(range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers) if last else ())]
         ]
-        # The simulator counts modules, not which: charge the rank's heaviest module for every live one.
-        acts = peaks[r] * max(modules)
-        if work.recompute:
-            acts += max(
-                (
-                    sum(layer_activations(cfg, i, t, work.seq_len, b, par.ep).values())
-                    for _, ls, _, _ in stages
-                    for i in ls
-                ),
-                default=0.0,
-            )
-        moe_layers = any(cfg.is_moe_layer(i) for _, ls, _, _ in stages for i in ls)
+        acts += _working_set(cfg, layers, work, par.ep)
+        moe_layers = any(cfg.is_moe_layer(i) for i in layers)
         rows = t * expected_ranks(cfg, par.ep) if par.ep > 1 and moe_layers else 0.0
         a2a = 2 * 2 * rows * cfg.hidden_size * b  # send + receive rows, two micro-batches in flight
         p, g, o = state_bytes(
-            rank_params(cfg, par.pp, par.ep, par.schedule, r, par.modules_per_rank),
+            rank_params(cfg, par.pp, par.ep, par.schedule, r, par.modules_per_rank, mtp_shared=work.mtp_shared),
             param_bytes=param_bytes,
             master_weights=work.master_weights,
             dp=par.dp,
             edp=par.edp,
             zero=zero,
             optimizer=optimizer,
+            state_dtype=work.state_dtype,
         )
-        fp = Footprint(r, p, g, o, acts, peaks[r], a2a)
+        peak = max(sum(live) for live in counts[r])
+        fp = Footprint(r, p, g, o, acts, peak, a2a, work.memory_options())
         if worst is None or fp.total > worst.total:
             worst = fp
     assert worst is not None

@@ -20,7 +20,7 @@ Format (version 1)::
     }
 
 Layer entries take any of :data:`moe.plan.costs.COMPUTE_FIELDS` plus ``dispatch`` and ``combine``; what a
-file leaves out stays analytic. Measured ``*_dX`` of a run with ``recompute`` include the forward again
+file leaves out stays analytic. Measured ``*_dX`` of a run with ``recompute`` (full) include the forward again
 (as :class:`~moe.plan.costs.SubstageCosts` does): scaling takes it out first.
 
 ``ops`` holds seconds of single planner ops at the file's shape (config, tokens, seq_len, ep, act_bytes),
@@ -57,6 +57,7 @@ from moe.plan.costs import (
     Workload,
     all_to_all_bytes,
     all_to_all_seconds,
+    analytic_costs,
     layer_ops,
     op_seconds,
     phase_work,
@@ -151,6 +152,16 @@ class MeasuredCosts:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"costs file: ops.{key} must be a number of seconds >= 0, got {value!r}")
 
+    def op_timer(self) -> OpTimer:
+        """:func:`op_timer` of this file (:class:`moe.plan.costs.CostSource`)."""
+        return op_timer(self)
+
+    def apply(
+        self, analytic: SubstageCosts, cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload
+    ) -> SubstageCosts:
+        """:func:`apply_measured` of this file (:class:`moe.plan.costs.CostSource`)."""
+        return apply_measured(self, analytic, cfg, cluster, par, work)
+
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "version": VERSION}
         for f in dataclasses.fields(self):
@@ -241,12 +252,17 @@ def scale_field(
             raise ValueError(f"costs file: {name} was measured with recompute; {forward} is needed to take it out")
         value -= entry[forward]
     scaled = value * work_ratio(target_work[name], base_work[name], name)
-    if name.endswith("_dX") and work.recompute:
+    if name.endswith("_dX") and work.recompute == "full":
         forward = name.replace("_dX", "_F")
         scaled += (
             scale_field(measured, forward, cfg, cluster, par, work, moe=moe)
             if forward in entry
             else _analytic_field(measured, forward, cfg, cluster, par, work, moe)
+        )
+    elif name.endswith("_dX") and work.recompute == "selective":  # what runs again, at the ops' own times
+        plain = dataclasses.replace(work, recompute="none")
+        scaled += _analytic_field(measured, name, cfg, cluster, par, work, moe) - _analytic_field(
+            measured, name, cfg, cluster, par, plain, moe
         )
     return scaled
 
@@ -255,9 +271,7 @@ def _analytic_field(
     measured: MeasuredCosts, name: str, cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, moe: bool
 ) -> float:
     """The sum behind field ``name`` (measured ops in, layer entries not: no recursion into this module)."""
-    from moe.plan.costs import _analytic
-
-    return getattr(_analytic(cfg, cluster, par, work, moe, op_timer(measured)), name)
+    return getattr(analytic_costs(cfg, cluster, par, work, moe, op_timer(measured)), name)
 
 
 def measured_ops(measured: MeasuredCosts) -> dict[str, Op]:

@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from moe.config import MoEConfig
-from moe.plan.costs import Parallelism, SubstageCosts, Workload, substage_costs
+from moe.plan.costs import TRAINER_DEFAULTS, MemoryOptions, Parallelism, SubstageCosts, Workload, substage_costs
 from moe.plan.flops import model_flops_per_token
 from moe.plan.footprint import Footprint, footprint
 from moe.plan.hardware import Cluster
@@ -46,6 +46,8 @@ class LayerCostModel:
     measured: MeasuredCosts | None = None
     act_bytes: int | None = None
     """Bytes per activation element; None: the measured file's (a CPU benchmark runs fp32), else bf16's 2."""
+    memory_options: MemoryOptions = TRAINER_DEFAULTS
+    """Optimizer-state dtype, FP8 caching, MTP sharing (the recompute granularity is the candidate's)."""
 
     @property
     def parallelism(self) -> Parallelism:
@@ -62,6 +64,9 @@ class LayerCostModel:
             comm_sms=c.comm_sms,
             recompute=c.recompute,
             act_bytes=act_bytes,
+            state_dtype=self.memory_options.state_dtype,
+            fp8_activations=self.memory_options.fp8_activations,
+            mtp_shared=self.memory_options.mtp_shared,
         )
 
     def _costs(self, moe: bool) -> SubstageCosts:

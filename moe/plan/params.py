@@ -1,8 +1,20 @@
 """Parameter shapes of the model, per layer and per pipeline rank, without building it.
 
-The shapes follow the modules exactly (moe/block.py, moe/layers.py, moe/experts.py, moe/router.py,
-moe/stage.py): the planner's parameter, gradient and optimizer figures are sums over these lists, and
-the footprint test checks them against the real stages' bytes.
+The shapes follow the modules exactly (moe/block.py, moe/layers.py, moe/models/, moe/experts.py,
+moe/router.py, moe/stage.py): the planner's parameter, gradient and optimizer figures are sums over these
+lists, and the tests check them against the real modules' ``numel``. Every attention of
+:data:`moe.models.ATTENTIONS` has its own list: ``gqa`` (:class:`moe.layers.Attention`), ``gqa-qk-norm``
+(:class:`moe.models.qwen3_moe.Qwen3Attention`) and ``mla`` (:class:`moe.models.mla.MLAttention`).
+
+Multi-token prediction (``MoEConfig.mtp_layers``, DeepSeek-V3 report 2.2; :mod:`moe.models.mtp`): each
+module holds two RMSNorms (``enorm`` over the next token's embedding, ``hnorm`` over the previous hidden
+state), ``eh_proj`` (``Linear(2D -> D)``), one transformer block (global layer ``num_layers + k``, an MoE
+block where the main model's later layers are) and a final RMSNorm (``head_norm``); it shares the embedding
+and the output head with the main model and sits on the stage that holds the head. Where that pipeline rank
+does not hold the embedding too (any schedule but DualPipe and DualPipeV, which put the first and the last
+stage on one rank), it keeps a copy of the embedding, kept equal by the gradient synchronisation;
+``mtp_shared=False`` models modules that hold their own embedding and head (as the published checkpoint
+stores them).
 """
 
 from __future__ import annotations
@@ -14,7 +26,17 @@ from dualpipe.schedule import Layout, schedule_spec
 from moe.config import MoEConfig
 from moe.parallel import split_layers
 
-__all__ = ["ParamSpec", "active_params", "layer_params", "rank_params", "rank_stages", "stage_params", "total_params"]
+__all__ = [
+    "ParamSpec",
+    "active_params",
+    "attention_params",
+    "layer_params",
+    "mtp_params",
+    "rank_params",
+    "rank_stages",
+    "stage_params",
+    "total_params",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,19 +49,60 @@ class ParamSpec:
     expert: bool = False
 
 
-def layer_params(cfg: MoEConfig, layer: int, ep: int = 1) -> list[ParamSpec]:
-    """The parameters of block ``layer`` on one rank of an ``ep``-way expert-parallel group."""
+def attention_params(cfg: MoEConfig, prefix: str = "attn.") -> list[ParamSpec]:
+    """The attention module's parameters (``prefix`` + its attribute names, the checkpoint's for the
+    published architectures)."""
+    d, h = cfg.hidden_size, cfg.num_heads
+    if cfg.attention == "mla":
+        c = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        out = []
+        if cfg.q_lora_rank is None:
+            out.append(ParamSpec(prefix + "q_proj.weight", h * c * d))
+        else:
+            q = cfg.q_lora_rank
+            out += [
+                ParamSpec(prefix + "q_a_proj.weight", q * d),
+                ParamSpec(prefix + "q_a_layernorm.weight", q),
+                ParamSpec(prefix + "q_b_proj.weight", h * c * q),
+            ]
+        lat = cfg.kv_lora_rank
+        return [
+            *out,
+            ParamSpec(prefix + "kv_a_proj_with_mqa.weight", (lat + cfg.qk_rope_head_dim) * d),
+            ParamSpec(prefix + "kv_a_layernorm.weight", lat),
+            ParamSpec(prefix + "kv_b_proj.weight", h * (cfg.qk_nope_head_dim + cfg.v_head_dim) * lat),
+            ParamSpec(prefix + "o_proj.weight", d * h * cfg.v_head_dim),
+        ]
+    c, g = cfg.attn_head_dim, cfg.num_kv_heads
+    if cfg.attention == "gqa-qk-norm":
+        return [
+            ParamSpec(prefix + "q_proj.weight", h * c * d),
+            ParamSpec(prefix + "k_proj.weight", g * c * d),
+            ParamSpec(prefix + "v_proj.weight", g * c * d),
+            ParamSpec(prefix + "o_proj.weight", d * h * c),
+            ParamSpec(prefix + "q_norm.weight", c),
+            ParamSpec(prefix + "k_norm.weight", c),
+        ]
+    if cfg.attention != "gqa":
+        raise ValueError(f"the planner has no parameter list for attention={cfg.attention!r}")
+    return [
+        ParamSpec(prefix + "wq.weight", h * c * d),
+        ParamSpec(prefix + "wk.weight", g * c * d),
+        ParamSpec(prefix + "wv.weight", g * c * d),
+        ParamSpec(prefix + "wo.weight", d * h * c),
+    ]
+
+
+def layer_params(cfg: MoEConfig, layer: int, ep: int = 1, prefix: str | None = None) -> list[ParamSpec]:
+    """The parameters of block ``layer`` on one rank of an ``ep``-way expert-parallel group (names under
+    ``prefix``, default ``blocks.<layer>.``). ``layer`` may be an MTP block's index (``num_layers + k``)."""
     if cfg.num_experts % ep:
         raise ValueError(f"num_experts={cfg.num_experts} is not divisible by ep={ep}")
-    d, c = cfg.hidden_size, cfg.attn_head_dim
-    q, kv = cfg.num_heads * c, cfg.num_kv_heads * c
-    p = f"blocks.{layer}."
+    d = cfg.hidden_size
+    p = f"blocks.{layer}." if prefix is None else prefix
     out = [
         ParamSpec(p + "attn_norm.weight", d),
-        ParamSpec(p + "attn.wq.weight", q * d),
-        ParamSpec(p + "attn.wk.weight", kv * d),
-        ParamSpec(p + "attn.wv.weight", kv * d),
-        ParamSpec(p + "attn.wo.weight", d * q),
+        *attention_params(cfg, p + "attn."),
         ParamSpec(p + "mlp_norm.weight", d),
     ]
     if not cfg.is_moe_layer(layer):
@@ -57,13 +120,38 @@ def layer_params(cfg: MoEConfig, layer: int, ep: int = 1) -> list[ParamSpec]:
     return out
 
 
-def stage_params(cfg: MoEConfig, layers: Sequence[int], *, first: bool, last: bool, ep: int = 1) -> list[ParamSpec]:
-    """A stage's parameters: embedding (first), its blocks, final norm and head (last)."""
-    out = [ParamSpec("embed.weight", cfg.vocab_size * cfg.hidden_size)] if first else []
+def mtp_params(cfg: MoEConfig, k: int, ep: int = 1) -> list[ParamSpec]:
+    """MTP module ``k`` (0-based; :class:`moe.models.mtp.MTPBlock` at layer ``num_layers + k``) without the
+    embedding and head it shares: its block, ``enorm``, ``hnorm``, ``eh_proj`` ``[D, 2D]`` and ``head_norm``."""
+    layer = cfg.num_layers + k
+    d, p = cfg.hidden_size, f"blocks.{layer}."
+    return [
+        *layer_params(cfg, layer, ep),
+        ParamSpec(p + "enorm.weight", d),
+        ParamSpec(p + "hnorm.weight", d),
+        ParamSpec(p + "eh_proj.weight", d * 2 * d),
+        ParamSpec(p + "head_norm.weight", d),
+    ]
+
+
+def stage_params(
+    cfg: MoEConfig, layers: Sequence[int], *, first: bool, last: bool, ep: int = 1, mtp_shared: bool = True
+) -> list[ParamSpec]:
+    """A stage's parameters, as :class:`moe.stage.MoEStage` names them: the embedding (first stage, and a
+    last stage with MTP modules: the main one where the rank holds both, :func:`rank_params` counts it
+    once), its blocks, final norm and head (last), the MTP modules (last). ``mtp_shared=False``: each MTP
+    module holds its own embedding and head as well (``blocks.<layer>.embed.weight``, ``.head.weight``)."""
+    v, d = cfg.vocab_size, cfg.hidden_size
+    out = [ParamSpec("embed.weight", v * d)] if first or (last and cfg.mtp_layers) else []
     for layer in layers:
         out += layer_params(cfg, layer, ep)
     if last:
-        out += [ParamSpec("norm.weight", cfg.hidden_size), ParamSpec("head.weight", cfg.vocab_size * cfg.hidden_size)]
+        out += [ParamSpec("norm.weight", d), ParamSpec("head.weight", v * d)]
+        for k in range(cfg.mtp_layers):
+            out += mtp_params(cfg, k, ep)
+            if not mtp_shared:
+                p = f"blocks.{cfg.num_layers + k}."
+                out += [ParamSpec(p + "embed.weight", v * d), ParamSpec(p + "head.weight", v * d)]
     return out
 
 
@@ -82,27 +170,43 @@ def rank_stages(
 
 
 def rank_params(
-    cfg: MoEConfig, pp: int, ep: int, schedule: str, pp_rank: int, modules_per_rank: int | None = None
+    cfg: MoEConfig,
+    pp: int,
+    ep: int,
+    schedule: str,
+    pp_rank: int,
+    modules_per_rank: int | None = None,
+    *,
+    mtp_shared: bool = True,
 ) -> list[ParamSpec]:
-    """Every parameter tensor pipeline rank ``pp_rank`` holds (DualPipe: both mirrored copies)."""
-    out = []
+    """Every parameter tensor pipeline rank ``pp_rank`` holds (DualPipe: both mirrored copies). The embedding
+    that a rank's first and last stage (with MTP) both use is one tensor (the pipeline ties them)."""
+    out: list[ParamSpec] = []
     for _, layers, first, last in rank_stages(cfg, pp, schedule, pp_rank, modules_per_rank):
-        out += stage_params(cfg, layers, first=first, last=last, ep=ep)
+        specs = stage_params(cfg, layers, first=first, last=last, ep=ep, mtp_shared=mtp_shared)
+        if any(p.name == "embed.weight" for p in out):
+            specs = [p for p in specs if p.name != "embed.weight"]
+        out += specs
     return out
 
 
-def total_params(cfg: MoEConfig) -> int:
-    """Parameters of the whole model (all experts)."""
-    return sum(p.numel for p in stage_params(cfg, range(cfg.num_layers), first=True, last=True))
+def total_params(cfg: MoEConfig, *, mtp: bool = False) -> int:
+    """Parameters of the whole model (all experts); ``mtp``: with the MTP modules (sharing the embedding
+    and head). The DeepSeek-V3 report's 671B is the main model, without its 14B MTP module."""
+    main = cfg if mtp else cfg.replace(mtp_layers=0)
+    return sum(p.numel for p in stage_params(main, range(cfg.num_layers), first=True, last=True))
 
 
-def active_params(cfg: MoEConfig, *, embedding: bool = False) -> int:
+def active_params(cfg: MoEConfig, *, embedding: bool = False, mtp: bool = False) -> int:
     """Parameters one token's forward multiplies with: every dense weight, ``top_k`` of the routed experts.
 
     ``embedding=False`` leaves the embedding table out (a lookup, not a matmul); the head is counted. Norm
-    weights are counted (they are tiny)."""
+    weights are counted (they are tiny). ``mtp``: also each MTP module's, whose token meets the shared head
+    once more (the DeepSeek-V3 report's 37B activated is the main model's, without the embedding)."""
     e, k = cfg.num_experts, cfg.top_k
-    total = 0
-    for p in stage_params(cfg, range(cfg.num_layers), first=embedding, last=True):
-        total += p.numel * k // e if p.expert else p.numel
-    return total
+    main = cfg.replace(mtp_layers=0)
+    specs = stage_params(main, range(cfg.num_layers), first=embedding, last=True)
+    if mtp:
+        for m in range(cfg.mtp_layers):
+            specs += [*mtp_params(cfg, m), ParamSpec("head.weight", cfg.vocab_size * cfg.hidden_size)]
+    return sum(p.numel * k // e if p.expert else p.numel for p in specs)

@@ -10,14 +10,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from moe.config import MoEConfig
+from moe.plan.costs import RECOMPUTE, TRAINER_DEFAULTS, MemoryOptions
 from moe.plan.hardware import Cluster
 from moe.plan.measured import MeasuredCosts
 from moe.plan.model import LayerCostModel
 from moe.plan.search import Candidate, Prediction, StageTimes, candidates, predict, rank_predictions, seconds, why_worse
 
-__all__ = ["V3_REPORT", "Plan", "RunShape", "plan", "plan_table", "v3_comparison"]
+__all__ = ["V3_REPORT", "Plan", "RunShape", "plan", "plan_table", "v3_comparison", "v3_side_by_side"]
 
 GIB = 2**30
 
@@ -48,8 +50,17 @@ class Plan:
         return self.ranked[0]
 
 
-def _model(cfg: MoEConfig, cluster: Cluster, run: RunShape, c: Candidate, measured: MeasuredCosts | None):
-    return LayerCostModel(cfg, cluster, c, run.seq_len, run.micro_batch, run.tokens_per_step, measured=measured)
+def _model(
+    cfg: MoEConfig,
+    cluster: Cluster,
+    run: RunShape,
+    c: Candidate,
+    measured: MeasuredCosts | None,
+    options: MemoryOptions = TRAINER_DEFAULTS,
+) -> LayerCostModel:
+    return LayerCostModel(
+        cfg, cluster, c, run.seq_len, run.micro_batch, run.tokens_per_step, measured=measured, memory_options=options
+    )
 
 
 def _predict(model: LayerCostModel) -> Prediction:
@@ -61,14 +72,20 @@ def _predict(model: LayerCostModel) -> Prediction:
         tokens_per_step=model.tokens_per_step,
         num_gpus=model.cluster.num_gpus,
         peak_flops=model.cluster.gpu.bf16_flops,
+        mtp_layers=model.cfg.mtp_layers,
     )
 
 
 def evaluate(
-    cfg: MoEConfig, cluster: Cluster, run: RunShape, candidate: Candidate, measured: MeasuredCosts | None = None
+    cfg: MoEConfig,
+    cluster: Cluster,
+    run: RunShape,
+    candidate: Candidate,
+    measured: MeasuredCosts | None = None,
+    options: MemoryOptions = TRAINER_DEFAULTS,
 ) -> Prediction:
     """Time and size one candidate."""
-    return _predict(_model(cfg, cluster, run, candidate, measured))
+    return _predict(_model(cfg, cluster, run, candidate, measured, options))
 
 
 def plan(
@@ -78,12 +95,14 @@ def plan(
     *,
     schedules: Sequence[str] | None = None,
     comm_sms: Sequence[int] = (20,),
-    recompute: Sequence[bool] = (False, True),
+    recompute: Sequence[str | bool] = RECOMPUTE,
     measured: MeasuredCosts | None = None,
     top: int = 10,
+    options: MemoryOptions = TRAINER_DEFAULTS,
 ) -> Plan:
-    """Search every candidate (:func:`moe.plan.search.candidates`) and rank them. SM counts the device
-    cannot spare are dropped (a measured CPU "device" has one: its communication runs on a thread)."""
+    """Search every candidate (:func:`moe.plan.search.candidates`: each recompute granularity of
+    ``recompute``) with the memory ``options`` and rank them. SM counts the device cannot spare are dropped
+    (a measured CPU "device" has one: its communication runs on a thread)."""
     comm_sms = [s for s in comm_sms if s < cluster.gpu.sms] or [0]
     found = list(
         candidates(
@@ -102,7 +121,7 @@ def plan(
             f"no layout runs a global batch of {run.global_batch} x {run.micro_batch}-sequence micro-batches on "
             f"{cluster.num_gpus} GPUs: make --global-batch a multiple of --micro-batch x (GPUs / pp) for some pp"
         )
-    models = {c: _model(cfg, cluster, run, c, measured) for c in found}
+    models = {c: _model(cfg, cluster, run, c, measured, options) for c in found}
     fitting = [c for c in found if models[c].fits()]
     rest = sorted((c for c in found if not models[c].fits()), key=lambda c: models[c].memory().total)
     timed = fitting + rest[: max(0, top - len(fitting))]
@@ -118,7 +137,7 @@ def _row(p: Prediction) -> list[str]:
         str(c.ep),
         str(c.num_chunks),
         str(c.comm_sms),
-        "yes" if c.recompute else "no",
+        c.recompute,
         seconds(p.step_time),
         f"{p.tokens_per_s_per_gpu:,.0f}",
         f"{p.mfu:.1%}",
@@ -154,6 +173,7 @@ def plan_table(result: Plan, top: int = 10) -> str:
         f"  memory per GPU {m.total / GIB:.1f} GiB: parameters {m.params / GIB:.1f}, gradients {m.grads / GIB:.1f}, "
         f"optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, all-to-all buffers "
         f"{m.all_to_all_buffers / GIB:.1f}",
+        f"  memory options: {describe_options(m.options)}",
         "",
     ]
     shown = result.ranked[:top]
@@ -162,45 +182,121 @@ def plan_table(result: Plan, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def describe_options(options: dict) -> str:
+    """The memory options of a footprint in words."""
+    mtp = "MTP shares the embedding and head" if options.get("mtp_shares_embedding_and_head") else "MTP own copies"
+    return (
+        f"recompute {options.get('recompute')}, optimizer state {options.get('optimizer_state_dtype')}, {mtp}, "
+        f"FP8 activations {'on (modelled)' if options.get('fp8_activations') else 'off'}"
+    )
+
+
 # DeepSeek-V3 technical report (arXiv 2412.19437): the numbers the planner is set beside, never fitted to.
 V3_REPORT = {
-    "layout": Candidate("dualpipe", 16, 128, 64, 120, 20, False),
+    # 3.2: DualPipe over 16-way PP, 64-way EP over 8 nodes, ZeRO-1 DP; 3.2.2: 20 of 132 SMs communicate.
+    # 3.2.3 and 3.3.3: what fits the 80 GB of an H800 (each a planner option, modelled as footprint.py says).
+    "layout": Candidate("dualpipe", 16, 128, 64, 120, 20, "selective"),
+    "options": MemoryOptions(state_dtype="bfloat16", fp8_activations=True, mtp_shared=True),
     # 3.2.2: "the computation-to-communication ratio is approximately 1:1" for cross-node EP.
     "compute_to_a2a": 1.0,
-    # Table 1: 180K H800 GPU hours per trillion tokens -> 1e12 / (180e3 x 3600 s) tokens/s per GPU.
-    "tokens_per_s_per_gpu": 1e12 / (180e3 * 3600),
+    # Table 1: 2664K H800 GPU hours of pre-training for 14.8T tokens (section 4.1):
+    # 14.8e12 / (2.664e6 x 3600 s) = 1,543 tokens/s per GPU; the same as "180K H800 GPU hours per trillion
+    # tokens" (section 1: 2664K / 14.8 = 180K).
+    "tokens_per_s_per_gpu": 14.8e12 / (2.664e6 * 3600),
     "hbm_gb": 80,
 }
 
 
-def v3_comparison(cfg: MoEConfig, cluster: Cluster, run: RunShape, measured: MeasuredCosts | None = None) -> str:
-    """The report's layout (DualPipe, PP16 x EP64 x ZeRO-1 DP128, 20 communication SMs) predicted for
-    ``cfg`` on ``cluster``, each figure beside the report's."""
-    layout = V3_REPORT["layout"]
+def v3_side_by_side(
+    cfg: MoEConfig, cluster: Cluster, run: RunShape, measured: MeasuredCosts | None = None
+) -> dict[str, Any]:
+    """The report's layout (DualPipe, PP16 x EP64 x ZeRO-1 DP128, 20 communication SMs) with the report's
+    memory options, predicted for ``cfg`` on ``cluster``: each figure as ``{"planner": ours, "report":
+    theirs}`` (``None`` where the report states none), plus the layout, the options and the same layout
+    without the options for contrast."""
+    layout, options = V3_REPORT["layout"], V3_REPORT["options"]
     chunks = run.global_batch // (layout.dp * run.micro_batch)
-    cand = Candidate(layout.schedule, layout.pp, layout.dp, layout.ep, chunks, layout.comm_sms, layout.recompute)
-    model = _model(cfg, cluster, run, cand, measured)
+    cand = dataclasses.replace(layout, num_chunks=chunks)
+    model = _model(cfg, cluster, run, cand, measured, options)
     p = _predict(model)
     moe = model.layer(cfg.moe_layers[0])
     # The report's bubble formula with this model's per-chunk costs (a middle stage's chunk, paired with itself).
-    times = StageTimes(model, cfg.num_layers, layout.pp).alone(layout.pp // 2)
+    times = StageTimes(model, cfg.num_layers, layout.pp, cfg.mtp_layers).alone(layout.pp // 2)
     formula = (layout.pp / 2 - 1) * (times.FB + times.B - 3 * times.W)
-    with_rc = evaluate(cfg, cluster, run, dataclasses.replace(cand, recompute=True), measured)
+    plain = evaluate(cfg, cluster, run, dataclasses.replace(cand, recompute="none"), measured)
+    hbm = V3_REPORT["hbm_gb"] * 1e9
+    m = p.memory
+    return {
+        "layout": {**p.to_dict(), "num_gpus": cluster.num_gpus, "gpus_per_node": cluster.gpus_per_node},
+        "options": dict(m.options),
+        "memory_gib": {
+            "planner": m.total / GIB,
+            "report": hbm / GIB,
+            "fits": p.fits,
+            "by_kind": {k: getattr(m, k) / GIB for k in ("params", "grads", "optimizer", "activations",
+                                                          "all_to_all_buffers")},
+            "pp_rank": m.pp_rank,
+            "without_options": plain.memory.total / GIB,
+            "note": f"the report: fits in {V3_REPORT['hbm_gb']} GB with these options; ours is the fullest "
+            f"rank, fitting with {HEADROOM_NOTE}",
+        },
+        "tokens_per_s_per_gpu": {
+            "planner": p.tokens_per_s_per_gpu,
+            "report": V3_REPORT["tokens_per_s_per_gpu"],
+            "note": "report: 14.8T tokens / 2,664K H800 GPU hours (FP8 GEMMs, FP8 dispatch); planner: bf16 GEMMs "
+            "and transfers",
+        },
+        "bubble_s": {
+            "planner": max(p.sim.idle),
+            "report": None,
+            "report_formula_with_our_costs": formula,
+            "note": "planner: the largest rank idle time per step; the report states (PP/2-1)(F&B+B-3W)",
+        },
+        "compute_to_a2a": {
+            "planner": moe.F / moe.comm if moe.comm else None,
+            "experts_alone": moe.mlp_F / moe.comm if moe.comm else None,
+            "report": V3_REPORT["compute_to_a2a"],
+        },
+        "mfu": {"planner": p.mfu, "report": None},
+        "exposed_a2a_fraction": {
+            "planner": p.exposed_a2a_fraction, "report": 0.0, "note": "report: fully overlapped (claimed, 3.2.1)",
+        },
+    }  # fmt: skip
+
+
+HEADROOM_NOTE = "10% of HBM left free (moe.plan.footprint.HEADROOM)"
+
+
+def v3_comparison(
+    cfg: MoEConfig,
+    cluster: Cluster,
+    run: RunShape,
+    measured: MeasuredCosts | None = None,
+    *,
+    side: dict[str, Any] | None = None,
+) -> str:
+    """:func:`v3_side_by_side` (or ``side``, what it returned) as a table: each figure beside the report's."""
+    v3 = side if side is not None else v3_side_by_side(cfg, cluster, run, measured)
+    mem, tok, bub, ratio = v3["memory_gib"], v3["tokens_per_s_per_gpu"], v3["bubble_s"], v3["compute_to_a2a"]
     rows = [
-        ["bubble per step (s)", f"{max(p.sim.idle):.2f} (largest rank idle)",
-         f"{formula:.2f} = (PP/2-1)(F&B+B-3W) with our F, B, W, F&B"],
+        ["bubble per step (s)", f"{bub['planner']:.2f} (largest rank idle)",
+         f"{bub['report_formula_with_our_costs']:.2f} = (PP/2-1)(F&B+B-3W) with our F, B, W, F&B"],
         ["compute : all-to-all, one MoE layer forward",
-         f"{moe.F / moe.comm:.2f} : 1 (experts alone {moe.mlp_F / moe.comm:.2f} : 1)" if moe.comm else "no a2a",
-         "about 1 : 1 (3.2.2)"],
-        ["memory per GPU (GiB)", f"{p.memory.total / GIB:.0f}; {with_rc.memory.total / GIB:.0f} with recompute",
-         f"fits in {V3_REPORT['hbm_gb']} GB (FP8 activations, recompute of norms and MLA up-projections)"],
-        ["tokens/s per GPU", f"{p.tokens_per_s_per_gpu:,.0f} (bf16 GEMMs, GQA)",
-         f"{V3_REPORT['tokens_per_s_per_gpu']:,.0f} (180K H800 GPU-hours per trillion tokens; FP8 GEMMs, MLA)"],
-        ["MFU (bf16 peak)", f"{p.mfu:.1%}", "not stated"],
-        ["all-to-all exposed", f"{p.exposed_a2a_fraction:.1%}", "fully overlapped (claimed, 3.2.1)"],
+         f"{ratio['planner']:.2f} : 1 (experts alone {ratio['experts_alone']:.2f} : 1)" if ratio["planner"]
+         else "no a2a", "about 1 : 1 (3.2.2)"],
+        ["memory per GPU (GiB)",
+         f"{mem['planner']:.1f} ({'fits' if mem['fits'] else 'does NOT fit'}); {mem['without_options']:.0f} "
+         "without the options", f"fits in {V3_REPORT['hbm_gb']} GB ({mem['report']:.1f} GiB)"],
+        ["tokens/s per GPU", f"{tok['planner']:,.0f} (bf16 GEMMs and transfers)",
+         f"{tok['report']:,.0f} (14.8T tokens / 2,664K H800 GPU hours; FP8 GEMMs)"],
+        ["MFU (bf16 peak)", f"{v3['mfu']['planner']:.1%}", "not stated"],
+        ["all-to-all exposed", f"{v3['exposed_a2a_fraction']['planner']:.1%}", "fully overlapped (claimed, 3.2.1)"],
     ]  # fmt: skip
+    layout = v3["layout"]
     head = (
-        f"DeepSeek-V3's layout: {cand.describe()} on {cluster.num_gpus} x {cluster.gpu.name}, "
-        f"{cluster.gpus_per_node} per node; seq {run.seq_len}, global batch {run.global_batch}"
+        f"DeepSeek-V3's layout: {layout['schedule']} pp={layout['pp']} dp={layout['dp']} ep={layout['ep']} "
+        f"chunks={layout['num_chunks']} comm_sms={layout['comm_sms']} on {cluster.num_gpus} x {cluster.gpu.name}, "
+        f"{cluster.gpus_per_node} per node; seq {run.seq_len}, global batch {run.global_batch}\n"
+        f"memory options (the report's): {describe_options(v3['options'])}"
     )
     return head + "\n" + _table(rows, ["", "this planner", "DeepSeek-V3 report"])

@@ -2,9 +2,11 @@
 
 A :class:`Candidate` is a schedule of the registry with its pipeline ranks ``pp``, data-parallel ranks
 ``dp = gpus / pp``, expert-parallel ranks ``ep`` (dividing ``dp`` and the expert count), micro-batches per
-step, communication SMs and recompute on or off. :func:`predict` turns one into a :class:`Prediction`:
+step, communication SMs and a recompute granularity (:data:`moe.plan.costs.RECOMPUTE`). :func:`predict`
+turns one into a :class:`Prediction`:
 
-1. the per-block sub-stage times of the cost model (:class:`CostModel`) give each pipeline stage's blocks;
+1. the per-block sub-stage times of the cost model (:class:`CostModel`) give each pipeline stage's blocks
+   (the last stage's include its MTP modules' blocks, layers ``num_layers ..``);
 2. :func:`moe.plan.pair.chunk_times` times each (forward stage, backward stage) combination the schedule
    runs, alone and overlapped, on a compute and a communication stream;
 3. :func:`dualpipe.simulate.simulate` places every action of the schedule with those durations (P2P as the
@@ -22,6 +24,7 @@ from typing import Protocol
 from dualpipe.schedule import SCHEDULES, Op, Schedule, build_schedule, schedule_spec
 from dualpipe.simulate import Costs, SimResult, simulate
 from moe.parallel import split_layers
+from moe.plan.costs import RECOMPUTE, recompute_granularity
 from moe.plan.pair import BlockTimes, ChunkTimes, chunk_times
 
 __all__ = [
@@ -48,14 +51,18 @@ class Candidate:
     num_chunks: int
     """Micro-batches per step, per data-parallel rank: global batch / (dp x micro-batch size)."""
     comm_sms: int
-    recompute: bool
+    recompute: str
+    """A granularity of :data:`moe.plan.costs.RECOMPUTE` (a bool reads as ``full`` / ``none``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", recompute_granularity(self.recompute))
 
     @property
     def edp(self) -> int:
         return self.dp // self.ep
 
     def describe(self) -> str:
-        rc = " recompute" if self.recompute else ""
+        rc = "" if self.recompute == "none" else f" recompute={self.recompute}"
         return (
             f"{self.schedule} pp={self.pp} dp={self.dp} ep={self.ep} chunks={self.num_chunks} "
             f"comm_sms={self.comm_sms}{rc}"
@@ -66,13 +73,15 @@ class CostModel(Protocol):
     """What the planner needs to know of one candidate, in seconds and bytes (:mod:`moe.plan.costs`)."""
 
     def block(self, layer: int) -> BlockTimes:
-        """Sub-stage times of block ``layer`` (dense or MoE) for one micro-batch."""
+        """Sub-stage times of block ``layer`` (dense or MoE; an MTP module's from ``num_layers`` on) for one
+        micro-batch."""
 
     def embed(self) -> tuple[float, float]:
         """(forward, backward) seconds of the embedding for one micro-batch."""
 
     def head(self) -> tuple[float, float]:
-        """(forward, backward) seconds of the output head and loss for one micro-batch."""
+        """(forward, backward) seconds of the output head and loss for one micro-batch (and the MTP
+        modules' work around their blocks)."""
 
     def p2p(self) -> float:
         """Seconds one stage boundary's activation takes to reach the next pipeline rank."""
@@ -121,6 +130,7 @@ class Prediction:
             "num_chunks": c.num_chunks,
             "comm_sms": c.comm_sms,
             "recompute": c.recompute,
+            "memory_options": dict(getattr(self.memory, "options", {}) or {"recompute": c.recompute}),
             "step_time_s": self.step_time,
             "pipeline_time_s": self.pipeline_time,
             "dp_reduce_time_s": self.dp_reduce_time,
@@ -149,7 +159,7 @@ def candidates(
     micro_batch: int,
     schedules: Sequence[str] | None = None,
     comm_sms: Sequence[int] = (20,),
-    recompute: Sequence[bool] = (False, True),
+    recompute: Sequence[str | bool] = RECOMPUTE,
     max_pp: int | None = None,
 ) -> Iterator[Candidate]:
     """Every valid candidate: the schedule accepts the ranks and micro-batches, the stages fit the layers,
@@ -178,12 +188,14 @@ def candidates(
 
 
 class StageTimes:
-    """Chunk times per (forward stage, backward stage), computed once each."""
+    """Chunk times per (forward stage, backward stage), computed once each. The last stage runs the
+    ``mtp_layers`` MTP blocks after its own (layers ``num_layers ..``)."""
 
-    def __init__(self, model: CostModel, num_layers: int, num_stages: int) -> None:
+    def __init__(self, model: CostModel, num_layers: int, num_stages: int, mtp_layers: int = 0) -> None:
         self.ranges = split_layers(num_layers, num_stages)
-        self.blocks = [[model.block(i) for i in r] for r in self.ranges]
         last = num_stages - 1
+        mtp = range(num_layers, num_layers + mtp_layers)
+        self.blocks = [[model.block(i) for i in (*r, *(mtp if s == last else ()))] for s, r in enumerate(self.ranges)]
         emb, head = model.embed(), model.head()
         self.extra = [
             (emb[0] * (s == 0) + head[0] * (s == last), emb[1] * (s == 0) + head[1] * (s == last))
@@ -249,10 +261,11 @@ def predict(
     tokens_per_step: int,
     num_gpus: int,
     peak_flops: float,
+    mtp_layers: int = 0,
 ) -> Prediction:
     """Time and size ``candidate`` with ``model`` (see the module docstring)."""
     schedule = build_schedule(candidate.schedule, candidate.pp, candidate.num_chunks)
-    times = StageTimes(model, num_layers, schedule.layout.num_stages)
+    times = StageTimes(model, num_layers, schedule.layout.num_stages, mtp_layers)
     durations, exposed, total = _durations(schedule, times)
     sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
     reduce = model.dp_reduce()
@@ -307,7 +320,7 @@ def why_worse(p: Prediction, best: Prediction) -> str:
     if p.exposed_a2a_fraction != best.exposed_a2a_fraction:
         why.append(f"{p.exposed_a2a_fraction:.0%} vs {best.exposed_a2a_fraction:.0%} exposed")
     if p.candidate.recompute != best.candidate.recompute:
-        why.append("recompute" if p.candidate.recompute else "no recompute: more memory, less work")
+        why.append(f"recompute {p.candidate.recompute} vs {best.candidate.recompute}")
     add(busy, f"busy time per rank +{seconds(busy)} ({', '.join(why)})")
     if not reasons:
         return f"step {p.step_time / best.step_time - 1:+.1%}"

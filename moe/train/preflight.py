@@ -40,11 +40,10 @@ def memory_estimate(config: TrainConfig) -> float:
         seq_len=tr.seq_len,
         micro_batch=tr.micro_batch_size,
         comm_sms=pc.reserved_sms,
-        # The planner counts full recompute; a selective job is estimated as keeping every activation (an
-        # upper bound) until moe.plan models the granularity.
-        recompute=pc.recompute == "full",
+        recompute=pc.recompute,
         act_bytes=act_bytes,
         master_weights=tr.master_weights,
+        state_dtype=config.optimizer.state_dtype,
     )
     fp = footprint(
         config.model_config,

@@ -13,7 +13,8 @@ SMALL = ["--preset", "tiny", "--gpus", "8", "--gpus-per-node", "4", "--gpu", "h1
 SMALL += ["--global-batch", "64", "--micro-batch", "2"]
 
 ROW_KEYS = {
-    "schedule", "pp", "dp", "ep", "edp", "num_chunks", "comm_sms", "recompute", "step_time_s", "pipeline_time_s",
+    "schedule", "pp", "dp", "ep", "edp", "num_chunks", "comm_sms", "recompute", "memory_options", "step_time_s",
+    "pipeline_time_s",
     "dp_reduce_time_s", "tokens_per_s_per_gpu", "mfu", "bubble_fraction", "exposed_a2a_fraction", "memory_bytes",
     "fits",
 }  # fmt: skip
@@ -63,7 +64,7 @@ def test_measured_costs_describe_the_machine_they_came_from(tmp_path: Path) -> N
     """The emulated cluster's costs file alone: its model, its achieved rates and links, no SMs to reserve."""
     costs = next(Path(__file__).resolve().parents[2].glob("bench/results/costs-cpu-*-emulated-*.json"))
     out = tmp_path / "plan.json"
-    argv = ["--costs", str(costs), "--gpus", "2", "--gpus-per-node", "1", "--seq-len", "64"]
+    argv = ["--costs", str(costs), "--gpus", "2", "--gpus-per-node", "1", "--seq-len", "64", "--recompute", "both"]
     assert main([*argv, "--global-batch", "192", "--micro-batch", "4", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     measured = json.loads(costs.read_text())
