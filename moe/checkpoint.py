@@ -6,7 +6,9 @@ one (pp, ep) loads at another:
 - stage parameters and buffers are already named by global layer (``blocks.7.attn.wq.weight``);
 - expert weights, sharded over the expert-parallel group as ``[E_local, ...]``, are saved one expert per
   entry (``blocks.7.mlp.experts.w1.e42``), so any split of the experts reads its rows;
-- optimizer state follows its parameter's names (the keys :attr:`moe.optimizer.OptimizerSpec.state` names);
+- optimizer state follows its parameter's names (the keys :attr:`moe.optimizer.OptimizerSpec.state` names), in
+  the dtype the optimizer keeps it in (bf16 moments under ``optimizer.state_dtype``); DCP casts on load, so a run
+  may resume with the other state dtype;
 - replicated entries (non-expert weights on every ep rank, DualPipe's two copies of a stage) are written
   once, the planner de-duplicates them.
 

@@ -18,11 +18,11 @@ expert-data-parallel replicas). One :class:`DistributedOptimizer` serves every c
 - ZeRO-1 (``zero=True``): in each group every parameter has one owner (a size-balanced partition, the same
   on every rank); only the owner holds its master and state and steps it, then each owner broadcasts its
   updated parameters to the group in one flat message per dtype.
-- bf16 moments (``state_dtype="bfloat16"``, the DeepSeek-V3 report's "BF16 ... for the AdamW optimizer
-  moments"): the state tensors the size of a parameter are kept in bf16 between steps while the masters stay
-  fp32. torch's optimizers want their state in the parameter's dtype, so each step upcasts a bounded bucket of
-  moments to fp32, runs the torch update on that bucket, and rounds the moments back to bf16 in place: the
-  update rule is torch's, and the fp32 copies live for one bucket only.
+- bf16 moments (``state_dtype="bfloat16"``; the DeepSeek-V3 report, section 3.3.3, tracks AdamW's first and
+  second moments in BF16): the state tensors the size of a parameter are kept in bf16 between steps while the
+  masters stay fp32. torch's optimizers want their state in the parameter's dtype, so each step upcasts a
+  bounded bucket of moments to fp32, runs the torch update on that bucket, and rounds the moments back to bf16
+  in place: the update rule is torch's, and the fp32 copies live for one bucket only.
 
 Why not torch's own (torch 2.13):
 
