@@ -72,3 +72,64 @@ def test_measured_costs_describe_the_machine_they_came_from(tmp_path: Path) -> N
     assert doc["inputs"]["gpu"]["internode_bytes_per_s"] == measured["internode_bytes_per_s"]
     assert all(row["comm_sms"] == 0 for row in doc["top"])  # a CPU rank's transfers take no SMs
     assert {row["ep"] for row in doc["top"]} >= {1, 2}
+
+
+def test_model_takes_a_preset_or_a_checkpoint_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model NAME`` (``--preset`` is the same flag) or a Hugging Face directory, read by moe.hf; an unknown
+    name is one line."""
+    from moe.config import PRESETS
+    from moe.hf import to_hf_config
+
+    argv = SMALL[2:]
+    out = tmp_path / "plan.json"
+    assert main(["--model", "qwen3-moe-tiny", *argv, "--recompute", "off", "--json", str(out)]) == 0
+    by_name = json.loads(out.read_text())
+    assert by_name["inputs"]["model_source"] == {"kind": "preset", "name": "qwen3-moe-tiny"}
+    assert by_name["inputs"]["preset"] == "qwen3-moe-tiny"
+    assert main(["--preset", "qwen3-moe-tiny", *argv, "--recompute", "off", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["best"] == by_name["best"]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(to_hf_config(PRESETS["qwen3-moe-tiny"])))
+    assert main(["--model", str(ckpt), *argv, "--recompute", "off", "--json", str(out)]) == 0
+    from_dir = json.loads(out.read_text())
+    assert from_dir["inputs"]["model_source"] == {"kind": "hf", "name": str(ckpt)}
+    assert from_dir["inputs"]["model"]["attention"] == "gqa-qk-norm" and from_dir["best"] == by_name["best"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match=r"^error: --model qwen9: neither a preset \(.*\) nor a checkpoint directory$"):
+        main(["--model", "qwen9", *argv])
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(SystemExit, match=r"^error: --model .*ckpt: model_type 'llama' is not supported"):
+        main(["--model", str(ckpt), *argv])
+
+
+def test_deepseek_v3_side_by_side_in_the_json(tmp_path: Path) -> None:
+    """The report's layout and memory options for the deepseek-v3 preset (its MTP module on the last stage),
+    each figure beside the report's: the memory the footprint gives, the tokens/s of 14.8T tokens in 2,664K
+    H800 GPU hours, the bubble."""
+    out = tmp_path / "v3.json"
+    argv = ["--model", "deepseek-v3", "--gpus", "2048", "--gpu", "h800", "--schedules", "dualpipe"]
+    assert main([*argv, "--recompute", "selective", "--top", "1", "--deepseek-v3", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == JSON_SCHEMA_VERSION and doc["inputs"]["model"]["mtp_layers"] == 1
+    v3 = doc["deepseek_v3"]
+    layout = v3["layout"]
+    assert (layout["schedule"], layout["pp"], layout["dp"], layout["ep"], layout["num_chunks"]) == (
+        "dualpipe", 16, 128, 64, 120,
+    )  # fmt: skip
+    assert v3["options"] == {
+        "recompute": "selective",
+        "optimizer_state_dtype": "bfloat16",
+        "mtp_shares_embedding_and_head": True,
+        "fp8_activations": True,
+    }
+    assert layout["memory_options"] == v3["options"]
+    mem = v3["memory_gib"]
+    assert mem["planner"] == pytest.approx(layout["memory_bytes"]["total"] / 2**30)
+    assert mem["report"] == pytest.approx(80e9 / 2**30) and mem["fits"] == layout["fits"]
+    assert mem["planner"] < 0.6 * mem["without_options"]
+    tok = v3["tokens_per_s_per_gpu"]
+    assert tok["report"] == pytest.approx(14.8e12 / (2664e3 * 3600)) and round(tok["report"]) == 1543
+    assert tok["planner"] == pytest.approx(layout["tokens_per_s_per_gpu"]) and 500 < tok["planner"] < 5000
+    assert v3["bubble_s"]["planner"] > 0 and v3["bubble_s"]["report_formula_with_our_costs"] > 0
+    assert {"compute_to_a2a", "mfu", "exposed_a2a_fraction"} <= set(v3)
