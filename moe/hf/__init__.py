@@ -1,5 +1,6 @@
-"""Hugging Face interop: ``config.json`` to our config (:mod:`.config`), checkpoint names both ways
-(:mod:`.keys`), and loading a checkpoint directory into a model (:func:`load_hf_model`).
+"""Hugging Face interop: ``config.json`` to our config and back (:mod:`.config`), checkpoint names both ways
+(:mod:`.keys`), loading a checkpoint directory into a model (:func:`load_hf_model`; FP8 weights dequantized,
+:mod:`.fp8`) and writing one from a model's stages (:func:`moe.hf.export.save_hf`).
 
 ``safetensors`` is imported lazily (the ``hf`` extra): ``pip install 'dualpipe-moe[hf]'``.
 """
@@ -12,7 +13,15 @@ from pathlib import Path
 
 import torch
 
-from moe.hf.config import HF_CONFIGS, HFConfigError, from_hf_config, read_hf_config
+from moe.hf.config import (
+    HF_CONFIGS,
+    HFConfigError,
+    from_hf_config,
+    quantization_block,
+    read_hf_config,
+    to_hf_config,
+)
+from moe.hf.fp8 import Dequantized
 from moe.hf.keys import RULES, HFCheckpointError, checkpoint_shapes, to_hub, to_ours
 from moe.model import MoEModel
 from moe.stage import MoEStage
@@ -23,10 +32,12 @@ __all__ = [
     "HFCheckpointError",
     "HFConfigError",
     "from_hf_config",
+    "hf_tensors",
     "load_hf_model",
     "load_hf_weights",
     "read_hf_config",
     "read_safetensors",
+    "to_hf_config",
     "to_hub",
     "to_ours",
 ]
@@ -36,6 +47,20 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory: ``model.safetensors``, or the shards its
     ``model.safetensors.index.json`` lists."""
     return dict(_Files(Path(path)))
+
+
+def hf_tensors(path: str | Path) -> Mapping[str, torch.Tensor]:
+    """A checkpoint directory's tensors by name, each read from its file only when asked for; FP8 block-quantized
+    weights come dequantized to float32 (config.json's ``quantization_config``; an FP8 tensor without its scales
+    is an :class:`HFCheckpointError` naming it)."""
+    path = Path(path)
+    files = _Files(path)
+    config = path / "config.json"
+    raw = json.loads(config.read_text()) if config.is_file() else {}
+    try:
+        return Dequantized(files, quantization_block(raw))
+    except HFConfigError as exc:
+        raise HFCheckpointError(str(exc)) from None
 
 
 def load_hf_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> MoEModel:
@@ -86,7 +111,7 @@ def load_hf_weights(stages: Sequence[MoEStage], path: str | Path, *, whole: bool
     one stage that is the whole model, so a tensor of the files with no place in it is an error."""
     if whole and len(stages) != 1:
         raise ValueError("whole=True takes one stage holding the whole model")
-    files = _Files(Path(path))
+    files = hf_tensors(path)
     for stage in stages:
         first = stage.dispatcher.local_experts.start
         ours = to_ours(files, checkpoint_shapes(stage), first_expert=first, whole=whole)

@@ -1,16 +1,24 @@
-"""Hugging Face ``config.json`` to :class:`moe.config.MoEConfig`, one entry per ``model_type``.
+"""Hugging Face ``config.json`` to :class:`moe.config.MoEConfig` and back, one entry per ``model_type``.
 
 Both config styles are read: the hub's (``rope_theta`` + ``rope_scaling``, Qwen's ``num_experts``) and what
 transformers 5.x writes (``rope_parameters``, ``num_local_experts``). A config this stack cannot run exactly
 as published (an unknown ``model_type``, a feature not built yet) is a :class:`HFConfigError`: one line naming
 the field. A field a config.json leaves out takes transformers' default for it, except the sizes, which are
-required.
+required. FP8 block-quantized weights (``quantization_config``, DeepSeek-V3's published format) are read and
+dequantized on load (:mod:`moe.hf.fp8`); other quantizations are refused.
+
+Writing (:func:`to_hf_config`) is the inverse: the architecture is the one whose attention the config uses, and
+the config.json is in the hub's style (``rope_theta`` + ``rope_scaling``, Qwen's ``num_experts``), which the
+published checkpoints use and transformers reads. A field the architecture cannot express (a shared expert in
+Qwen3-MoE, our grouped-query ``gqa`` presets anywhere) is an :class:`HFConfigError` naming it. Fields that shape
+our training only, which no config.json holds (the selection-bias step, the sequence-wise loss), are not written.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -18,7 +26,15 @@ from typing import Any
 from moe.config import MoEConfig
 from moe.models.rope import RopeConfig
 
-__all__ = ["HF_CONFIGS", "HFConfigError", "from_hf_config", "read_hf_config"]
+__all__ = [
+    "HF_CONFIGS",
+    "HFArchitecture",
+    "HFConfigError",
+    "from_hf_config",
+    "quantization_block",
+    "read_hf_config",
+    "to_hf_config",
+]
 
 
 class HFConfigError(ValueError):
@@ -105,9 +121,6 @@ def _deepseek_v3(raw: Mapping[str, Any]) -> MoEConfig:
         scoring_func="sigmoid",
         moe_layer_freq=1,  # DeepSeek's code: experts on layers >= first_k_dense_replace with i % freq == 0
     )
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise HFConfigError(f"deepseek_v3: quantization_config ({method}) is not supported: dequantize to bf16 first")
     heads = int(_get(raw, "num_attention_heads"))
     kv_heads = int(_get(raw, "num_key_value_heads", default=heads))
     if kv_heads != heads:  # MLA expands its latent to every head; GQA-style sharing is not this architecture
@@ -150,20 +163,173 @@ def _deepseek_v3(raw: Mapping[str, Any]) -> MoEConfig:
     )
 
 
-HF_CONFIGS: Mapping[str, Callable[[Mapping[str, Any]], MoEConfig]] = MappingProxyType(
-    {"qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}
+def _express(model_type: str, cfg: MoEConfig, **only: Any) -> None:
+    """One line for the first field of ``cfg`` that ``model_type`` cannot express (it only has ``only``'s value)."""
+    for name, value in only.items():
+        if getattr(cfg, name) != value:
+            raise HFConfigError(
+                f"{model_type} cannot express MoEConfig.{name} = {getattr(cfg, name)!r} (only {value!r})"
+            )
+
+
+def _qwen3_moe_json(cfg: MoEConfig) -> dict[str, Any]:
+    """Qwen3-MoE's config.json (hub style) of ``cfg``: dense layers only as ``mlp_only_layers`` and
+    ``decoder_sparse_step``, no shared expert, unscaled softmax routing, plain RoPE."""
+    _express("qwen3_moe", cfg, router_scoring="softmax", num_shared_experts=0, route_scale=1.0)
+    _express("qwen3_moe", cfg, num_dense_layers=0, mtp_layers=0)
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.dense_intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.attn_head_dim,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": 32768,  # the context limit of inference, no field of ours: transformers' default
+        "decoder_sparse_step": cfg.moe_layer_step,
+        "mlp_only_layers": list(cfg.dense_layers),
+        "num_experts": cfg.num_experts,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_experts_per_tok": cfg.top_k,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "rms_norm_eps": cfg.norm_eps,
+        "initializer_range": cfg.init_std,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def _deepseek_v3_json(cfg: MoEConfig) -> dict[str, Any]:
+    """DeepSeek-V3's config.json (hub style) of ``cfg``: MLA, the sigmoid group-limited router, shared experts,
+    the first ``num_dense_layers`` dense, YaRN as ``rope_scaling``, ``mtp_layers`` MTP modules."""
+    _express("deepseek_v3", cfg, router_scoring="sigmoid", moe_layer_step=1, dense_layers=())
+    if cfg.num_shared_experts < 1:  # transformers builds the shared MLP unconditionally
+        raise HFConfigError("deepseek_v3 cannot express MoEConfig.num_shared_experts = 0 (at least 1)")
+    rope = RopeConfig.from_moe_config(cfg)
+    scaling, max_positions = None, 4096  # plain RoPE: transformers' default context
+    if rope.rope_type == "yarn":
+        scaling = {
+            "type": "yarn",
+            "factor": rope.factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+            "beta_fast": rope.beta_fast,
+            "beta_slow": rope.beta_slow,
+        }
+        extra = {
+            "mscale": rope.mscale,
+            "mscale_all_dim": rope.mscale_all_dim,
+            "attention_factor": rope.attention_factor,
+        }
+        scaling.update({k: v for k, v in extra.items() if v is not None})
+        if not rope.truncate:
+            scaling["truncate"] = False
+        # the stretched context (V3: 40 x 4096 = 163840); transformers warns when it is anything else
+        max_positions = round(rope.factor * rope.original_max_position_embeddings)
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.dense_intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_nextn_predict_layers": cfg.mtp_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
+        "rope_interleave": cfg.rope_interleave,
+        "max_position_embeddings": max_positions,
+        "first_k_dense_replace": cfg.num_dense_layers,
+        "moe_layer_freq": 1,
+        "n_routed_experts": cfg.num_experts,
+        "n_shared_experts": cfg.num_shared_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "routed_scaling_factor": cfg.route_scale,
+        "rms_norm_eps": cfg.norm_eps,
+        "initializer_range": cfg.init_std,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class HFArchitecture:
+    """A published architecture: its config.json read into a :class:`MoEConfig` and written back."""
+
+    attention: str
+    """The :attr:`MoEConfig.attention` that makes a config this architecture (when writing)."""
+    read: Callable[[Mapping[str, Any]], MoEConfig]
+    write: Callable[[MoEConfig], dict[str, Any]]
+
+
+HF_CONFIGS: Mapping[str, HFArchitecture] = MappingProxyType(
+    {
+        "qwen3_moe": HFArchitecture("gqa-qk-norm", _qwen3_moe, _qwen3_moe_json),
+        "deepseek_v3": HFArchitecture("mla", _deepseek_v3, _deepseek_v3_json),
+    }
 )
-"""config.json readers by ``model_type``."""
+"""config.json readers and writers by ``model_type``."""
+
+
+def quantization_block(raw: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The ``weight_block_size`` of a config.json's FP8 block quantization (None: not quantized); any other
+    ``quantization_config`` is an :class:`HFConfigError`."""
+    q = raw.get("quantization_config")
+    if not q:
+        return None
+    method, fmt = q.get("quant_method"), q.get("fmt", "e4m3")
+    if method != "fp8" or fmt != "e4m3":
+        raise HFConfigError(
+            f"quantization_config: quant_method {method!r} fmt {fmt!r} is not supported (fp8 e4m3 only)"
+        )
+    block = q.get("weight_block_size", [128, 128])  # transformers' default, DeepSeek-V3's blocks
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise HFConfigError(f"quantization_config.weight_block_size = {block!r}: two positive block sizes")
+    return int(block[0]), int(block[1])
+
+
+def to_hf_config(cfg: MoEConfig, *, dtype: str | None = None) -> dict[str, Any]:
+    """The config.json of ``cfg`` in the architecture its attention makes it (:data:`HF_CONFIGS`), with
+    ``torch_dtype`` when given; :func:`from_hf_config` reads it back to ``cfg`` (fields that shape training
+    only aside)."""
+    found = [(name, arch) for name, arch in HF_CONFIGS.items() if arch.attention == cfg.attention]
+    if not found:
+        known = ", ".join(f"{name} ({arch.attention!r})" for name, arch in HF_CONFIGS.items())
+        raise HFConfigError(f"MoEConfig.attention = {cfg.attention!r}: no published architecture has it; {known} do")
+    raw = found[0][1].write(cfg)
+    if dtype is not None:
+        raw["torch_dtype"] = dtype
+    return raw
 
 
 def from_hf_config(raw: Mapping[str, Any]) -> MoEConfig:
     """The :class:`MoEConfig` of a config.json's contents."""
     model_type = raw.get("model_type")
-    reader = HF_CONFIGS.get(model_type)  # type: ignore[arg-type]
-    if reader is None:
+    arch = HF_CONFIGS.get(model_type)  # type: ignore[arg-type]
+    if arch is None:
         raise HFConfigError(f"model_type {model_type!r} is not supported; supported: {', '.join(HF_CONFIGS)}")
+    quantization_block(raw)  # FP8 weights dequantize on load; any other quantization is refused here
     try:
-        return reader(raw)
+        return arch.read(raw)
     except (TypeError, ValueError) as exc:
         if isinstance(exc, HFConfigError):
             raise

@@ -245,6 +245,10 @@ class CheckpointConfig:
     """Like ``resume``, but a damaged newest checkpoint or an empty ``dir`` is an error (no fallback)."""
     keep_last: int = 3
     """Keep the newest N checkpoints, removing older ones once a new one is in place (0: keep all)."""
+    save_hf: str | None = None
+    """At the end of training, export the model here as a Hugging Face directory (config.json, safetensors
+    shards in the hub layout; ``--save-hf``, moe.hf.export): a new or empty directory, a model of a published
+    architecture."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0 (0: never)")
@@ -326,6 +330,13 @@ class TrainConfig:
             found = DISPATCHERS.lookup(pc.dispatcher).violations(rows)
             if found:
                 raise ConfigError(f"--dispatcher {pc.dispatcher}: {'; '.join(found)}")
+        if self.checkpoint.save_hf:
+            from moe.hf.config import HFConfigError, to_hf_config  # no hf extra needed to write a config
+
+            try:
+                to_hf_config(cfg)
+            except HFConfigError as exc:
+                raise ConfigError(f"checkpoint.save_hf: {exc}") from None
         if self.training.val_every and not self.data.val_fraction:
             raise ConfigError(
                 f"training.val_every = {self.training.val_every}: there is no validation split (data.val_fraction "

@@ -96,6 +96,13 @@ class Trainer:
         preflight.check_dispatcher(self.config)
         preflight.check_checkpoint_dir(self.config)
         preflight.check_tensorboard(self.config)
+        if self.config.checkpoint.save_hf:  # found now, not after the training it would export
+            from moe.hf.export import HFExportError, check_target
+
+            try:
+                check_target(Path(self.config.checkpoint.save_hf))
+            except HFExportError as exc:
+                raise preflight.PreflightError(f"error: --save-hf: {exc}") from None
         return preflight.check_memory(self.config, self.device)
 
     def build_data(self):
@@ -219,6 +226,8 @@ class Trainer:
                 self.save()
             for cb in self.callbacks:
                 cb.on_step(record)
+        if c.checkpoint.save_hf:
+            self.save_hf()
 
     def record(self, step: int, figures: dict[str, Any], seconds: float) -> dict[str, Any]:
         tokens = self.config.global_batch * self.config.training.seq_len
@@ -387,6 +396,19 @@ class Trainer:
             )
         except CheckpointError as exc:  # every rank gets it: all stop, none waits on a dead peer
             raise TrainingError(f"error: {exc}; training stopped, the previous checkpoint is untouched") from None
+
+    def save_hf(self) -> None:
+        """Export the model as a Hugging Face directory (``checkpoint.save_hf``): each rank writes its own stages'
+        tensors, in the parameters' dtype (:func:`moe.hf.export.save_hf`)."""
+        from moe.hf.export import HFExportError, save_hf
+
+        path = self.config.checkpoint.save_hf
+        try:
+            save_hf(self.modules, path, self.model_config)
+        except HFExportError as exc:  # every rank gets it
+            raise TrainingError(f"error: --save-hf: {exc}") from None
+        if self.rank == 0:
+            print(f"exported the model to {path} (Hugging Face layout)", flush=True)
 
     def resume(self) -> None:
         """Continue after the newest intact checkpoint (none: from step 0, one line says so;

@@ -181,7 +181,7 @@ def test_bad_checkpoints_are_one_line(checkpoint) -> None:
         ({"hidden_act": "gelu"}, "deepseek_v3: hidden_act = 'gelu' is not supported"),
         ({"topk_method": "greedy"}, "deepseek_v3: topk_method = 'greedy' is not supported"),
         ({"num_key_value_heads": 2}, "num_key_value_heads = 2 must equal num_attention_heads = 4"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config (fp8) is not supported"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq' fmt 'e4m3' is not supported"),
         ({"rope_parameters": {"rope_type": "longrope"}}, "rope_type 'longrope' is not supported"),
     ]:
         with pytest.raises(HFConfigError, match=re.escape(message)) as err:

@@ -1,0 +1,325 @@
+"""``python -m moe.convert SRC DST``: between our distributed checkpoints and Hugging Face directories, both ways.
+
+    python -m moe.convert runs/ckpt runs/hf --dtype bfloat16      # ours (a step_* dir, or the root: latest) -> HF
+    python -m moe.convert /ckpt/DeepSeek-V3 runs/v3               # HF (config.json + safetensors, FP8 too) -> ours
+
+The direction follows SRC: a directory with config.json is a Hugging Face checkpoint, one with meta.json (or a
+``latest`` pointer) is ours. DST must not exist (or be empty).
+
+- ours -> HF: config.json from the checkpoint's meta.json (its model config), safetensors shards of at most
+  ``--max-shard-size`` bytes and their index, in the hub layout (:mod:`moe.hf.export`); optimizer state is left
+  out. ``--dtype`` defaults to the checkpoint's (fp32 masters, usually).
+- HF -> ours: a checkpoint ``DST/step_00000000`` (and ``DST/latest``) that :func:`moe.checkpoint.load_checkpoint`
+  and ``Trainer.resume`` read at any (pp, dp, ep): the weights (FP8 ones dequantized), the buffers a fresh model
+  has (expert-load counts, rotary frequencies) and a fresh optimizer state for ``--optimizer`` (zeros at step 0,
+  as before a first step; ``none`` leaves it out, for evaluation only). No data position or random state: a
+  resumed run starts at step 0. ``--dtype`` defaults to float32 (what our checkpoints hold: the masters).
+
+One process, never the whole model in memory. Nothing is read to plan: shapes come from a meta-device model of
+the config. At peak it holds
+- ours -> HF: one shard being written (<= ``--max-shard-size``) and the checkpoint entries it is made from (a
+  partial DCP load per shard: the dense tensors and expert rows of that shard);
+- HF -> ours: one DCP file (entries are made when DCP writes them, into files of at most 1 GiB; an entry is one
+  dense tensor or one expert's matrices, read as safetensors slices) and one block built without weights to
+  read its fresh buffers (one expert, uninitialised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from moe.checkpoint import _global_tensors  # the one definition of our checkpoints' entry names
+from moe.config import MoEConfig
+from moe.dispatch.local import LocalDispatcher
+from moe.manifest import CheckpointError, verify_checkpoint, write_manifest
+from moe.optimizer import OPTIMIZERS
+from moe.stage import MoEStage
+
+__all__ = ["ConvertError", "hf_to_ours", "main", "ours_to_hf"]
+
+_DCP_FILE_BYTES = 1 << 30
+"""Entries per DCP file, in bytes: DCP keeps a file's tensors until the file is written, so this bounds memory."""
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ConvertError(SystemExit):
+    """A source, target or option that cannot be converted: one line."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m moe.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("src", help="our checkpoint (a step_* directory or the directory of them) or a Hugging Face one")
+    p.add_argument("dst", help="the directory to write (must not exist, or be empty)")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="of the weights written (see above)")
+    p.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="ours -> HF (default 5e9)")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=(*OPTIMIZERS, "none"),
+        help="HF -> ours: whose fresh state the checkpoint holds, so Trainer.resume loads it (none: weights only)",
+    )
+    return p
+
+
+def _skeleton(cfg: MoEConfig) -> MoEStage:
+    """The whole model on the meta device: every name and shape, no memory."""
+    with torch.device("meta"):
+        return MoEStage(cfg, range(cfg.num_layers), first=True, last=True)
+
+
+@contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP in this one process (``no_dist``), without its warning that it assumes so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _empty_target(dst: Path) -> None:
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ConvertError(f"error: {dst} exists and is not an empty directory: convert into a new directory")
+
+
+# ours -> HF
+
+
+def _our_step(src: Path) -> Path:
+    """The verified ``step_*`` directory of ``src`` (itself, or what its ``latest`` names)."""
+    from moe.checkpoint import latest_checkpoint
+
+    step = src if (src / "meta.json").is_file() else latest_checkpoint(src)
+    if step is None:
+        raise ConvertError(f"error: {src}: neither a Hugging Face directory (config.json) nor one of our checkpoints")
+    try:
+        verify_checkpoint(step)
+    except CheckpointError as exc:
+        raise ConvertError(f"error: {exc}") from None
+    return step
+
+
+def ours_to_hf(src: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_bytes: int | None) -> None:
+    from moe.hf import HFConfigError, to_hf_config
+    from moe.hf.export import MAX_SHARD_BYTES, HFExportError, check_target, make_piece, plan_pieces, write_hf_dir
+    from moe.hf.keys import checkpoint_shapes
+
+    step = _our_step(src)
+    meta = json.loads((step / "meta.json").read_text())
+    if "model" not in meta:
+        raise ConvertError(f"error: {step}: its meta.json predates the model config; convert a newer checkpoint")
+    cfg = MoEConfig(**meta["model"])
+    stored = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+
+    def entry(key: str, row: int | None) -> str:
+        return f"model.{key}" if row is None else f"model.{key}.e{row}"
+
+    shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for key, shape in checkpoint_shapes(_skeleton(cfg)).items():
+        expert = ".experts." in key  # stored one expert per entry (moe.checkpoint)
+        name = entry(key, 0 if expert else None)
+        if name not in stored:
+            raise ConvertError(f"error: {step}: the checkpoint lacks {name}")
+        shapes[key] = (shape, stored[name].properties.dtype)
+    written = dtype or next(iter(shapes.values()))[1]
+    try:
+        config = to_hf_config(cfg, dtype=str(written).removeprefix("torch."))
+        check_target(dst)
+        pieces = plan_pieces(shapes, dtype=dtype)
+    except (HFConfigError, HFExportError) as exc:
+        raise ConvertError(f"error: {exc}") from None
+
+    def make(needed: list) -> dict[str, torch.Tensor]:
+        # One partial DCP load per shard: only these entries are read (each at its offset in the files).
+        want = {}
+        for p in needed:
+            shape, dt = shapes[p.key]
+            want[entry(p.key, p.row)] = torch.empty(shape if p.row is None else shape[1:], dtype=dt)
+        with _one_process():
+            dcp.load(want, checkpoint_id=step, no_dist=True)
+        out: dict[str, torch.Tensor] = {}
+        for p in needed:
+            t = want[entry(p.key, p.row)]
+            out.update(make_piece(p, t if p.row is None else t.unsqueeze(0)))
+        return out
+
+    try:
+        write_hf_dir(dst, config, pieces, make, dtype=dtype, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES)
+    except HFExportError as exc:
+        raise ConvertError(f"error: {exc}") from None
+
+
+# HF -> ours
+
+
+class _OneExpert(LocalDispatcher):
+    """A dispatcher holding one expert: a block built only to read the buffers a fresh model has stays small."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__(num_experts)
+        self.num_local_experts = 1
+
+
+class _FreshBuffers:
+    """The value a buffer outside the hub layout has in a fresh model (expert-load counts, a softmax router's
+    unused bias, rotary frequencies), from its block built without weights (one block kept at a time)."""
+
+    def __init__(self, cfg: MoEConfig, skeleton: MoEStage) -> None:
+        self.cfg, self.skeleton = cfg, skeleton
+        self.layer: str | None = None
+        self.block: torch.nn.Module | None = None
+
+    def __call__(self, key: str) -> torch.Tensor:
+        parts = key.split(".")
+        if parts[0] != "blocks":
+            raise ConvertError(f"error: no value for the buffer {key} (not in the hub layout, not a block's)")
+        if self.layer != parts[1]:
+            kind = type(self.skeleton.blocks[parts[1]])  # Block, or an MTP block: the same constructor
+            self.layer, self.block = parts[1], kind(self.cfg, int(parts[1]), _OneExpert(self.cfg.num_experts))
+        assert self.block is not None
+        return self.block.get_buffer(".".join(parts[2:])).clone()
+
+
+class _LazyPlanner(DefaultSavePlanner):
+    """Plans from placeholders (the right shapes and dtypes, no memory); each entry is made when DCP writes it."""
+
+    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]]) -> None:
+        super().__init__()
+        self._makers = makers
+
+    def lookup_object(self, index):  # DefaultSavePlanner's extension point
+        return self._makers[index.fqn]()
+
+
+class _BoundedWriter(dcp.FileSystemWriter):
+    """A one-process writer whose files hold at most ``limit`` bytes of entries each: DCP keeps a file's tensors
+    until the file is written, so one file is the memory peak (the default puts a rank's entries in one file)."""
+
+    def __init__(self, path: Path, limit: int) -> None:
+        super().__init__(path, single_file_per_rank=True, thread_count=1)
+        self._limit = limit
+
+    def write_data(self, plan, planner) -> torch.futures.Future:
+        buckets: list[list] = [[]]
+        used = 0
+        for item in plan.items:
+            size = item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+            if buckets[-1] and used + size > self._limit:
+                buckets.append([])
+                used = 0
+            buckets[-1].append(item)
+            used += size
+        results = []
+        for n, items in enumerate(buckets):  # each bucket one file: "<prefix><n>_0.distcp"
+            storage = dataclasses.replace(plan.storage_data, prefix=f"{plan.storage_data.prefix}{n}_")
+            results += super().write_data(dataclasses.replace(plan, items=items, storage_data=storage), planner).wait()
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(results)
+        return done
+
+
+def hf_to_ours(src: Path, dst: Path, *, dtype: torch.dtype | None, optimizer: str | None) -> Path:
+    from moe.hf import HFCheckpointError, HFConfigError, hf_tensors, read_hf_config, to_ours
+    from moe.hf.keys import checkpoint_shapes
+
+    try:
+        cfg = read_hf_config(src)
+        files = hf_tensors(src)
+    except (HFConfigError, HFCheckpointError) as exc:
+        raise ConvertError(f"error: {src}: {exc}") from None
+    _empty_target(dst)
+    dtype = dtype or torch.float32
+    skeleton = _skeleton(cfg)
+    hub = checkpoint_shapes(skeleton)
+    fresh = _FreshBuffers(cfg, skeleton)
+    spec = OPTIMIZERS.lookup(optimizer) if optimizer else None
+
+    def from_hub(key: str, shape: torch.Size, row: int | None, dt: torch.dtype) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            try:
+                if row is None:
+                    return to_ours(files, {key: shape}, whole=False)[key].to(dt).contiguous()
+                return to_ours(files, {key: (1, *shape)}, first_expert=row, whole=False)[key][0].to(dt).contiguous()
+            except HFCheckpointError as exc:
+                raise ConvertError(f"error: {src}: {exc}") from None
+
+        return make
+
+    placeholders: dict[str, torch.Tensor] = {}
+    makers: dict[str, Callable[[], torch.Tensor]] = {}
+
+    def add(name: str, shape: torch.Size, dt: torch.dtype, make: Callable[[], torch.Tensor]) -> None:
+        placeholders[name] = torch.zeros((), dtype=dt).expand(shape)  # shape and dtype for the plan, one element
+        makers[name] = make
+
+    for key, t, param, row in _global_tensors([skeleton]):
+        base = key if row is None else key.rsplit(".e", 1)[0]
+        dt = dtype if param is not None else t.dtype  # buffers keep theirs (fp32 router state)
+        if base in hub:
+            add(f"model.{key}", t.shape, dt, from_hub(base, t.shape, row, dt))
+        elif param is None:
+            add(f"model.{key}", t.shape, dt, lambda key=key: fresh(key))
+        else:
+            raise ConvertError(f"error: our parameter {key} has no hub tensor (moe.hf.keys.RULES)")
+        if spec is not None and param is not None and param.requires_grad:
+            for name in spec.state:  # a fresh state: zeros, the step counter at 0
+                shape = torch.Size() if name in spec.scalar_state else t.shape
+                add(f"optim.{key}.{name}", shape, torch.float32, lambda shape=shape: torch.zeros(shape))
+    step = dst / "step_00000000"
+    partial = dst / ".step_00000000.partial"
+    partial.mkdir(parents=True)
+    writer, planner = _BoundedWriter(partial, _DCP_FILE_BYTES), _LazyPlanner(makers)
+    with _one_process():
+        dcp.save(placeholders, storage_writer=writer, planner=planner, no_dist=True)
+    meta = {"step": 0, "consumed_samples": 0, "pp": 1, "dp": 1, "ep": 1, "converted_from": str(src)}
+    meta["config"] = {"model": str(src)}
+    meta["model"] = dataclasses.asdict(cfg)
+    # No world_size: the checkpoint holds no per-rank state (random states), so no rank looks for one.
+    (partial / "meta.json").write_text(json.dumps(meta))
+    write_manifest(partial)
+    os.rename(partial, step)
+    (dst / "latest").write_text(step.name)
+    return step
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = _parser().parse_args(argv)
+    src, dst = Path(args.src), Path(args.dst)
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    if not src.is_dir():
+        raise ConvertError(f"error: {src}: no such directory")
+    if (src / "config.json").is_file():
+        if args.max_shard_size is not None:
+            raise ConvertError("error: --max-shard-size is for ours -> HF; the source is a Hugging Face directory")
+        out = hf_to_ours(src, dst, dtype=dtype, optimizer=None if args.optimizer == "none" else args.optimizer)
+    else:
+        ours_to_hf(src, dst, dtype=dtype, max_shard_bytes=args.max_shard_size)
+        out = dst
+    print(f"{src} -> {out}", flush=True)
+    return out
+
+
+def cli() -> None:
+    try:
+        main()
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        print(exc.code, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    cli()
