@@ -68,3 +68,14 @@ def test_bad_sources_and_targets_are_one_line(tmp_path: Path) -> None:
             convert(argv)
         assert err.value.code.startswith("error: ") and message in err.value.code and "\n" not in err.value.code
     assert not (tmp_path / "out").exists() and sorted(p.name for p in (tmp_path / "used").iterdir()) == ["x"]
+
+
+def test_save_hf_of_a_model_no_published_architecture_has_is_refused_before_training(tmp_path: Path) -> None:
+    from moe.train.cli import config_from_args
+
+    with pytest.raises(SystemExit) as err:  # the tiny preset's grouped-query attention is ours only
+        config_from_args(["--preset", "tiny", "--save-hf", str(tmp_path / "hf")], 1)
+    assert err.value.code == (
+        "error: checkpoint.save_hf: MoEConfig.attention = 'gqa': no published architecture has it; "
+        "qwen3_moe ('gqa-qk-norm'), deepseek_v3 ('mla') do"
+    )
