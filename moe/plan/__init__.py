@@ -2,12 +2,16 @@
 
 This package's cost model: device profiles (:mod:`.hardware`), parameter shapes (:mod:`.params`), routing
 reach (:mod:`.routing`), FLOPs and bytes per op (:mod:`.flops`), seconds per sub-stage (:mod:`.costs`),
-memory per GPU (:mod:`.footprint`) and measured costs files (:mod:`.measured`).
+memory per GPU (:mod:`.footprint`, with the memory options :class:`MemoryOptions` and the recompute
+granularities :data:`RECOMPUTE`) and measured costs files (:mod:`.measured`, which builds on :mod:`.costs`).
 """
 
 from moe.plan.costs import (
     COMPUTE_FIELDS,
+    RECOMPUTE,
+    STATE_DTYPES,
     AllToAllBytes,
+    MemoryOptions,
     Parallelism,
     SubstageCosts,
     Workload,
@@ -32,10 +36,13 @@ __all__ = [
     "GPU",
     "GPUS",
     "HEADROOM",
+    "RECOMPUTE",
+    "STATE_DTYPES",
     "AllToAllBytes",
     "Cluster",
     "Footprint",
     "MeasuredCosts",
+    "MemoryOptions",
     "Parallelism",
     "SubstageCosts",
     "Workload",
