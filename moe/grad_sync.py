@@ -117,22 +117,28 @@ def make_optimizer(
     *,
     zero: bool = False,
     master_weights: bool = True,
+    state_dtype: str = "float32",
     **hyper,
 ) -> DistributedOptimizer:
     """``optimizer`` (a name of :data:`moe.optimizer.OPTIMIZERS`) over ``modules``, sharded the way
     :func:`reduce_gradients` reduces: dense parameters over the dp group, expert parameters over their edp
     replicas (ZeRO-1 with ``zero``). The gradient norm counts each parameter once in the world: its owner in
-    its group, and never on the DualPipe mirror copy. ``hyper``: the optimizer's hyper-parameters (AdamW:
+    its group, and never on the DualPipe mirror copy or the MTP stage's copy of the embedding.
+    ``state_dtype``: the moments' dtype (:data:`moe.optimizer.STATE_DTYPES`). ``hyper``: the optimizer's
+    hyper-parameters (AdamW:
     ``lr``, ``betas``, ``eps``, ``weight_decay``). Collective; build it after the modules are on their device
     and in their dtype (bf16 parameters get fp32 masters unless ``master_weights=False``)."""
     dense, expert = split_params(modules)
     groups = [ShardGroup(dense, layout.dp_group), ShardGroup(expert, layout.edp_group)]
+    copies = [m.embed.weight for m in modules if m.embed is not None and not m.first]
     return DistributedOptimizer(
         groups,
         optimizer,
         zero=zero,
         master_weights=master_weights,
         counts_in_norm=not layout.is_mirror_copy,
+        copies=copies if layout.holds_embedding_copy else [],
+        state_dtype=state_dtype,
         **hyper,
     )
 

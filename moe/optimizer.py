@@ -248,6 +248,8 @@ class DistributedOptimizer:
     keeps everything in the parameter's dtype (pure bf16).
     counts_in_norm: False on a rank whose parameters duplicate another rank's (the DualPipe mirror): its
     gradients are left out of :meth:`clip_grad_norm_`'s sum.
+    copies: single parameters that duplicate one on another rank (a multi-token-prediction stage's copy of the
+    embedding): left out of that sum too.
     state_dtype: a name of :data:`STATE_DTYPES` (or the torch dtype): what the moments of fp32 masters are
     stored in between steps (``bfloat16``: half their bytes, updated in fp32; see the module docstring).
     Masters of a lower precision (pure bf16) keep their moments in their own dtype.
@@ -261,6 +263,7 @@ class DistributedOptimizer:
         zero: bool = False,
         master_weights: bool = True,
         counts_in_norm: bool = True,
+        copies: Sequence[nn.Parameter] = (),
         foreach: bool | None = None,
         state_dtype: str | torch.dtype = "float32",
         **hyper: Any,
@@ -285,6 +288,7 @@ class DistributedOptimizer:
         self.zero = zero
         self.master_weights = master_weights
         self.counts_in_norm = counts_in_norm
+        self._copies = {id(p) for p in copies}
         self.steps = 0
         """Optimizer steps taken (the trainer may set it when it resumes)."""
         self.param_groups = [{"params": list(g.params), **hyper} for g in groups]
@@ -522,7 +526,7 @@ class DistributedOptimizer:
         """Scale every gradient buffer so the global L2 norm is at most ``max_norm``; return the norm before.
 
         The norm counts each parameter once in the world: its owner in its group counts it, a rank with
-        ``counts_in_norm=False`` counts nothing; one all-reduce over the default group. Call it after the
+        ``counts_in_norm=False`` counts nothing, ``copies`` are not counted; one all-reduce over the default group. Call it after the
         gradients are reduced and before :meth:`step`. Same coefficient as torch.nn.utils.clip_grad_norm_:
         ``min(1, max_norm / (norm + 1e-6))``.
         """
@@ -532,7 +536,8 @@ class DistributedOptimizer:
         if self.counts_in_norm:
             for gi, g in enumerate(self.shard_groups):
                 _, rank = _group_size_rank(g.group)
-                counted += [s.param.main_grad for s in self._group_slots[gi] if s.owner == rank]
+                slots = self._group_slots[gi]
+                counted += [s.param.main_grad for s in slots if s.owner == rank and id(s.param) not in self._copies]
         all_grads = [p.main_grad for p in self.params()]
         device = all_grads[0].device if all_grads else _comm_device(None, [])
         # fp64 for the sum of squares: the partial sums of many ranks must add up without losing digits.

@@ -165,6 +165,7 @@ class Trainer:
             opt.name,
             zero=bool(opt.zero),
             master_weights=self.config.training.master_weights,
+            state_dtype=opt.state_dtype,
             **opt.hyper(),
         )
 

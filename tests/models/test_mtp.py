@@ -12,14 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dualpipe.schedule import SCHEDULES
 from moe.config import preset
 from moe.hf import load_hf_model, read_hf_config, read_safetensors, to_hub
 from moe.hf.keys import checkpoint_shapes
 from moe.model import MoEModel, lm_loss, next_token_batch
-from dualpipe.schedule import SCHEDULES
 from moe.parallel import ParallelConfig, embedding_ends
 from tests.models import test_hf_deepseek_v3
-from tests.models.helpers import large_random_weights
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -164,3 +163,19 @@ def test_an_mtp_stage_without_labels_is_one_line() -> None:
     ids, _ = next_token_batch(cfg, 1, 8)
     with pytest.raises(ValueError, match=r"multi-token-prediction modules: call it with the labels"):
         MoEModel(cfg)(ids)
+
+
+def test_the_embedding_copies_train_as_one_parameter(tmp_path: Path) -> None:
+    """1F1B at pp=2 puts the MTP stage (and its copy of the embedding) on the other rank than the first stage:
+    with the gradient clipped (the norm counts the embedding once) and bf16 moments, its losses and norms are
+    the single process's."""
+    from tests.train.test_trainer import train
+
+    args = ["--model", "deepseek-v3-tiny", "--steps", "3", "--clip-grad", "0.05", "--state-dtype", "bfloat16"]
+    one = train(1, tmp_path, "one", *args, "--schedule", "1f1b", "--num-chunks", "4")
+    two = train(2, tmp_path, "two", *args, "--pp", "2", "--schedule", "1f1b", "--num-chunks", "4")
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two, strict=True):
+        assert a["grad_norm"] > 0.05  # clipping acts, so a norm counting the copy twice would change the steps
+        for key in ("loss", "mtp_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=2e-5), (a["step"], key)

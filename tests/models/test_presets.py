@@ -293,7 +293,7 @@ def test_a_tiny_shape_runs_a_forward(name: str) -> None:
     model = MoEModel(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits = model(ids)
+        logits = model(ids, *([ids.roll(-1, 1)] if cfg.mtp_layers else []))  # MTP reads the next tokens
     assert logits.shape == (2, 24, cfg.vocab_size) and torch.isfinite(logits).all()
     if cfg.rope_type == "yarn":  # the sequence reaches past the original context: the stretched frequencies act
         assert ids.shape[1] > cfg.rope_original_max_position_embeddings
