@@ -526,8 +526,8 @@ class DistributedOptimizer:
         """Scale every gradient buffer so the global L2 norm is at most ``max_norm``; return the norm before.
 
         The norm counts each parameter once in the world: its owner in its group counts it, a rank with
-        ``counts_in_norm=False`` counts nothing, ``copies`` are not counted; one all-reduce over the default group. Call it after the
-        gradients are reduced and before :meth:`step`. Same coefficient as torch.nn.utils.clip_grad_norm_:
+        ``counts_in_norm=False`` counts nothing, ``copies`` are not counted; one all-reduce over the default
+        group. Call it after the gradients are reduced and before :meth:`step`. Same coefficient as torch.nn.utils.clip_grad_norm_:
         ``min(1, max_norm / (norm + 1e-6))``.
         """
         if max_norm <= 0:
