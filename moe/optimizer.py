@@ -527,8 +527,8 @@ class DistributedOptimizer:
 
         The norm counts each parameter once in the world: its owner in its group counts it, a rank with
         ``counts_in_norm=False`` counts nothing, ``copies`` are not counted; one all-reduce over the default
-        group. Call it after the gradients are reduced and before :meth:`step`. Same coefficient as torch.nn.utils.clip_grad_norm_:
-        ``min(1, max_norm / (norm + 1e-6))``.
+        group. Call it after the gradients are reduced and before :meth:`step`. Same coefficient as
+        torch.nn.utils.clip_grad_norm_: ``min(1, max_norm / (norm + 1e-6))``.
         """
         if max_norm <= 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
