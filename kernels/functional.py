@@ -11,6 +11,13 @@ recompute the weights from the indices with torch ops on differentiable scores, 
 :func:`grouped_experts` is the expert MLP, E SwiGLU MLPs over expert-sorted rows, with its three parts
 (:func:`experts_forward`, :func:`experts_input_grad`, :func:`experts_weight_grads`) exposed so a schedule
 can run the weight gradient apart from the input gradient.
+
+An MoE layer runs ``permute_tokens -> row_weights -> grouped_experts(scale_M=...) -> combine_rows``: each
+row's routing weight multiplies its SwiGLU output before the down projection (the projection is linear, so
+the result is the weighted combine's), and the combine is a plain sum. The weight's gradient is then a dot
+product with the down projection's input gradient and the SwiGLU output recomputed from the gate/up
+activations the experts keep anyway, so no [M, D] expert output is kept for backward (the weighted
+:func:`unpermute_tokens` keeps it: it needs it for the same gradient).
 """
 
 from __future__ import annotations
@@ -25,12 +32,14 @@ from kernels import ops
 __all__ = [
     "WeightGradHook",
     "accumulate_grad",
+    "combine_rows",
     "experts_forward",
     "experts_input_grad",
     "experts_weight_grads",
     "grouped_experts",
     "grouped_mm",
     "permute_tokens",
+    "row_weights",
     "swiglu",
     "unpermute_tokens",
 ]
@@ -115,6 +124,54 @@ def unpermute_tokens(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK
     return _UnpermuteTokens.apply(y_MD.contiguous(), row_id_M, topk_weights_TK.contiguous())
 
 
+class _CombineRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y_MD, row_id_M, num_tokens: int, top_k: int):
+        ctx.save_for_backward(row_id_M)
+        ctx.top_k = top_k
+        # The unweighted combine is permute's backward: every token sums the rows that came from it.
+        return ops.permute_backward(y_MD, row_id_M, num_tokens, top_k)
+
+    @staticmethod
+    def backward(ctx: Any, dout_TD):
+        (row_id_M,) = ctx.saved_tensors
+        ones_TK = dout_TD.new_ones(dout_TD.shape[0], ctx.top_k, dtype=torch.float32)
+        dy_MD, _ = ops.unpermute_backward(dout_TD.contiguous(), None, row_id_M, ones_TK)
+        return dy_MD, None, None, None
+
+
+def combine_rows(y_MD: torch.Tensor, row_id_M: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """Differentiable (w.r.t. y) unweighted combine: out[t] = sum of the rows of t's slots, [M, D] -> [T, D] in
+    y.dtype (fp32 accumulation; padded rows, row_id -1, add nothing). Saves the row ids only."""
+    return _CombineRows.apply(y_MD.contiguous(), row_id_M, num_tokens, top_k)
+
+
+class _RowWeights(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, topk_weights_TK, row_id_M):
+        ctx.save_for_backward(row_id_M)
+        ctx.shape = topk_weights_TK.shape
+        routed_M = row_id_M >= 0
+        w_M = topk_weights_TK.reshape(-1).index_select(0, row_id_M.clamp(min=0))
+        return torch.where(routed_M, w_M, 0.0)
+
+    @staticmethod
+    def backward(ctx: Any, dw_M):
+        (row_id_M,) = ctx.saved_tensors
+        num_slots = ctx.shape.numel()
+        # Padded rows scatter into one spare slot past the end, dropped: the routed rows own their slots, so
+        # the result is a copy, exact and in any order (no accumulation).
+        slot_M = torch.where(row_id_M >= 0, row_id_M, num_slots)
+        dweights_S = dw_M.new_zeros(num_slots + 1).scatter_(0, slot_M, dw_M)
+        return dweights_S[:num_slots].view(ctx.shape), None
+
+
+def row_weights(topk_weights_TK: torch.Tensor, row_id_M: torch.Tensor) -> torch.Tensor:
+    """Differentiable (w.r.t. the weights) gather of each sorted row's routing weight: w[m] = weights[slot of m],
+    [T, K] -> [M] in the weights' dtype, 0 for padded rows (row_id -1). Saves the row ids only."""
+    return _RowWeights.apply(topk_weights_TK, row_id_M)
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_MF2):
@@ -161,16 +218,18 @@ def experts_forward(
     w_down_EFD: torch.Tensor,
     tokens_per_expert_E: torch.Tensor,
     *,
+    scale_M: torch.Tensor | None = None,
     comm_sms: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the rows of expert e: y = (silu(x @ W_gate[e]) * (x @ W_up[e])) @ W_down[e].
+    """For the rows of expert e: y = (silu(x @ W_gate[e]) * (x @ W_up[e]) [* scale]) @ W_down[e].
 
     x: [M, D] sorted by expert, tokens_per_expert: [E] summing to M, w_gate_up: [E, D, 2F] (gate | up fused,
-    so the first GEMM reads x once), w_down: [E, F, D]. Returns (y [M, D] in x.dtype, h [M, 2F]), where h,
-    the gate | up activations, is what the backward parts take.
+    so the first GEMM reads x once), w_down: [E, F, D]; scale: None or [M] per-row factors (the routing
+    weights, :func:`row_weights`) applied to the SwiGLU output. Returns (y [M, D] in x.dtype, h [M, 2F]),
+    where h, the gate | up activations, is what the backward parts take.
     """
     h_MF2 = ops.grouped_gemm(x_MD, w_gate_up_EDF2, tokens_per_expert_E, comm_sms=comm_sms)
-    y_MD = ops.grouped_gemm(ops.swiglu(h_MF2), w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
+    y_MD = ops.grouped_gemm(ops.swiglu(h_MF2, scale_M), w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
     return y_MD, h_MF2
 
 
@@ -181,13 +240,20 @@ def experts_input_grad(
     w_down_EFD: torch.Tensor,
     tokens_per_expert_E: torch.Tensor,
     *,
+    scale_M: torch.Tensor | None = None,
     comm_sms: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input gradient of :func:`experts_forward` -> (dx [M, D], dh [M, 2F]); dh goes on to the weight grads."""
-    da_MF = ops.grouped_gemm_dgrad(dy_MD, w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
-    dh_MF2 = ops.swiglu_backward(da_MF, h_MF2)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Input gradients of :func:`experts_forward` -> (dx [M, D], dh [M, 2F], dscale [M] or None without a
+    scale); dh goes on to the weight grads. dscale[m] = <dz[m], swiglu(h[m])> with dz the down projection's
+    input gradient before the scale."""
+    dz_MF = ops.grouped_gemm_dgrad(dy_MD, w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
+    dscale_M = None
+    if scale_M is None:
+        dh_MF2 = ops.swiglu_backward(dz_MF, h_MF2)
+    else:
+        dh_MF2, dscale_M = ops.swiglu_scaled_backward(dz_MF, h_MF2, scale_M)
     dx_MD = ops.grouped_gemm_dgrad(dh_MF2, w_gate_up_EDF2, tokens_per_expert_E, comm_sms=comm_sms)
-    return dx_MD, dh_MF2
+    return dx_MD, dh_MF2, dscale_M
 
 
 def experts_weight_grads(
@@ -197,44 +263,53 @@ def experts_weight_grads(
     dh_MF2: torch.Tensor,
     tokens_per_expert_E: torch.Tensor,
     *,
+    scale_M: torch.Tensor | None = None,
     comm_sms: int = 0,
 ) -> Iterator[torch.Tensor]:
     """Weight gradients of :func:`experts_forward`: dw_down [E, F, D], then dw_gate_up [E, D, 2F].
 
     Each is computed when the iterator reaches it, so a caller that adds one to ``.grad`` before asking for
-    the next holds one weight-sized temporary, not two. The SwiGLU output is recomputed from h: cheaper
-    than keeping a second [M, F] activation alive until the weight gradient runs.
+    the next holds one weight-sized temporary, not two. The (scaled) SwiGLU output is recomputed from h:
+    cheaper than keeping a second [M, F] activation alive until the weight gradient runs.
     """
-    yield ops.grouped_gemm_wgrad(ops.swiglu(h_MF2), dy_MD, tokens_per_expert_E, comm_sms=comm_sms)
+    a_MF = ops.swiglu(h_MF2, scale_M)
+    yield ops.grouped_gemm_wgrad(a_MF, dy_MD, tokens_per_expert_E, comm_sms=comm_sms)
+    del a_MF
     yield ops.grouped_gemm_wgrad(x_MD, dh_MF2, tokens_per_expert_E, comm_sms=comm_sms)
 
 
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, comm_sms: int, defer):
-        y_MD, h_MF2 = experts_forward(x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
+    def forward(ctx: Any, x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M, comm_sms: int, defer):
+        y_MD, h_MF2 = experts_forward(
+            x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M=scale_M, comm_sms=comm_sms
+        )
         # Weights on ctx, not saved: the deferred closure accumulates into their ``.grad``, which needs the
         # parameter objects themselves (a saved tensor comes back as an alias under saved-tensors hooks).
-        ctx.save_for_backward(x_MD, h_MF2, tokens_per_expert_E)
+        ctx.save_for_backward(x_MD, h_MF2, tokens_per_expert_E, scale_M)
         ctx.weights = (w_gate_up_EDF2, w_down_EFD)
         ctx.comm_sms, ctx.defer = comm_sms, defer
         return y_MD
 
     @staticmethod
     def backward(ctx: Any, dy_MD):
-        x_MD, h_MF2, tokens_per_expert_E = ctx.saved_tensors
+        x_MD, h_MF2, tokens_per_expert_E, scale_M = ctx.saved_tensors
         w_gate_up_EDF2, w_down_EFD = ctx.weights
         dy_MD, sms = dy_MD.contiguous(), ctx.comm_sms
-        dx_MD, dh_MF2 = experts_input_grad(dy_MD, h_MF2, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, comm_sms=sms)
+        dx_MD, dh_MF2, dscale_M = experts_input_grad(
+            dy_MD, h_MF2, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M=scale_M, comm_sms=sms
+        )
+        if not ctx.needs_input_grad[4]:
+            dscale_M = None
         if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
-            return dx_MD, None, None, None, None, None
+            return dx_MD, None, None, None, dscale_M, None, None
 
         def weight_grads() -> Iterator[torch.Tensor]:
-            return experts_weight_grads(x_MD, h_MF2, dy_MD, dh_MF2, tokens_per_expert_E, comm_sms=sms)
+            return experts_weight_grads(x_MD, h_MF2, dy_MD, dh_MF2, tokens_per_expert_E, scale_M=scale_M, comm_sms=sms)
 
         if ctx.defer is None:
             dw_down_EFD, dw_gate_up_EDF2 = weight_grads()
-            return dx_MD, dw_gate_up_EDF2, dw_down_EFD, None, None, None
+            return dx_MD, dw_gate_up_EDF2, dw_down_EFD, None, dscale_M, None, None
 
         def accumulate_weight_grads() -> None:
             # It may run later with grad mode on: the saved tensors may require grad, the sums must not.
@@ -243,7 +318,7 @@ class _GroupedExperts(torch.autograd.Function):
                     accumulate_grad(w, dw)
 
         ctx.defer(accumulate_weight_grads)
-        return dx_MD, None, None, None, None, None
+        return dx_MD, None, None, None, dscale_M, None, None
 
 
 def grouped_experts(
@@ -252,14 +327,23 @@ def grouped_experts(
     w_down_EFD: torch.Tensor,
     tokens_per_expert_E: torch.Tensor,
     *,
+    scale_M: torch.Tensor | None = None,
     comm_sms: int = 0,
     defer_weight_grad: WeightGradHook | None = None,
 ) -> torch.Tensor:
     """Differentiable expert MLP (:func:`experts_forward`): [M, D] rows sorted by expert -> [M, D].
 
+    scale: None, or [M] per-row routing weights (:func:`row_weights`) multiplied into the SwiGLU output;
+    differentiable, its gradient computed in the input-gradient step. It saves x, the gate/up output h and
+    the scale (no output, no SwiGLU output).
     comm_sms: SMs the grouped GEMMs leave to concurrent all-to-all kernels (0 = use all).
     defer_weight_grad: None, and the weights get their gradients from autograd like any input. Otherwise
-    backward returns the input gradient only and hands this hook a closure that, when called, adds the
+    backward returns the input gradients only and hands this hook a closure that, when called, adds the
     weight gradients to ``w_gate_up.grad`` and ``w_down.grad`` (leaf weights) under ``torch.no_grad``.
     """
-    return _GroupedExperts.apply(x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, comm_sms, defer_weight_grad)
+    if scale_M is not None and scale_M.shape != (x_MD.shape[0],):
+        raise ValueError(f"grouped_experts: scale {tuple(scale_M.shape)} must be [M={x_MD.shape[0]}]")
+    scale_M = None if scale_M is None else scale_M.contiguous()
+    return _GroupedExperts.apply(
+        x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M, comm_sms, defer_weight_grad
+    )

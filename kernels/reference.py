@@ -31,6 +31,7 @@ __all__ = [
     "router_topk",
     "swiglu",
     "swiglu_backward",
+    "swiglu_scaled_backward",
     "unpermute",
     "unpermute_backward",
 ]
@@ -172,18 +173,23 @@ def permute_backward(dx_sorted_MD: torch.Tensor, row_id_M: torch.Tensor, num_tok
 
 @register("torch")
 def unpermute_backward(
-    dout_TD: torch.Tensor, y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    dout_TD: torch.Tensor, y_MD: torch.Tensor | None, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of :func:`unpermute` -> (dy [M, D] in y.dtype, dweights [T, K] in topk_weights.dtype).
 
     dy[m] = w[slot m] * dout[token of m]; dweights[t, k] = <dout[t], y[row of (t, k)]>, zero where the
     slot was not routed. Padded rows (row_id -1) get dy = 0. Computed in fp32.
+
+    y: None when the weights' gradient is not wanted (an unweighted combine's backward passes unit weights):
+    dweights is then None and dy is in dout.dtype.
     """
     num_tokens, k = topk_weights_TK.shape
     routed_M, slot_M, token_M = _routed_rows(row_id_M, k)
     dout_MD = torch.where(routed_M[:, None], dout_TD.float().index_select(0, token_M), 0.0)
     w_M = topk_weights_TK.reshape(-1).float().index_select(0, slot_M)
-    dy_MD = (dout_MD * w_M[:, None]).to(y_MD.dtype)
+    dy_MD = (dout_MD * w_M[:, None]).to(dout_TD.dtype if y_MD is None else y_MD.dtype)
+    if y_MD is None:
+        return dy_MD, None
     dot_M = torch.where(routed_M, (dout_MD * y_MD.float()).sum(-1), 0.0)
     # Padded rows add their 0 to slot 0; routed rows own their slot alone.
     dweights_S = torch.zeros(num_tokens * k, dtype=torch.float32, device=y_MD.device)
@@ -235,15 +241,22 @@ def _topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @register("torch")
-def swiglu(x_MF2: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up with x = [gate | up] along the last dim: [M, 2F] -> [M, F] (computed in fp32)."""
+def swiglu(x_MF2: torch.Tensor, scale_M: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up with x = [gate | up] along the last dim: [M, 2F] -> [M, F] (computed in fp32).
+
+    scale: None, or [M] per-row factors multiplied in before the one rounding to x.dtype (an expert's routing
+    weight, applied to the SwiGLU output so that the combine needs no weights: :func:`swiglu_scaled_backward`).
+    """
     gate, up = x_MF2.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x_MF2.dtype)
+    y_MF = F.silu(gate) * up
+    if scale_M is not None:
+        y_MF = y_MF * scale_M.float()[:, None]
+    return y_MF.to(x_MF2.dtype)
 
 
 @register("torch")
 def swiglu_backward(dy_MF: torch.Tensor, x_MF2: torch.Tensor) -> torch.Tensor:
-    """Gradient of :func:`swiglu` with respect to its input: [M, F], [M, 2F] -> [M, 2F]."""
+    """Gradient of :func:`swiglu` (no scale) with respect to its input: [M, F], [M, 2F] -> [M, 2F]."""
     gate, up = x_MF2.float().chunk(2, dim=-1)
     dy = dy_MF.float()
     sig = torch.sigmoid(gate)
@@ -251,3 +264,23 @@ def swiglu_backward(dy_MF: torch.Tensor, x_MF2: torch.Tensor) -> torch.Tensor:
     dgate = dy * up * sig * (1 + gate * (1 - sig))
     dup = dy * silu
     return torch.cat([dgate, dup], dim=-1).to(x_MF2.dtype)
+
+
+@register("torch")
+def swiglu_scaled_backward(
+    dy_MF: torch.Tensor, x_MF2: torch.Tensor, scale_M: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``swiglu(x, scale)`` -> (dx [M, 2F] in x.dtype, dscale [M] in scale.dtype), in fp32.
+
+    dx = swiglu_backward(scale * dy, x) and dscale[m] = <dy[m], silu(gate[m]) * up[m]>: the routing weight's
+    gradient, from the unscaled SwiGLU output recomputed here rather than kept.
+    """
+    gate, up = x_MF2.float().chunk(2, dim=-1)
+    dy = dy_MF.float()
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    dscale_M = (dy * silu * up).sum(-1)
+    da = dy * scale_M.float()[:, None]
+    dgate = da * up * sig * (1 + gate * (1 - sig))
+    dup = da * silu
+    return torch.cat([dgate, dup], dim=-1).to(x_MF2.dtype), dscale_M.to(scale_M.dtype)

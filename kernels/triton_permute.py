@@ -293,18 +293,23 @@ def unpermute(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch
 
 @register("triton")
 def unpermute_backward(
-    dout_TD: torch.Tensor, y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`unpermute` -> (dy [M, D] in y.dtype, dweights [T, K] in weights' dtype)."""
+    dout_TD: torch.Tensor, y_MD: torch.Tensor | None, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of :func:`unpermute` -> (dy [M, D] in y.dtype, dweights [T, K] in weights' dtype).
+
+    y None: no dweights (None), dy in dout.dtype (an unweighted combine's backward, with unit weights)."""
     _check_rows("unpermute_backward", dout_TD, row_id_M, "row_id")
-    if not y_MD.is_contiguous() or y_MD.shape != (row_id_M.numel(), dout_TD.shape[1]):
+    if y_MD is not None and (not y_MD.is_contiguous() or y_MD.shape != (row_id_M.numel(), dout_TD.shape[1])):
         raise ValueError(f"unpermute_backward: y {tuple(y_MD.shape)} must be contiguous [M, D]")
     if not topk_weights_TK.is_contiguous() or topk_weights_TK.shape[0] != dout_TD.shape[0]:
         raise ValueError(f"unpermute_backward: topk_weights {tuple(topk_weights_TK.shape)} must be [T, K]")
     num_tokens, top_k = topk_weights_TK.shape
     weights_S = topk_weights_TK.reshape(-1)
-    dweights_S = torch.empty_like(weights_S)  # every slot is written, unrouted ones with 0
     slot_row_S = _slot_rows(row_id_M, num_tokens * top_k)
+    if y_MD is None:
+        dy_MD = _scatter(dout_TD, slot_row_S, row_id_M.numel(), top_k, dout_TD.dtype, scale_S=weights_S)
+        return dy_MD, None
+    dweights_S = torch.empty_like(weights_S)  # every slot is written, unrouted ones with 0
     dy_MD = _scatter(
         dout_TD, slot_row_S, row_id_M.numel(), top_k, y_MD.dtype, scale_S=weights_S, y_MD=y_MD, dscale_S=dweights_S
     )

@@ -19,7 +19,7 @@ both must stay out of ``pipe.step``, where NCCL/DeepEP work of other ranks is in
   every step, so a kernel that takes them as arguments meets a new class on some later step unless all
   were compiled up front.
 
-So :func:`warm_up` runs the expert path (permute, grouped GEMMs, SwiGLU, unpermute, and their
+So :func:`warm_up` runs the expert path (permute, grouped GEMMs, SwiGLU, the combine, and their
 backwards), the dense/shared SwiGLU and the router once per shape class on this rank, then synchronises.
 How the keys handle the moving M: the autotune key of the grouped GEMM is (N, K, w's strides) plus the
 tensor dtypes, and M is deliberately absent (it is not even a kernel argument: each program reads the
@@ -167,10 +167,12 @@ def shape_class(op: str, *args: Any, **kwargs: Any) -> ShapeClass:
         x_MK, dy_MN, counts_E = args[:3]
         return ShapeClass(op, (dy_MN.shape[1], x_MK.shape[1], int_class(counts_E.shape[0]), _dt(x_MK), _dt(counts_E)))
     if op == "swiglu":
-        (x_MF2,) = args
-        return ShapeClass(op, (x_MF2.shape[1] // 2, _dt(x_MF2), int_class(x_MF2.shape[0])))
-    if op == "swiglu_backward":
-        _, x_MF2 = args
+        x_MF2 = args[0]
+        scale_M = args[1] if len(args) > 1 else kwargs.get("scale_M")
+        scaled = "scaled" if scale_M is not None else "plain"  # a constexpr of the kernel: its own compile
+        return ShapeClass(op, (x_MF2.shape[1] // 2, _dt(x_MF2), int_class(x_MF2.shape[0]), scaled))
+    if op in ("swiglu_backward", "swiglu_scaled_backward"):
+        x_MF2 = args[1]
         return ShapeClass(op, (x_MF2.shape[1] // 2, _dt(x_MF2), int_class(x_MF2.shape[0])))
     if op == "permute":
         x_RD, idx_RK, num_experts = args[:3]
@@ -186,9 +188,11 @@ def shape_class(op: str, *args: Any, **kwargs: Any) -> ShapeClass:
         r, k = w_RK.shape
         return ShapeClass(op, (y_MD.shape[1], k, _dt(y_MD), _dt(w_RK), int_class(y_MD.shape[0]), int_class(r)))
     if op == "unpermute_backward":
-        dout_RD, y_MD, _, w_RK = args
+        dout_RD, y_MD, row_id_M, w_RK = args
         r, k = w_RK.shape
-        return ShapeClass(op, (y_MD.shape[1], k, _dt(dout_RD), _dt(w_RK), int_class(y_MD.shape[0]), int_class(r)))
+        dscale = "dweights" if y_MD is not None else "no-dweights"  # a constexpr of the kernel
+        m = row_id_M.shape[0]
+        return ShapeClass(op, (dout_RD.shape[1], k, _dt(dout_RD), _dt(w_RK), int_class(m), int_class(r), dscale))
     if op == "router_topk":
         logits_TE, bias_E, top_k = args[:3]
         n_group = args[3] if len(args) > 3 else kwargs.get("n_group", 1)
@@ -209,7 +213,7 @@ def _class_representatives(candidates: list, cls) -> list:
 def _expert_runs(shapes: KernelShapes) -> list[tuple[int, int]]:
     """(R, M) pairs for the expert path: the balanced pair first (it is where each GEMM key is tuned),
     then one pair per reachable combination of R's and M's classes (R: itself and R*K, which the permute
-    kernels take; M: 0 to R*K routed slots, where M=0 still launches the unpermute kernels on R rows)."""
+    kernels take; M: 0 to R*K routed slots, where M=0 still launches the combine kernels on R rows)."""
     k = shapes.top_k
     balanced = (shapes.tokens, shapes.tokens * k)
     rows = _class_representatives(
@@ -244,15 +248,17 @@ def _randn(*shape: int, dtype: torch.dtype, device: torch.device, requires_grad:
 
 
 def _run_expert_path(r: int, m: int, shapes: KernelShapes, device: torch.device, comm_sms: int) -> None:
-    """permute -> grouped experts -> unpermute, forward and backward, as the model's MoE layer runs them."""
+    """permute -> grouped experts (routing weights on the SwiGLU output) -> combine, forward and backward, as
+    the model's MoE layer (moe.experts.GroupedExperts) runs them."""
     d, f, e, k, dt = shapes.hidden, shapes.expert_intermediate, shapes.num_local_experts, shapes.top_k, shapes.dtype
     x_RD = _randn(r, d, dtype=dt, device=device, requires_grad=True)
     w1_EDF2 = _randn(e, d, 2 * f, dtype=dt, device=device, requires_grad=True)
     w2_EFD = _randn(e, f, d, dtype=dt, device=device, requires_grad=True)
     weights_RK = torch.rand(r, k, device=device, dtype=torch.float32, requires_grad=True)
     x_MD, row_id_M, counts_E = functional.permute_tokens(x_RD, _routing(r, m, shapes, device), e)
-    y_MD = functional.grouped_experts(x_MD, w1_EDF2, w2_EFD, counts_E, comm_sms=comm_sms)
-    out_RD = functional.unpermute_tokens(y_MD, row_id_M, weights_RK)
+    scale_M = functional.row_weights(weights_RK, row_id_M)
+    y_MD = functional.grouped_experts(x_MD, w1_EDF2, w2_EFD, counts_E, scale_M=scale_M, comm_sms=comm_sms)
+    out_RD = functional.combine_rows(y_MD, row_id_M, r, k)
     out_RD.backward(_randn(r, d, dtype=dt, device=device))
 
 
@@ -321,8 +327,12 @@ _META_RESULTS = {
     "grouped_gemm": lambda m, x, w, c, **_: _meta(x.shape[0], w.shape[2], dtype=x.dtype),
     "grouped_gemm_dgrad": lambda m, dy, w, c, **_: _meta(dy.shape[0], w.shape[1], dtype=dy.dtype),
     "grouped_gemm_wgrad": lambda m, x, dy, c, **_: _meta(c.shape[0], x.shape[1], dy.shape[1], dtype=x.dtype),
-    "swiglu": lambda m, x: _meta(x.shape[0], x.shape[1] // 2, dtype=x.dtype),
+    "swiglu": lambda m, x, scale=None: _meta(x.shape[0], x.shape[1] // 2, dtype=x.dtype),
     "swiglu_backward": lambda m, dy, x: _meta(*x.shape, dtype=x.dtype),
+    "swiglu_scaled_backward": lambda m, dy, x, scale: (
+        _meta(*x.shape, dtype=x.dtype),
+        _meta(*scale.shape, dtype=scale.dtype),
+    ),
     "permute": lambda m, x, idx, e, n=None: (
         _meta(m if n is None else n, x.shape[1], dtype=x.dtype),
         _meta(m if n is None else n, dtype=torch.int64),
@@ -331,8 +341,8 @@ _META_RESULTS = {
     "permute_backward": lambda m, dx, row_id, t, k: _meta(t, dx.shape[1], dtype=dx.dtype),
     "unpermute": lambda m, y, row_id, w: _meta(w.shape[0], y.shape[1], dtype=y.dtype),
     "unpermute_backward": lambda m, dout, y, row_id, w: (
-        _meta(*y.shape, dtype=y.dtype),
-        _meta(*w.shape, dtype=w.dtype),
+        _meta(row_id.shape[0], dout.shape[1], dtype=dout.dtype if y is None else y.dtype),
+        None if y is None else _meta(*w.shape, dtype=w.dtype),
     ),
     "router_topk": lambda m, logits, bias, k, *a, **kw: (
         _meta(logits.shape[0], k, dtype=torch.float32),

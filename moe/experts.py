@@ -6,6 +6,12 @@ D hidden, F expert intermediate width, E local experts.
 The kernel computes the input gradient in backward and hands the weight gradient, as a closure, to
 :func:`moe.layers.defer_wgrad`: the MLP piece's dW runs it after the dispatch-direction all-to-all has
 been started, or a zero-bubble ``W`` slot does.
+
+What one layer keeps for backward: the expert-sorted rows, the gate/up output, the row ids and one routing
+weight per row. The routing weight multiplies each row's SwiGLU output inside the experts and the combine is
+an unweighted sum, so the experts' output is not kept (the weight's gradient comes from the SwiGLU output,
+recomputed from the gate/up output); the received rows can be freed once permute has copied them
+(``free_input``).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class GroupedExperts(nn.Module):
         comm_sms: int = 0,
         *,
         static_rows: bool = False,
+        free_input: bool = False,
     ) -> torch.Tensor:
         """Expert outputs of received rows, weighted and summed over this rank's slots of each row.
 
@@ -57,17 +64,37 @@ class GroupedExperts(nn.Module):
         of the routed count (a device value: one host sync per layer on CUDA). The sync-free mode's choice;
         the results are the same bit for bit; the padded rows cost memory and the elementwise SwiGLU over
         them (the grouped GEMMs and the combine never touch them).
+
+        free_input: free x's storage once permute has copied it into expert order (nothing of the backward
+        reads x: permute's gradient needs the row ids only). For rows nobody reads afterwards, such as the rows
+        an all-to-all delivered: the caller must not read x again, nor run this forward on it a second time.
+        A no-op for x that does not own its whole storage (a view into a larger buffer).
         """
         num_rows = self.max_rows(*local_idx_RK.shape) if static_rows else None
         x_MD, row_id_M, tokens_per_expert_E = functional.permute_tokens(
             x_RD, local_idx_RK, self.num_local_experts, num_rows
         )
+        if free_input:
+            _free_storage(x_RD)
         y_MD = functional.grouped_experts(
             x_MD,
             self.w1,
             self.w2,
             tokens_per_expert_E,
+            scale_M=functional.row_weights(weights_RK, row_id_M),
             comm_sms=comm_sms,
             defer_weight_grad=defer_wgrad,
         )
-        return functional.unpermute_tokens(y_MD, row_id_M, weights_RK)
+        return functional.combine_rows(y_MD, row_id_M, *local_idx_RK.shape)
+
+
+def _free_storage(x: torch.Tensor) -> None:
+    """Release ``x``'s memory (its storage resized to 0; the tensor keeps its shape) if ``x`` owns all of it."""
+    storage = x.untyped_storage()
+    if x.storage_offset() != 0 or storage.nbytes() != x.numel() * x.element_size() or storage.nbytes() == 0:
+        return
+    if x.is_cuda:
+        # The rows may come from another stream (the all-to-all's): the allocator must not hand the block
+        # out again before the permute kernels on this stream have read it.
+        x.record_stream(torch.cuda.current_stream(x.device))
+    storage.resize_(0)

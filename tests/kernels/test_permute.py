@@ -103,6 +103,12 @@ def test_explicit_backward_ops_match_reference(device):
         reference.unpermute_backward(dout_TD, y_MD, row_id_M, w_TK),
     ):
         assert_close(g, w)
+    # Without y (an unweighted combine's backward): the same dy, no weights' gradient.
+    dy_MD, none = ops.unpermute_backward(dout_TD, None, row_id_M, w_TK)
+    ref_dy_MD, ref_none = reference.unpermute_backward(dout_TD, None, row_id_M, w_TK)
+    assert none is None and ref_none is None
+    assert_close(dy_MD, ref_dy_MD)
+    assert_close(dy_MD, reference.unpermute_backward(dout_TD, y_MD, row_id_M, w_TK)[0])
 
 
 def test_launchers_reject_bad_arguments(device):

@@ -73,15 +73,21 @@ def test_every_row_class_is_covered():
     # of each (and of R*K) that the routing can produce must have been compiled.
     shapes = KernelShapes.from_config(tiny_config(), tokens=64, ep=1)
     classes = shape_classes(shapes)
-    m_classes = {c.key[-1] for c in classes if c.op == "swiglu" and c.key[0] == shapes.expert_intermediate}
+    m_classes = {c.key[2] for c in classes if c.op == "swiglu" and c.key[0] == shapes.expert_intermediate}
     assert m_classes == {"1", "16", "n"}
+    # the expert rows' SwiGLU carries the routing weights (its scaled variant); a dense one does not
+    expert_swiglu = {c.key[3] for c in classes if c.op == "swiglu" and c.key[0] == shapes.expert_intermediate}
+    assert "scaled" in expert_swiglu and any(c.op == "swiglu_scaled_backward" for c in classes)
     # (R, R*K) with K=2: R=1 gives S=2 ("1","n"); R%16 == 0 gives ("16","16"); odd R ("n","n");
     # R = 8 mod 16 gives S%16 == 0 ("n","16").
     permute = {c.key[-2:] for c in classes if c.op == "permute"}
     assert permute == {("1", "n"), ("16", "16"), ("n", "n"), ("n", "16")}
-    # M=0 and M=1 with R=1 (the unpermute kernels still launch on R rows).
-    unpermute = {c.key[-2:] for c in classes if c.op == "unpermute"}
-    assert {("16", "1"), ("1", "1"), ("n", "1")} <= unpermute
+    # M=0, 1 and 2 with R=1 (the combine kernels still launch on R rows): the unweighted combine is
+    # permute_backward's kernel, its backward unpermute_backward's without the weights' gradient.
+    combine = {c.key[-2:] for c in classes if c.op == "permute_backward"}
+    assert {("16", "1"), ("1", "1"), ("n", "1")} <= combine
+    combine_bwd = {c.key[-3:] for c in classes if c.op == "unpermute_backward"}
+    assert {("16", "1", "no-dweights"), ("1", "1", "no-dweights"), ("n", "1", "no-dweights")} <= combine_bwd
 
 
 def test_shape_classes_are_what_the_warm_up_calls(recorded):
@@ -100,7 +106,10 @@ def test_model_calls_are_covered(recorded):
     lm_loss(model(ids), labels).backward()
     assert recorded, "the model made no kernel call"
     ops_seen = {c.op for c in recorded}
-    assert {"grouped_gemm", "grouped_gemm_wgrad", "permute", "unpermute", "swiglu", "router_topk"} <= ops_seen
+    assert {
+        "grouped_gemm", "grouped_gemm_wgrad", "permute", "permute_backward", "unpermute_backward", "swiglu",
+        "swiglu_scaled_backward", "router_topk",
+    } <= ops_seen  # fmt: skip
     shapes = KernelShapes.from_config(cfg, tokens=2 * 16, ep=1, dtype=torch.float32)
     missing = set(recorded) - shape_classes(shapes)
     assert not missing, f"the warm-up does not cover: {sorted(missing)}"
