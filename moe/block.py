@@ -108,14 +108,21 @@ class Block(nn.Module):
             a_BSD = attach_loss(a_BSD, routing.aux_loss, aux_scale)
         return a_BSD, z_BSD, routing
 
-    def mlp_compute(self, recv: Dispatched | None, z_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """MLP sub-stage: (routed rows ``[R, D]`` or the dense output ``[B, S, D]``, shared output or None)."""
+    def mlp_compute(
+        self, recv: Dispatched | None, z_BSD: torch.Tensor, *, free_received: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """MLP sub-stage: (routed rows ``[R, D]`` or the dense output ``[B, S, D]``, shared output or None).
+
+        free_received: free the received rows' storage once permute has copied them (the caller reads them no
+        more; see :meth:`_mlp_moe`)."""
         if not self.is_moe:
             return self.mlp(z_BSD), None
         assert recv is not None
         # A sync-free dispatcher's rows come padded to a host-known size: the experts keep to static sizes too.
         static = self._dispatcher is not None and self._dispatcher.sync_free
-        y_RD = self.experts(recv.x_RD, recv.local_idx_RK, recv.weights_RK, self.comm_sms, static_rows=static)
+        y_RD = self.experts(
+            recv.x_RD, recv.local_idx_RK, recv.weights_RK, self.comm_sms, static_rows=static, free_input=free_received
+        )
         shared_BSD = self.shared(z_BSD) if self.shared is not None else None
         return y_RD, shared_BSD
 
@@ -222,7 +229,17 @@ class Block(nn.Module):
         return Pending(finish)
 
     def _mlp_moe(self, ctx: Context, x_RD: torch.Tensor, w_RK: torch.Tensor, z_BSD: torch.Tensor):
-        y_RD, shared_BSD = self.mlp_compute(Dispatched(x_RD, ctx.local_idx_RK, w_RK), z_BSD)
+        # The runtime keeps this piece's inputs for backward, but nothing there reads the received rows (permute
+        # copies them into expert order and its gradient needs the row ids): free them once copied. Not when
+        # the rows are z itself (no all-to-all: the shared expert and the router read z), nor in a forward
+        # without a graph (full recompute: the backward runs this piece again from its inputs, rows included).
+        free = (
+            torch.is_grad_enabled()
+            and self._dispatcher is not None
+            and self._dispatcher.communicates
+            and x_RD.untyped_storage().data_ptr() != z_BSD.untyped_storage().data_ptr()
+        )
+        y_RD, shared_BSD = self.mlp_compute(Dispatched(x_RD, ctx.local_idx_RK, w_RK), z_BSD, free_received=free)
         return y_RD if shared_BSD is None else (y_RD, shared_BSD)
 
     def _combine(self, ctx: Context, y_RD: torch.Tensor):
