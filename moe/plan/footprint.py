@@ -25,8 +25,12 @@ count is :func:`dualpipe.simulate.simulate`'s). The memory options the DeepSeek-
 - ``mtp_shared``: the MTP modules use the main embedding and head (:mod:`moe.plan.params`).
 - ``fp8_activations`` (modelled only: the trainer has no FP8 path yet): what a Linear or grouped GEMM keeps
   for its weight gradient is cached in FP8 with one fp32 scale per 1x128 tile (the report's fine-grained
-  quantization, 3.3.2), the output projection's input in the report's 12-bit E5M6, the MoE SwiGLU inputs in
-  FP8 (3.3.3 (1), (2)), and the rows an ep > 1 dispatch received arrive, and are kept, in FP8 (3.3.4).
+  quantization, 3.3.2), the output projection's input in the report's 12-bit E5M6 and the MoE SwiGLU inputs
+  in FP8 (3.3.3 (1), (2)).
+
+Under every option but full recompute an MoE layer keeps neither its experts' output (the routing weight is
+applied inside the experts, :func:`kernels.functional.row_weights`) nor the rows an ep > 1 dispatch received
+(freed once permute has copied them into expert order, :meth:`moe.block.Block._mlp_moe`).
 
 Headroom: :data:`HEADROOM` of HBM is kept free for the caching allocator's fragmentation, the CUDA
 context, NCCL/DeepEP buffers not listed here and kernel workspaces (cuBLAS, Triton autotuning). 10% is a
@@ -79,12 +83,12 @@ SELECTIVE = "selective"  # kept only under selective recompute (what rebuilds th
 LINEAR = "linear-input"  # kept for a Linear's or grouped GEMM's weight gradient: FP8 under fp8_activations
 ATTN_OUT = "attention-output"  # the output projection's input (SDPA's output): E5M6 under fp8_activations
 SWIGLU = "moe-swiglu-input"  # an MoE SwiGLU's input: FP8 under fp8_activations
-ROWS = "dispatched-rows"  # rows an ep > 1 dispatch received: FP8 under fp8_activations (FP8 dispatch)
 
-LEAVES = frozenset({"attn.input", "mlp.received_rows"})
+LEAVES = frozenset({"attn.input", "mlp.routing_weights"})
 """Entries of :func:`layer_activations` that no autograd op saves: piece inputs the overlap runtime keeps
-for the backward (a bf16 block input, whose fp32 copy is what the norm saves; the rows an ep > 1 dispatch
-received, which permute reads but does not save). moe.memory's tracker counts saved tensors only."""
+for the backward (a bf16 block input, whose fp32 copy is what the norm saves; the routing weights of the
+received rows, which the experts gather per row and keep in that form). moe.memory's tracker counts saved
+tensors only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,10 +189,12 @@ def saved_tensors(
     kv_b_proj's output), its output and the fp32 log-sum-exp (FlashAttention's set; its output is laid out
     ``[B, S, H, Cv]``, so the output projection's input is a view of it, not a copy); MLA's latent norms
     save as a block norm does; the router saves fp32 sigmoid scores, the int64 top-k ids and the chosen
-    scores; the grouped experts save the sorted rows and the gate/up output, unpermute the expert outputs,
-    the int64 row ids and the fp32 routing weights; a SwiGLU MLP saves its input, the gate/up output and
-    the down projection's input. Received rows per rank are ``T x`` :func:`moe.plan.routing.expected_ranks`;
-    at ep = 1 they are the normed tokens themselves (no copy). Names ``"attn.<tensor>"`` /
+    scores; the grouped experts save the sorted rows, the gate/up output and one fp32 routing weight per
+    row (applied to the SwiGLU output: no expert output is kept), permute and the combine the int64 row
+    ids; the received rows' routing weights stay as a piece input; the received rows themselves are freed
+    once permuted; a SwiGLU MLP saves its input, the gate/up output and the down projection's input.
+    Received rows per rank are ``T x`` :func:`moe.plan.routing.expected_ranks`; at ep = 1 they are the
+    normed tokens themselves (no copy). Names ``"attn.<tensor>"`` /
     ``"mlp.<tensor>"`` after ``prefix``; :data:`LEAVES` marks the ones kept by the runtime.
     """
     t, d, b, k = tokens, cfg.hidden_size, act_bytes, cfg.top_k
@@ -208,12 +214,11 @@ def saved_tensors(
         out += [
             _s("attn.router_scores_fp32", t * e, FP32),
             _s("attn.router_topk", t * k * (INDEX + FP32) + FP32 * t, 1),  # ids, chosen scores, their sum
-            _s("mlp.received_rows", rows * d, b, LEAF, ROWS),
-            _s("mlp.routing_weights", (rows if ep > 1 else t) * k, FP32),
+            _s("mlp.routing_weights", (rows if ep > 1 else t) * k, FP32, LEAF),
             _s("mlp.row_ids", m, INDEX),
+            _s("mlp.row_weights", m, FP32),
             _s("mlp.experts_input", m * d, b, LINEAR),
             _s("mlp.experts_gate_up_output", m * 2 * f, b, SWIGLU),
-            _s("mlp.experts_output", m * d, b),
         ]
         if cfg.num_shared_experts:
             fs = cfg.num_shared_experts * f
@@ -232,7 +237,7 @@ def _with_options(saved: Sequence[Saved], recompute: str, fp8: bool) -> list[Sav
             continue
         if recompute != "selective" and SELECTIVE in s.tags:
             continue
-        if fp8 and s.tags & {LINEAR, SWIGLU, ROWS}:
+        if fp8 and s.tags & {LINEAR, SWIGLU}:
             s = Saved(s.name, s.elements, min(s.elem_bytes, FP8_BYTES), s.tags)
         elif fp8 and ATTN_OUT in s.tags:
             s = Saved(s.name, s.elements, min(s.elem_bytes, E5M6_BYTES), s.tags)
@@ -448,8 +453,10 @@ def footprint(
     zero: bool = True,
     param_bytes: int = 2,
     optimizer: str = "adamw",
+    pp_rank: int | None = None,
 ) -> Footprint:
-    """Memory of every pipeline rank of ``par`` running ``work``; the largest is returned.
+    """Memory of every pipeline rank of ``par`` running ``work``; the largest is returned (``pp_rank``: that
+    rank's instead).
 
     ``num_chunks``: micro-batches per step (default: the schedule's default for ``pp``; the peak stops
     growing once it reaches the pipeline depth). ``param_bytes``: 2 for bf16 parameters (issue 12's
@@ -459,8 +466,10 @@ def footprint(
     chunks = num_chunks if num_chunks is not None else spec.default_chunks(par.pp)
     counts = _live_counts(par.schedule, par.pp, chunks, par.modules_per_rank)
     t, b = work.tokens, work.act_bytes
+    if pp_rank is not None and not 0 <= pp_rank < par.pp:
+        raise ValueError(f"footprint: pp_rank={pp_rank} is not a rank of pp={par.pp}")
     worst: Footprint | None = None
-    for r in range(par.pp):
+    for r in range(par.pp) if pp_rank is None else (pp_rank,):
         stages = rank_stages(cfg, par.pp, par.schedule, r, par.modules_per_rank)
         modules = [
             module_activation_bytes(

@@ -50,7 +50,7 @@ def test_sizes_must_be_positive():
         GroupedExperts(0, 8, 5)
 
 
-class _DeliveringDispatcher(LocalDispatcher):
+class DeliveringDispatcher(LocalDispatcher):
     """Every expert local, but the rows arrive in new buffers, as an all-to-all delivers them (communicates)."""
 
     @property
@@ -78,7 +78,7 @@ def test_received_rows_are_freed_once_permuted(recompute: bool):
     h = torch.randn(2, 8, cfg.hidden_size, generator=gen)
     g = torch.randn(2, 8, cfg.hidden_size, generator=gen)
 
-    stage, block = _moe_block(_DeliveringDispatcher(cfg.num_experts))
+    stage, block = _moe_block(DeliveringDispatcher(cfg.num_experts))
     run = BlockRun(block.pieces(), recompute=recompute)
     run.begin(h)
     run.compute(0)

@@ -194,7 +194,10 @@ def test_memory_options_each_lower_the_footprint() -> None:
     }
     acts = {k: v.activations for k, v in fp.items()}
     assert acts["full"] < acts["selective"] < acts["none"] and acts["fp8"] < acts["none"]
-    assert fp["bf16"].optimizer < fp["none"].optimizer and fp["bf16"].activations == acts["none"]
+    assert fp["bf16"].optimizer < fp["none"].optimizer
+    # bf16 moments may make another rank the fullest: on the same rank, the activations do not change
+    bf16 = dataclasses.replace(base, state_dtype="bfloat16")
+    assert footprint(cfg, par, bf16, num_chunks=120, pp_rank=fp["none"].pp_rank).activations == acts["none"]
     assert len({(f.params, f.grads) for f in fp.values() if f.pp_rank == fp["none"].pp_rank}) == 1
     assert fp["selective"].options["recompute"] == "selective" and fp["full"].options["recompute"] == "full"
     # selective drops exactly MLA's SDPA q, k, v and the norms' fp32 tensors, and keeps the latents instead

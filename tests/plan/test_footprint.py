@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 import torch
 
+from dualpipe.pieces import BlockRun
 from dualpipe.schedule import build_schedule
 from dualpipe.simulate import simulate
-from moe import MoEModel, lm_loss
+from moe import MoEModel, MoEStage, lm_loss
 from moe.memory import MemoryMeter
 from moe.optimizer import DistributedAdamW, ShardGroup
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages
@@ -23,7 +24,8 @@ from moe.plan.footprint import (
 )
 from moe.plan.hardware import GPUS
 from moe.plan.params import rank_params
-from tests.moe.helpers import batch, tiny_config
+from tests.moe.helpers import SEED, batch, tiny_config
+from tests.moe.test_experts import DeliveringDispatcher
 
 
 def _rank_stages(cfg, schedule: str, pp: int, pp_rank: int, dtype: torch.dtype):
@@ -100,6 +102,30 @@ def test_activation_bytes_match_the_tracker(dtype: torch.dtype, b: int) -> None:
         param_bytes=b,
     )
     assert fp.peak_modules == 1 and fp.activations == tracked
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept-graph", "full-recompute"])
+def test_an_moe_layer_keeps_the_listed_piece_inputs(recompute: bool) -> None:
+    """The MLP piece's inputs the overlap runtime holds after an MoE block's forward, measured on their storages
+    (the rows delivered in a new buffer, as an all-to-all delivers them): the planner's leaf entries of the
+    MLP, the received rows being freed once permuted; under full recompute the rows too, as the recompute
+    figure keeps them."""
+    cfg = tiny_config(num_layers=2)
+    t, d = 2 * 8, cfg.hidden_size
+    stage = MoEStage(cfg, range(1, 2), first=False, last=False, dispatcher=DeliveringDispatcher(cfg.num_experts))
+    stage.reset_parameters(SEED)
+    run = BlockRun(stage.blocks["1"].pieces(), recompute=recompute)
+    run.begin(torch.randn(2, 8, d, generator=torch.Generator().manual_seed(0)))
+    run.compute(0)  # attention, dispatch, MLP, combine
+    run.start(1)
+    run.compute(2)
+    run.start(3)
+    run.output()
+    storages = {run.values[n].untyped_storage() for n in ("x_recv", "w_recv")}
+    held = sum(s.nbytes() for s in storages)
+    listed = sum(v for k, v in layer_activations(cfg, 1, t, 8, 4).items() if k in LEAVES and k.startswith("mlp."))
+    assert listed == 4 * t * cfg.top_k  # the routing weights
+    assert held == listed + (4 * t * d if recompute else 0)
 
 
 def test_footprint_uses_the_schedules_peak() -> None:
