@@ -47,19 +47,27 @@ def _swiglu_fwd_kernel(
 
 
 @triton.jit
-def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, M, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
-    rows, cols, mask = _tile(M, F, BLOCK_M, BLOCK_F)
+def _grad_tile(dy_ptr, x_ptr, dx_ptr, scale, rows, cols, mask, F):
+    """One [rows, cols] tile of the SwiGLU backward with ``da = scale * dy`` (scale: [rows, 1] or 1.0): stores
+    dx's gate and up halves, returns the tile's ``dy * silu(gate) * up`` for the scale's gradient."""
     offs = rows[:, None] * (2 * F) + cols[None, :]
     gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + offs + F, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     silu = gate * sig
+    da = dy * scale
     # d silu(g) / dg = sig * (1 + g * (1 - sig))
-    dgate = dy * up * sig * (1.0 + gate * (1.0 - sig))
-    dup = dy * silu
+    dgate = da * up * sig * (1.0 + gate * (1.0 - sig))
     tl.store(dx_ptr + offs, dgate.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dx_ptr + offs + F, dup.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + offs + F, (da * silu).to(dx_ptr.dtype.element_ty), mask=mask)
+    return dy * silu * up
+
+
+@triton.jit
+def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, M, F, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    rows, cols, mask = _tile(M, F, BLOCK_M, BLOCK_F)
+    _grad_tile(dy_ptr, x_ptr, dx_ptr, 1.0, rows, cols, mask, F)
 
 
 @triton.jit
@@ -74,17 +82,7 @@ def _swiglu_scaled_bwd_kernel(
     for f0 in range(0, F, BLOCK_F):
         cols = f0 + tl.arange(0, BLOCK_F)
         mask = row_mask[:, None] & (cols < F)[None, :]
-        offs = rows[:, None] * (2 * F) + cols[None, :]
-        gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + offs + F, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
-        dot += tl.sum(dy * silu * up, axis=1)
-        da = dy * scale[:, None]
-        dgate = da * up * sig * (1.0 + gate * (1.0 - sig))
-        tl.store(dx_ptr + offs, dgate.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dx_ptr + offs + F, (da * silu).to(dx_ptr.dtype.element_ty), mask=mask)
+        dot += tl.sum(_grad_tile(dy_ptr, x_ptr, dx_ptr, scale[:, None], rows, cols, mask, F), axis=1)
     tl.store(dscale_ptr + rows, dot.to(dscale_ptr.dtype.element_ty), mask=row_mask)
 
 

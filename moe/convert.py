@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from moe.checkpoint import _global_tensors  # the one definition of our checkpoints' entry names
+from moe.command import run_command
 from moe.config import MoEConfig
 from moe.dispatch.local import LocalDispatcher
 from moe.manifest import CheckpointError, verify_checkpoint, write_manifest
@@ -312,13 +312,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 def cli() -> None:
-    try:
-        main()
-    except SystemExit as exc:
-        if not isinstance(exc.code, str):
-            raise
-        print(exc.code, file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    run_command(main)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 from dualpipe.schedule import SCHEDULES
 from moe.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
+from moe.command import run_command
 from moe.config import MoEConfig
 from moe.data import DataError, open_data
 from moe.model import lm_loss
@@ -181,14 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 def cli() -> None:
-    try:
-        main()
-    except SystemExit as exc:
-        if not isinstance(exc.code, str):
-            raise
-        if os.environ.get("RANK", "0") == "0":
-            print(exc.code, file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    run_command(main)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from typing import Protocol
 
 from dualpipe.schedule import schedule_spec
 from moe.config import MoEConfig
+from moe.optimizer import STATE_DTYPES
+from moe.parallel import RECOMPUTE, recompute_granularity
 from moe.plan import flops as fl
 from moe.plan.hardware import GPU, Cluster
 from moe.plan.params import rank_params
@@ -60,23 +62,10 @@ __all__ = [
     "substage_costs",
 ]
 
-RECOMPUTE = ("none", "selective", "full")
-"""Recompute granularities, as the trainer's ``parallel.recompute`` names them: ``none``; ``selective``, the
-DeepSeek-V3 report's (3.2.3): every RMSNorm and MLA's up-projections run again in backward instead of
-keeping their outputs; ``full``: each piece keeps only its inputs and runs again whole."""
-
-STATE_DTYPES = ("float32", "bfloat16")
-"""Optimizer-state (moment) dtypes, as the trainer's ``optimizer.state_dtype`` names them. The DeepSeek-V3
-report (3.3.3) keeps AdamW's moments in bf16, the master weights and gradients in fp32."""
-
-
-def recompute_granularity(value: str | bool) -> str:
-    """``value`` as one of :data:`RECOMPUTE`; a bool reads as before granularities existed (True: ``full``)."""
-    if isinstance(value, bool):
-        return "full" if value else "none"
-    if value not in RECOMPUTE:
-        raise ValueError(f"recompute={value!r}: choose one of {RECOMPUTE} (or a bool)")
-    return value
+# The trainer's names, defined once where the trainer reads them: ``parallel.recompute`` (RECOMPUTE: none;
+# selective, the DeepSeek-V3 report's (3.2.3), every RMSNorm and MLA's up-projections run again in backward;
+# full, each piece keeps only its inputs) and ``optimizer.state_dtype`` (STATE_DTYPES; the report (3.3.3)
+# keeps AdamW's moments in bf16, the master weights and gradients in fp32).
 
 
 COMPUTE_FIELDS = ("attn_F", "attn_dX", "attn_dW", "mlp_F", "mlp_dX", "mlp_dW", "embed_F", "embed_B", "head_F", "head_B")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 
 import torch.distributed as dist
 
+from moe.command import run_command
 from moe.train.cli import config_from_args, dump_toml, world_size_from_env
 from moe.train.trainer import Trainer
 
@@ -62,13 +62,4 @@ def cli(argv: list[str] | None = None) -> None:
     exit with the same status, silently. ``--debug`` prints every rank's traceback instead. Real bugs keep
     theirs."""
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        main(argv)
-    except SystemExit as exc:
-        if not isinstance(exc.code, str):  # a plain exit status (argparse's --help)
-            raise
-        if _debug(argv):
-            traceback.print_exc()
-        elif os.environ.get("RANK", "0") == "0":
-            print(exc.code, file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    run_command(lambda: main(argv), debug=_debug(argv))
