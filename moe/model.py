@@ -15,7 +15,9 @@ __all__ = ["MoEModel", "lm_loss", "next_token_batch"]
 
 
 class MoEModel(MoEStage):
-    """Every layer, embedding and head, all experts local: ``model(ids_BS) -> logits_BSV``.
+    """Every layer, embedding and head, all experts local: ``model(ids_BS) -> logits_BSV``; with multi-token
+    prediction (``cfg.mtp_layers``) ``model(ids_BS, labels_BS)``, the MTP losses weighted into the backward and
+    reported by :meth:`pop_mtp_losses`.
 
     ``piecewise=False`` (default) is one ordinary autograd graph; ``piecewise=True`` runs the same
     sub-stage decomposition the pipeline stages use.

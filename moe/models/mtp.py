@@ -126,8 +126,12 @@ class _DepthContext(Context):
 
 
 def _in_depth(depth: int, fn):
+    key = f"depth{depth}"
+
     def run(ctx: Context, *args):
-        sub = ctx.__dict__.setdefault(f"depth{depth}", _DepthContext(ctx))
+        sub = ctx.__dict__.get(key)
+        if sub is None:
+            sub = ctx.__dict__[key] = _DepthContext(ctx)
         return fn(sub, *args)
 
     return run
