@@ -29,6 +29,7 @@ from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, schedule_spec
 from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
 from moe.layers import selective_recompute
+from moe.pipeline_layout import AUTO, StagePlan, plan_stages
 from moe.stage import MoEStage
 
 __all__ = [
@@ -120,6 +121,10 @@ class ParallelConfig:
     overlap: bool = True
     """Run paired forward/backward chunks through ``overlapped_forward_backward`` (DualPipe family); resolved
     to False for schedules that pair nothing."""
+    pipeline_layout: str = AUTO
+    """What each stage holds, in Megatron-Core's syntax (:mod:`moe.pipeline_layout`): ``E`` embedding, ``t``
+    a layer, ``m`` an MTP module, ``L`` the head, ``|`` between stages, ``*n`` repeats, e.g. ``Et|ttt|tt|tL``;
+    stages in the order the schedule numbers them. ``auto``: layers split evenly."""
 
     def __post_init__(self) -> None:
         if self.dp is None:
@@ -178,11 +183,32 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.ep = {self.ep}: must divide the model's {cfg.num_experts} experts (model.num_experts)"
             )
+        self.stage_plans(cfg)
+
+    def stage_plans(self, cfg: MoEConfig) -> list[StagePlan]:
+        """What each stage of ``cfg`` holds under :attr:`pipeline_layout`, by stage index (``ValueError`` naming
+        the field when the layout and the model or the schedule disagree)."""
+        if self.pipeline_layout != AUTO:
+            try:
+                return plan_stages(
+                    self.pipeline_layout,
+                    num_stages=self.num_stages,
+                    num_layers=cfg.num_layers,
+                    mtp_layers=cfg.mtp_layers,
+                )
+            except ValueError as exc:
+                raise ValueError(f"parallel.{exc} ({self.schedule} at pp={self.pp})") from None
         if cfg.num_layers < self.num_stages:
             raise ValueError(
                 f"model.num_layers = {cfg.num_layers}: {self.schedule} at pp={self.pp} has {self.num_stages} "
                 f"stages; pass --layers {self.num_stages} or more"
             )
+        last = self.num_stages - 1
+        ranges = split_layers(cfg.num_layers, self.num_stages)
+        return [
+            StagePlan(first=s == 0, layers=r, mtp=cfg.mtp_layers * (s == last), last=s == last)
+            for s, r in enumerate(ranges)
+        ]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -396,16 +422,16 @@ def build_stages(
         comm_sms=pc.comm_sms,
         sync_free=pc.sync_free,
     )
-    ranges = split_layers(cfg.num_layers, pc.num_stages)
+    plans = pc.stage_plans(cfg)
     stage_layout = pc.stage_layout
     ids = [stage_layout.stage_of(layout.pp_rank, m) for m in range(stage_layout.modules_per_rank)]
     stages = []
     for sid in ids:
         stage = MoEStage(
             cfg,
-            ranges[sid],
-            first=sid == 0,
-            last=sid == pc.num_stages - 1,
+            plans[sid].layers,
+            first=plans[sid].first,
+            last=plans[sid].last,
             dispatcher=dispatcher,
             recompute=pc.recompute == "full",
             comm_sms=pc.reserved_sms if torch.device(device).type == "cuda" else 0,

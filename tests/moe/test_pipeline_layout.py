@@ -1,0 +1,67 @@
+"""Pipeline layouts (Megatron-Core's syntax): what each stage holds, the one-line refusals, and training under an
+uneven layout (a stage holding only the head and the MTP module) equal to one process, its checkpoint resumed
+under another layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moe.config import preset
+from moe.parallel import ParallelConfig
+from moe.pipeline_layout import expand, plan_stages
+
+
+def test_megatrons_deepseek_v3_example_expands_to_its_32_stages() -> None:
+    stages = expand("Et*3|(tt|)*29m|L").split("|")
+    assert len(stages) == 32 and stages[0] == "Ettt" and stages[1:30] == ["tt"] * 29 and stages[30:] == ["m", "L"]
+    assert expand(" E t*2 | (t|) * 2 L ") == "Ett|t|t|L"
+    plans = plan_stages("Et|tt|t|mL", num_stages=4, num_layers=4, mtp_layers=1)
+    assert [(p.first, list(p.layers), p.mtp, p.last) for p in plans] == [
+        (True, [0], 0, False),
+        (False, [1, 2], 0, False),
+        (False, [3], 0, False),
+        (False, [], 1, True),
+    ]
+
+
+def test_a_layout_that_does_not_fit_is_one_line() -> None:
+    cfg = preset("deepseek-v3-tiny")  # 4 layers, 1 MTP module
+    cases = {
+        "Et|tt|tmL": "3 stages, the schedule has 4",
+        "Et|tt|t|L": "0 MTP modules (m), the model has 1",
+        "Et|t|t|mL": "3 layers (t), the model has 4",
+        "tE|tt|t|mL": "the embedding (E) comes once, first in the first stage",
+        "Et|tt|tL|m": "the head (L) comes once, last in the last stage",
+        "Ett|tt||mL": "stage 2 is empty",
+        "E|ttt|tm|L": "the MTP modules (m) go after the last layer, on the stage of the head (L)",
+        "Et(t|tt|mL": "'(' is never closed",
+        "Et|t*|tt|mL": "cannot read '*' at position 4",
+    }
+    for layout, message in cases.items():
+        pc = ParallelConfig(pp=2, schedule="dualpipev", pipeline_layout=layout)
+        with pytest.raises(ValueError) as err:
+            pc.check_model(cfg)
+        text = str(err.value)
+        assert text.startswith(f"parallel.pipeline_layout = {layout!r}: ") and message in text, text
+        assert "\n" not in text
+
+
+def test_an_uneven_layout_trains_like_one_process_and_resumes_under_another(tmp_path: Path) -> None:
+    from tests.train.test_trainer import losses, train
+
+    args = ["--model", "deepseek-v3-tiny", "--seq-len", "16"]
+    one = train(1, tmp_path, "one", *args, "--schedule", "1f1b", "--steps", "3", "--num-chunks", "8")
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
+    # DualPipeV at pp=2 x ep=2: stage 3 (on rank 0, beside the embedding's stage) holds only MTP and the head
+    uneven = ["--pp", "2", "--ep", "2", "--num-chunks", "4", "--pipeline-layout", "Et|tt|t|mL"]
+    piped = train(4, tmp_path, "uneven", *args, *uneven, "--steps", "3", *ckpt)
+    for a, b in zip(one, piped, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5) and b["mtp_loss"] == pytest.approx(
+            a["mtp_loss"], rel=2e-5
+        )
+    # the step-2 checkpoint, resumed with the even split (stage 3 now holds layer 3 too)
+    even = ["--pp", "2", "--ep", "2", "--num-chunks", "4", "--steps", "3"]
+    resumed = losses(train(4, tmp_path, "even", *args, *even, *ckpt, "--resume"))
+    assert sorted(resumed) == [3] and resumed[3] == pytest.approx(one[2]["loss"], rel=2e-5)
