@@ -33,6 +33,7 @@ from dualpipe.schedule import schedule_spec
 from moe.config import MoEConfig
 from moe.optimizer import STATE_DTYPES
 from moe.parallel import RECOMPUTE, recompute_granularity
+from moe.pipeline_layout import AUTO
 from moe.plan import flops as fl
 from moe.plan.hardware import GPU, Cluster
 from moe.plan.params import rank_params
@@ -84,6 +85,9 @@ class Parallelism:
     """A schedule of :data:`dualpipe.schedule.SCHEDULES` (its layout places the stages)."""
     modules_per_rank: int | None = None
     """For schedules that take any number (interleaved 1F1B); None: the schedule's own."""
+    pipeline_layout: str = AUTO
+    """What each stage holds, the trainer's ``parallel.pipeline_layout`` (:mod:`moe.pipeline_layout`);
+    ``auto``: layers split evenly."""
 
     def __post_init__(self) -> None:
         if min(self.pp, self.dp, self.ep) < 1:
@@ -258,7 +262,10 @@ def dp_reduce_seconds(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: 
     worst = 0.0
     layout = schedule_spec(par.schedule).stage_layout(par.pp, par.modules_per_rank)
     for r in range(par.pp):
-        specs = rank_params(cfg, par.pp, par.ep, par.schedule, r, par.modules_per_rank, mtp_shared=work.mtp_shared)
+        specs = rank_params(
+            cfg, par.pp, par.ep, par.schedule, r, par.modules_per_rank, mtp_shared=work.mtp_shared,
+            pipeline_layout=par.pipeline_layout,
+        )  # fmt: skip
         dense = sum(p.numel for p in specs if not p.expert) * work.grad_bytes
         expert = sum(p.numel for p in specs if p.expert) * work.grad_bytes
         t = allreduce_seconds(dense, par.dp, _group_bw(cluster, par.dp))

@@ -319,12 +319,15 @@ def module_activation_bytes(
     last: bool,
     recompute: str | bool,
     fp8: bool = False,
+    mtp: int | None = None,
 ) -> float:
-    """Bytes one module (a stage's layers; the last stage's MTP modules) keeps for one micro-batch between its
-    forward and backward. The embedding (int64 ids) and the head pieces never recompute whole."""
+    """Bytes one module (a stage's layers; its ``mtp`` MTP modules, ``None``: all of them on the last stage)
+    keeps for one micro-batch between its forward and backward. The embedding (int64 ids) and the head pieces
+    never recompute whole."""
     granularity = recompute_granularity(recompute)
     t, b = tokens, act_bytes
-    blocks = list(layers) + (list(range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers)) if last else [])
+    mtp = cfg.mtp_layers * last if mtp is None else mtp
+    blocks = list(layers) + list(range(cfg.num_layers, cfg.num_layers + mtp))
     if granularity == "full":
         body = sum(_kept_with_recompute(cfg, i, t, b, ep) for i in blocks)
         granularity = "none"  # for the stage extras
@@ -335,8 +338,8 @@ def module_activation_bytes(
     extras = [_s("embed.ids", t, INDEX)] if first else []
     if last:
         extras += _head("head.", t, cfg, b)
-        for k in range(cfg.mtp_layers):
-            extras += _mtp_extras(cfg, k, t, b)
+    for k in range(mtp):
+        extras += _mtp_extras(cfg, k, t, b)
     return body + sum(s.nbytes for s in _with_options(extras, granularity, fp8))
 
 
@@ -468,28 +471,34 @@ def footprint(
     t, b = work.tokens, work.act_bytes
     if pp_rank is not None and not 0 <= pp_rank < par.pp:
         raise ValueError(f"footprint: pp_rank={pp_rank} is not a rank of pp={par.pp}")
+    lay = par.pipeline_layout
     worst: Footprint | None = None
     for r in range(par.pp) if pp_rank is None else (pp_rank,):
-        stages = rank_stages(cfg, par.pp, par.schedule, r, par.modules_per_rank)
+        stages = [sp for _, sp in rank_stages(cfg, par.pp, par.schedule, r, par.modules_per_rank, pipeline_layout=lay)]
         modules = [
             module_activation_bytes(
-                cfg, layers, t, work.seq_len, b, par.ep, first=first, last=last, recompute=work.recompute,
-                fp8=work.fp8_activations,
+                cfg, sp.layers, t, work.seq_len, b, par.ep, first=sp.first, last=sp.last, recompute=work.recompute,
+                fp8=work.fp8_activations, mtp=sp.mtp,
             )
-            for _, layers, first, last in stages
+            for sp in stages
         ]  # fmt: skip
         acts = max(sum(n * m for n, m in zip(live, modules)) for live in counts[r])
-        layers = [
-            i
-            for _, ls, _, last in stages
-            for i in [*ls, *(range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers) if last else ())]
-        ]
+        layers = [i for sp in stages for i in [*sp.layers, *range(cfg.num_layers, cfg.num_layers + sp.mtp)]]
         acts += _working_set(cfg, layers, work, par.ep)
         moe_layers = any(cfg.is_moe_layer(i) for i in layers)
         rows = t * expected_ranks(cfg, par.ep) if par.ep > 1 and moe_layers else 0.0
         a2a = 2 * 2 * rows * cfg.hidden_size * b  # send + receive rows, two micro-batches in flight
         p, g, o = state_bytes(
-            rank_params(cfg, par.pp, par.ep, par.schedule, r, par.modules_per_rank, mtp_shared=work.mtp_shared),
+            rank_params(
+                cfg,
+                par.pp,
+                par.ep,
+                par.schedule,
+                r,
+                par.modules_per_rank,
+                mtp_shared=work.mtp_shared,
+                pipeline_layout=lay,
+            ),
             param_bytes=param_bytes,
             master_weights=work.master_weights,
             dp=par.dp,

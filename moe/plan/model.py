@@ -52,7 +52,7 @@ class LayerCostModel:
     @property
     def parallelism(self) -> Parallelism:
         c = self.candidate
-        return Parallelism(pp=c.pp, dp=c.dp, ep=c.ep, schedule=c.schedule)
+        return Parallelism(pp=c.pp, dp=c.dp, ep=c.ep, schedule=c.schedule, pipeline_layout=c.pipeline_layout)
 
     @property
     def workload(self) -> Workload:

@@ -19,12 +19,14 @@ stores them).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dualpipe.schedule import Layout, schedule_spec
 from moe.config import MoEConfig
-from moe.parallel import split_layers
+from moe.parallel import ParallelConfig
+from moe.pipeline_layout import AUTO, StagePlan
 
 __all__ = [
     "ParamSpec",
@@ -35,6 +37,7 @@ __all__ = [
     "rank_params",
     "rank_stages",
     "stage_params",
+    "stage_plans",
     "total_params",
 ]
 
@@ -135,19 +138,29 @@ def mtp_params(cfg: MoEConfig, k: int, ep: int = 1) -> list[ParamSpec]:
 
 
 def stage_params(
-    cfg: MoEConfig, layers: Sequence[int], *, first: bool, last: bool, ep: int = 1, mtp_shared: bool = True
+    cfg: MoEConfig,
+    layers: Sequence[int],
+    *,
+    first: bool,
+    last: bool,
+    ep: int = 1,
+    mtp_shared: bool = True,
+    mtp: int | None = None,
 ) -> list[ParamSpec]:
     """A stage's parameters, as :class:`moe.stage.MoEStage` names them: the embedding (first stage, and a
-    last stage with MTP modules: the main one where the rank holds both, :func:`rank_params` counts it
-    once), its blocks, final norm and head (last), the MTP modules (last). ``mtp_shared=False``: each MTP
+    stage with MTP modules: the main one where the rank holds both, :func:`rank_params` counts it once), its
+    blocks, final norm and head (last), its ``mtp`` MTP modules (``None``: all of them on the last stage;
+    a layout puts them there, :func:`moe.pipeline_layout.plan_stages`). ``mtp_shared=False``: each MTP
     module holds its own embedding and head as well (``blocks.<layer>.embed.weight``, ``.head.weight``)."""
     v, d = cfg.vocab_size, cfg.hidden_size
-    out = [ParamSpec("embed.weight", v * d)] if first or (last and cfg.mtp_layers) else []
+    mtp = cfg.mtp_layers * last if mtp is None else mtp
+    out = [ParamSpec("embed.weight", v * d)] if first or mtp else []
     for layer in layers:
         out += layer_params(cfg, layer, ep)
     if last:
         out += [ParamSpec("norm.weight", d), ParamSpec("head.weight", v * d)]
-        for k in range(cfg.mtp_layers):
+    if mtp:
+        for k in range(mtp):
             out += mtp_params(cfg, k, ep)
             if not mtp_shared:
                 p = f"blocks.{cfg.num_layers + k}."
@@ -155,18 +168,42 @@ def stage_params(
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def stage_plans(
+    num_layers: int,
+    mtp_layers: int,
+    pp: int,
+    schedule: str,
+    modules_per_rank: int | None = None,
+    pipeline_layout: str = AUTO,
+) -> tuple[StagePlan, ...]:
+    """What each stage holds (by stage index) under ``pipeline_layout`` (Megatron-Core's syntax, or ``auto``:
+    the even split), by the trainer's own rule (:meth:`moe.parallel.ParallelConfig.stage_plans`, which
+    :func:`moe.parallel.build_stages` follows): the one place the planner learns where layers, the MTP
+    modules, the embedding and the head sit. ``ValueError`` in one line when the layout does not fit the model
+    or the schedule's stages. Cached: a search asks for the same shape once per candidate and rank."""
+    pc = ParallelConfig(pp=pp, schedule=schedule, modules_per_rank=modules_per_rank, pipeline_layout=pipeline_layout)
+    try:
+        return tuple(pc.stage_plans(MoEConfig(num_layers=num_layers, mtp_layers=mtp_layers)))
+    except ValueError as exc:
+        raise ValueError(str(exc).removeprefix("parallel.")) from None
+
+
 def rank_stages(
-    cfg: MoEConfig, pp: int, schedule: str, pp_rank: int, modules_per_rank: int | None = None
-) -> list[tuple[int, range, bool, bool]]:
-    """``(stage index, layers, first, last)`` of each local module of pipeline rank ``pp_rank``, placed as
-    :func:`moe.parallel.build_stages` places them (the schedule's layout, :func:`moe.parallel.split_layers`)."""
+    cfg: MoEConfig,
+    pp: int,
+    schedule: str,
+    pp_rank: int,
+    modules_per_rank: int | None = None,
+    *,
+    pipeline_layout: str = AUTO,
+) -> list[tuple[int, StagePlan]]:
+    """``(stage index, plan)`` of each local module of pipeline rank ``pp_rank``, placed as
+    :func:`moe.parallel.build_stages` places them (the schedule's layout; :func:`stage_plans`)."""
     layout: Layout = schedule_spec(schedule).stage_layout(pp, modules_per_rank)
-    ranges = split_layers(cfg.num_layers, layout.num_stages)
-    out = []
-    for m in range(layout.modules_per_rank):
-        sid = layout.stage_of(pp_rank, m)
-        out.append((sid, ranges[sid], sid == 0, sid == layout.num_stages - 1))
-    return out
+    plans = stage_plans(cfg.num_layers, cfg.mtp_layers, pp, schedule, modules_per_rank, pipeline_layout)
+    sids = [layout.stage_of(pp_rank, m) for m in range(layout.modules_per_rank)]
+    return [(sid, plans[sid]) for sid in sids]
 
 
 def rank_params(
@@ -178,12 +215,14 @@ def rank_params(
     modules_per_rank: int | None = None,
     *,
     mtp_shared: bool = True,
+    pipeline_layout: str = AUTO,
 ) -> list[ParamSpec]:
-    """Every parameter tensor pipeline rank ``pp_rank`` holds (DualPipe: both mirrored copies). The embedding
-    that a rank's first and last stage (with MTP) both use is one tensor (the pipeline ties them)."""
+    """Every parameter tensor pipeline rank ``pp_rank`` holds (DualPipe: both mirrored copies) under
+    ``pipeline_layout``. The embedding that a rank's first and last stage (with MTP) both use is one tensor
+    (the pipeline ties them)."""
     out: list[ParamSpec] = []
-    for _, layers, first, last in rank_stages(cfg, pp, schedule, pp_rank, modules_per_rank):
-        specs = stage_params(cfg, layers, first=first, last=last, ep=ep, mtp_shared=mtp_shared)
+    for _, sp in rank_stages(cfg, pp, schedule, pp_rank, modules_per_rank, pipeline_layout=pipeline_layout):
+        specs = stage_params(cfg, sp.layers, first=sp.first, last=sp.last, ep=ep, mtp_shared=mtp_shared, mtp=sp.mtp)
         if any(p.name == "embed.weight" for p in out):
             specs = [p for p in specs if p.name != "embed.weight"]
         out += specs

@@ -13,14 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe.config import MoEConfig
+from moe.pipeline_layout import AUTO, expand
 from moe.plan.costs import RECOMPUTE, TRAINER_DEFAULTS, MemoryOptions
-from moe.plan.footprint import layer_activations
+from moe.plan.footprint import HEADROOM, Footprint, footprint, layer_activations
 from moe.plan.hardware import Cluster
 from moe.plan.measured import MeasuredCosts
 from moe.plan.model import LayerCostModel
+from moe.plan.params import stage_plans
 from moe.plan.search import Candidate, Prediction, StageTimes, candidates, predict, rank_predictions, seconds, why_worse
 
-__all__ = ["V3_REPORT", "Plan", "RunShape", "plan", "plan_table", "v3_comparison", "v3_side_by_side"]
+__all__ = ["V3_LAYOUT", "V3_REPORT", "Plan", "RunShape", "plan", "plan_table", "v3_comparison", "v3_side_by_side"]
 
 GIB = 2**30
 
@@ -100,10 +102,12 @@ def plan(
     measured: MeasuredCosts | None = None,
     top: int = 10,
     options: MemoryOptions = TRAINER_DEFAULTS,
+    pipeline_layout: str = AUTO,
 ) -> Plan:
     """Search every candidate (:func:`moe.plan.search.candidates`: each recompute granularity of
     ``recompute``) with the memory ``options`` and rank them. SM counts the device cannot spare are dropped
-    (a measured CPU "device" has one: its communication runs on a thread)."""
+    (a measured CPU "device" has one: its communication runs on a thread). A ``pipeline_layout`` other than
+    ``auto`` is searched only where the schedule has its number of stages."""
     comm_sms = [s for s in comm_sms if s < cluster.gpu.sms] or [0]
     found = list(
         candidates(
@@ -115,8 +119,14 @@ def plan(
             schedules=schedules,
             comm_sms=comm_sms,
             recompute=recompute,
+            pipeline_layout=pipeline_layout,
         )
     )
+    if not found and pipeline_layout != AUTO:
+        raise ValueError(
+            f"--pipeline-layout {pipeline_layout!r}: no schedule of {cluster.num_gpus} GPUs with a global batch of "
+            f"{run.global_batch} has its {len(expand(pipeline_layout).split('|'))} stages"
+        )
     if not found:
         raise ValueError(
             f"no layout runs a global batch of {run.global_batch} x {run.micro_batch}-sequence micro-batches on "
@@ -207,6 +217,13 @@ V3_REPORT = {
     "hbm_gb": 80,
 }
 
+V3_LAYOUT = "Et*3|(t*4|)*14t*2mL"
+"""The report's 16 DualPipe stages with lighter ends, set beside the even split: Megatron-Core's published
+DeepSeek-V3 layout for 32 stages (``Et*3|(tt|)*29m|L``: the embedding stage holds the three dense layers, the
+MTP module and the head come last) taken to 16: the embedding with the 3 dense layers, 14 stages of 4 layers,
+the remaining 2 layers with the MTP module and the head (our layouts keep MTP on the head's stage). Derived
+from that example, not tuned to fit."""
+
 
 def v3_side_by_side(
     cfg: MoEConfig, cluster: Cluster, run: RunShape, measured: MeasuredCosts | None = None
@@ -222,7 +239,8 @@ def v3_side_by_side(
     p = _predict(model)
     moe = model.layer(cfg.moe_layers[0])
     # The report's bubble formula with this model's per-chunk costs (a middle stage's chunk, paired with itself).
-    times = StageTimes(model, cfg.num_layers, layout.pp, cfg.mtp_layers).alone(layout.pp // 2)
+    plans = stage_plans(cfg.num_layers, cfg.mtp_layers, layout.pp, layout.schedule)
+    times = StageTimes(model, plans, cfg.num_layers).alone(layout.pp // 2)
     formula = (layout.pp / 2 - 1) * (times.FB + times.B - 3 * times.W)
     plain = evaluate(cfg, cluster, run, dataclasses.replace(cand, recompute="none"), measured)
     hbm = V3_REPORT["hbm_gb"] * 1e9
@@ -233,6 +251,7 @@ def v3_side_by_side(
         recompute=layout.recompute, fp8=options.fp8_activations,
     )  # fmt: skip
     largest = dict(sorted(((k, v / 2**20) for k, v in kept.items()), key=lambda kv: -kv[1])[:6])
+    laid = _model(cfg, cluster, run, dataclasses.replace(cand, pipeline_layout=V3_LAYOUT), measured, options)
     return {
         "layout": {**p.to_dict(), "num_gpus": cluster.num_gpus, "gpus_per_node": cluster.gpus_per_node},
         "options": dict(m.options),
@@ -240,16 +259,19 @@ def v3_side_by_side(
             "planner": m.total / GIB,
             "report": hbm / GIB,
             "fits": p.fits,
-            "by_kind": {k: getattr(m, k) / GIB for k in ("params", "grads", "optimizer", "activations",
-                                                          "all_to_all_buffers")},
+            "within_hbm": m.total <= hbm,
+            "by_kind": _by_kind(m),
             "pp_rank": m.pp_rank,
+            "pipeline_layout": AUTO,
+            "per_rank": _per_rank(model),
             "peak_live_modules": m.peak_modules,
             "moe_layer_mib": sum(kept.values()) / 2**20,
             "moe_layer_largest_mib": largest,
             "without_options": plain.memory.total / GIB,
             "note": f"the report: fits in {V3_REPORT['hbm_gb']} GB with these options; ours: the fullest rank, "
-            f"which fits when it leaves {HEADROOM_NOTE}",
+            f"which fits when it leaves {HEADROOM_NOTE}; layers split evenly over the 16 stages (auto)",
         },
+        "memory_gib_layout": _layout_memory(laid, hbm),
         "tokens_per_s_per_gpu": {
             "planner": p.tokens_per_s_per_gpu,
             "report": V3_REPORT["tokens_per_s_per_gpu"],
@@ -275,6 +297,53 @@ def v3_side_by_side(
 
 
 HEADROOM_NOTE = "10% of HBM left free (moe.plan.footprint.HEADROOM)"
+_KINDS = ("params", "grads", "optimizer", "activations", "all_to_all_buffers")
+
+
+def _by_kind(m: Footprint) -> dict[str, float]:
+    return {k: getattr(m, k) / GIB for k in _KINDS}
+
+
+def _per_rank(model: LayerCostModel) -> list[dict[str, float]]:
+    """Every pipeline rank's footprint (GiB by kind and total) under the model's candidate and layout."""
+    c = model.candidate
+    out = []
+    for r in range(c.pp):
+        m = footprint(model.cfg, model.parallelism, model.workload, num_chunks=c.num_chunks, zero=model.zero, pp_rank=r)
+        out.append({**_by_kind(m), "total": m.total / GIB})
+    return out
+
+
+def _layout_memory(model: LayerCostModel, hbm: float) -> dict[str, Any]:
+    """The side-by-side's memory at :data:`V3_LAYOUT`; ``planner`` is None (and ``note`` says why) for a
+    model the layout does not describe (it lists DeepSeek-V3's 61 layers and 1 MTP module)."""
+    out: dict[str, Any] = {"pipeline_layout": V3_LAYOUT}
+    try:
+        m = model.memory()
+    except ValueError as exc:
+        return {**out, "planner": None, "note": f"does not apply: {exc}"}
+    return {
+        **out,
+        "planner": m.total / GIB,
+        "fits": model.fits(),
+        "within_hbm": m.total <= hbm,
+        "by_kind": _by_kind(m),
+        "pp_rank": m.pp_rank,
+        "per_rank": _per_rank(model),
+        "note": "the same run with the embedding stage holding the 3 dense layers and the head stage 2 layers, the "
+        "MTP module and the head: Megatron-Core's published DeepSeek-V3 layout (Et*3|(tt|)*29m|L, 32 stages) "
+        "taken to 16 stages, not tuned to fit",
+    }
+
+
+def _fit_words(mem: dict[str, Any]) -> str:
+    """Whether a side-by-side memory figure fits: with the planner's headroom, or only within the HBM."""
+    if mem["fits"]:
+        return "fits"
+    hbm = V3_REPORT["hbm_gb"]
+    if mem["within_hbm"]:
+        return f"within {hbm} GB, not within the planner's {1 - HEADROOM:.0%} of it"
+    return "does NOT fit"
 
 
 def v3_comparison(
@@ -288,6 +357,7 @@ def v3_comparison(
     """:func:`v3_side_by_side` (or ``side``, what it returned) as a table: each figure beside the report's."""
     v3 = side if side is not None else v3_side_by_side(cfg, cluster, run, measured)
     mem, tok, bub, ratio = v3["memory_gib"], v3["tokens_per_s_per_gpu"], v3["bubble_s"], v3["compute_to_a2a"]
+    lay = v3["memory_gib_layout"]
     top3 = ", ".join(f"{k} {v:.0f}" for k, v in list(mem["moe_layer_largest_mib"].items())[:3])
     rows = [
         ["bubble per step (s)", f"{bub['planner']:.2f} (largest rank idle)",
@@ -295,9 +365,14 @@ def v3_comparison(
         ["compute : all-to-all, one MoE layer forward",
          f"{ratio['planner']:.2f} : 1 (experts alone {ratio['experts_alone']:.2f} : 1)" if ratio["planner"]
          else "no a2a", "about 1 : 1 (3.2.2)"],
-        ["memory per GPU (GiB)",
-         f"{mem['planner']:.1f} ({'fits' if mem['fits'] else 'does NOT fit'}); {mem['without_options']:.0f} "
-         "without the options", f"fits in {V3_REPORT['hbm_gb']} GB ({mem['report']:.1f} GiB)"],
+        ["memory per GPU (GiB), layers split evenly",
+         f"{mem['planner']:.1f} ({_fit_words(mem)}, rank {mem['pp_rank']}); "
+         f"{mem['without_options']:.0f} without the options",
+         f"fits in {V3_REPORT['hbm_gb']} GB ({mem['report']:.1f} GiB)"],
+        [f"memory per GPU (GiB), layout {lay['pipeline_layout']}",
+         lay["note"] if lay["planner"] is None else
+         f"{lay['planner']:.1f} ({_fit_words(lay)}, rank {lay['pp_rank']}); Megatron-Core's V3 example at 16 stages",
+         "layout not stated"],
         ["one MoE layer, one micro-batch (MiB)", f"{mem['moe_layer_mib']:.0f}: {top3}", "not stated"],
         ["tokens/s per GPU", f"{tok['planner']:,.0f} (bf16 GEMMs and transfers)",
          f"{tok['report']:,.0f} (14.8T tokens / 2,664K H800 GPU hours; FP8 GEMMs)"],

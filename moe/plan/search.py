@@ -23,9 +23,10 @@ from typing import Protocol
 
 from dualpipe.schedule import SCHEDULES, Op, Schedule, build_schedule, schedule_spec
 from dualpipe.simulate import Costs, SimResult, simulate
-from moe.parallel import split_layers
+from moe.pipeline_layout import AUTO, StagePlan, expand
 from moe.plan.costs import RECOMPUTE, recompute_granularity
 from moe.plan.pair import BlockTimes, ChunkTimes, chunk_times
+from moe.plan.params import stage_plans
 
 __all__ = [
     "Candidate",
@@ -53,6 +54,8 @@ class Candidate:
     comm_sms: int
     recompute: str
     """A granularity of :data:`moe.plan.costs.RECOMPUTE` (a bool reads as ``full`` / ``none``)."""
+    pipeline_layout: str = AUTO
+    """What each stage holds (:mod:`moe.pipeline_layout`); ``auto``: layers split evenly."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_granularity(self.recompute))
@@ -63,9 +66,10 @@ class Candidate:
 
     def describe(self) -> str:
         rc = "" if self.recompute == "none" else f" recompute={self.recompute}"
+        lay = "" if self.pipeline_layout == AUTO else f" layout={self.pipeline_layout}"
         return (
             f"{self.schedule} pp={self.pp} dp={self.dp} ep={self.ep} chunks={self.num_chunks} "
-            f"comm_sms={self.comm_sms}{rc}"
+            f"comm_sms={self.comm_sms}{rc}{lay}"
         )
 
 
@@ -130,6 +134,7 @@ class Prediction:
             "num_chunks": c.num_chunks,
             "comm_sms": c.comm_sms,
             "recompute": c.recompute,
+            "pipeline_layout": c.pipeline_layout,
             "memory_options": dict(getattr(self.memory, "options", {}) or {"recompute": c.recompute}),
             "step_time_s": self.step_time,
             "pipeline_time_s": self.pipeline_time,
@@ -161,9 +166,13 @@ def candidates(
     comm_sms: Sequence[int] = (20,),
     recompute: Sequence[str | bool] = RECOMPUTE,
     max_pp: int | None = None,
+    pipeline_layout: str = AUTO,
 ) -> Iterator[Candidate]:
     """Every valid candidate: the schedule accepts the ranks and micro-batches, the stages fit the layers,
-    ep divides dp and the experts, the global batch splits evenly. At ep == 1 no SMs are reserved."""
+    ep divides dp and the experts, the global batch splits evenly. At ep == 1 no SMs are reserved. A
+    ``pipeline_layout`` other than ``auto`` keeps the candidates whose schedule has as many stages as it
+    lists (the others are not generated); each candidate carries it."""
+    layout_stages = None if pipeline_layout == AUTO else len(expand(pipeline_layout).split("|"))
     for name in schedules or sorted(SCHEDULES):
         spec = schedule_spec(name)
         for pp in _divisors(num_gpus):
@@ -177,30 +186,29 @@ def candidates(
                 spec.validate(pp, chunks)
             except ValueError:
                 continue
-            if spec.stage_layout(pp).num_stages > num_layers:
+            num_stages = spec.stage_layout(pp).num_stages
+            if num_stages > num_layers or layout_stages not in (None, num_stages):
                 continue
             for ep in _divisors(dp):
                 if num_experts % ep:
                     continue
                 for sms in sorted({0} if ep == 1 else set(comm_sms)):
                     for rc in recompute:
-                        yield Candidate(name, pp, dp, ep, chunks, sms, rc)
+                        yield Candidate(name, pp, dp, ep, chunks, sms, rc, pipeline_layout)
 
 
 class StageTimes:
-    """Chunk times per (forward stage, backward stage), computed once each. The last stage runs the
-    ``mtp_layers`` MTP blocks after its own (layers ``num_layers ..``)."""
+    """Chunk times per (forward stage, backward stage), computed once each. Each stage runs the blocks of its
+    plan (:func:`moe.plan.params.stage_plans`): its layers, then its MTP blocks (layers ``num_layers ..``);
+    the embedding on the first, the head on the last."""
 
-    def __init__(self, model: CostModel, num_layers: int, num_stages: int, mtp_layers: int = 0) -> None:
-        self.ranges = split_layers(num_layers, num_stages)
-        last = num_stages - 1
-        mtp = range(num_layers, num_layers + mtp_layers)
-        self.blocks = [[model.block(i) for i in (*r, *(mtp if s == last else ()))] for s, r in enumerate(self.ranges)]
-        emb, head = model.embed(), model.head()
-        self.extra = [
-            (emb[0] * (s == 0) + head[0] * (s == last), emb[1] * (s == 0) + head[1] * (s == last))
-            for s in range(num_stages)
+    def __init__(self, model: CostModel, plans: Sequence[StagePlan], num_layers: int) -> None:
+        self.plans = list(plans)
+        self.blocks = [
+            [model.block(i) for i in (*p.layers, *range(num_layers, num_layers + p.mtp))] for p in self.plans
         ]
+        emb, head = model.embed(), model.head()
+        self.extra = [(emb[0] * p.first + head[0] * p.last, emb[1] * p.first + head[1] * p.last) for p in self.plans]
         self._cache: dict[tuple[int, int], ChunkTimes] = {}
 
     def pair(self, f_stage: int, b_stage: int) -> ChunkTimes:
@@ -263,9 +271,11 @@ def predict(
     peak_flops: float,
     mtp_layers: int = 0,
 ) -> Prediction:
-    """Time and size ``candidate`` with ``model`` (see the module docstring)."""
+    """Time and size ``candidate`` with ``model`` (see the module docstring), its stages as its
+    ``pipeline_layout`` says."""
     schedule = build_schedule(candidate.schedule, candidate.pp, candidate.num_chunks)
-    times = StageTimes(model, num_layers, schedule.layout.num_stages, mtp_layers)
+    plans = stage_plans(num_layers, mtp_layers, candidate.pp, candidate.schedule, None, candidate.pipeline_layout)
+    times = StageTimes(model, plans, num_layers)
     durations, exposed, total = _durations(schedule, times)
     sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
     reduce = model.dp_reduce()
