@@ -87,6 +87,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="MTP modules hold their own embedding and head instead of sharing the main model's",
     )
+    p.add_argument(
+        "--pipeline-layout",
+        metavar="STR",
+        default="auto",
+        help="what each stage holds, in Megatron-Core's syntax as the trainer's --pipeline-layout (E embedding, t "
+        "layer, m MTP module, L head, | between stages, *n repeats; e.g. Et*3|(t*4|)*14t*2mL); only the "
+        "candidates whose schedule has as many stages as it lists are searched (default auto: layers split "
+        "evenly, every candidate)",
+    )
     p.add_argument("--costs", metavar="FILE", help="measured sub-stage costs (bench.overlap --calibrate)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--deepseek-v3", action="store_true", help="also set the V3 report's layout beside its figures")
@@ -171,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = plan(
             cfg, cluster, run, schedules=args.schedules, comm_sms=args.comm_sms,
             recompute=_RECOMPUTE_FLAG[args.recompute], measured=measured, top=args.top, options=options,
+            pipeline_layout=args.pipeline_layout,
         )  # fmt: skip
         v3 = v3_side_by_side(cfg, cluster, run, measured) if args.deepseek_v3 else None
     except ValueError as exc:
@@ -195,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "global_batch": run.global_batch,
                 "micro_batch": run.micro_batch,
                 "costs": args.costs,
+                "pipeline_layout": args.pipeline_layout,
             },
             "num_candidates": result.num_candidates,
             "num_fitting": result.num_fitting,

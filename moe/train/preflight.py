@@ -35,7 +35,14 @@ def memory_estimate(config: TrainConfig) -> float:
     """Bytes the most loaded rank needs: the planner's footprint (:func:`moe.plan.footprint`) of this job."""
     pc, tr = config.parallel, config.training
     act_bytes = torch.finfo(getattr(torch, tr.dtype)).bits // 8
-    par = Parallelism(pp=pc.pp, dp=pc.dp, ep=pc.ep, schedule=pc.schedule, modules_per_rank=pc.modules_per_rank)
+    par = Parallelism(
+        pp=pc.pp,
+        dp=pc.dp,
+        ep=pc.ep,
+        schedule=pc.schedule,
+        modules_per_rank=pc.modules_per_rank,
+        pipeline_layout=pc.pipeline_layout,
+    )
     work = Workload(
         seq_len=tr.seq_len,
         micro_batch=tr.micro_batch_size,

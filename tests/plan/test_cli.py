@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from moe.plan.cli import JSON_SCHEMA_VERSION, main
+from moe.plan.report import V3_LAYOUT
 
 SMALL = ["--preset", "tiny", "--gpus", "8", "--gpus-per-node", "4", "--gpu", "h100", "--seq-len", "64"]
 SMALL += ["--global-batch", "64", "--micro-batch", "2"]
@@ -129,6 +130,16 @@ def test_deepseek_v3_side_by_side_in_the_json(tmp_path: Path) -> None:
     assert mem["planner"] == pytest.approx(layout["memory_bytes"]["total"] / 2**30)
     assert mem["report"] == pytest.approx(80e9 / 2**30) and mem["fits"] == layout["fits"]
     assert mem["planner"] < 0.6 * mem["without_options"]
+    # both figures: the even split and Megatron-Core's V3 example at 16 stages, each its fullest rank of 16
+    lay = v3["memory_gib_layout"]
+    assert mem["pipeline_layout"] == "auto" and lay["pipeline_layout"] == V3_LAYOUT
+    for m in (mem, lay):
+        assert len(m["per_rank"]) == 16 and max(r["total"] for r in m["per_rank"]) == pytest.approx(m["planner"])
+        assert m["per_rank"][m["pp_rank"]]["total"] == pytest.approx(m["planner"])
+        assert m["within_hbm"] == (m["planner"] <= mem["report"])
+    # the layout's ends (embedding, 3 dense + 2 layers, MTP, head) hold fewer parameters than the even split's
+    assert lay["per_rank"][0]["params"] < mem["per_rank"][0]["params"]
+    assert lay["per_rank"][0]["total"] != pytest.approx(mem["per_rank"][0]["total"])
     tok = v3["tokens_per_s_per_gpu"]
     assert tok["report"] == pytest.approx(14.8e12 / (2664e3 * 3600)) and round(tok["report"]) == 1543
     assert tok["planner"] == pytest.approx(layout["tokens_per_s_per_gpu"]) and 500 < tok["planner"] < 5000

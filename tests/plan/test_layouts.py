@@ -1,0 +1,108 @@
+"""The planner under pipeline layouts (moe.pipeline_layout): per-rank parameters equal to the stages
+build_stages builds under the same layout, ``auto`` as the even split, mistakes in one line, the pre-flight
+estimate following the trainer's layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe.config import PRESETS
+from moe.parallel import ParallelConfig, ParallelLayout, build_stages, split_layers
+from moe.plan.cli import main
+from moe.plan.costs import Parallelism, Workload
+from moe.plan.footprint import footprint
+from moe.plan.params import rank_params, rank_stages
+from moe.train import config_from_args
+from moe.train.preflight import memory_estimate
+
+V3 = PRESETS["deepseek-v3-tiny"].replace(mtp_layers=1)  # 4 layers (1 dense), one MTP module
+SMALL = ["--preset", "tiny", "--gpus", "8", "--gpus-per-node", "4", "--gpu", "h100", "--seq-len", "64"]
+SMALL += ["--global-batch", "64", "--micro-batch", "2", "--top", "2"]
+
+
+def _built(schedule: str, pp: int, pp_rank: int, layout: str) -> list[tuple[str, int]]:
+    """The parameters build_stages gives one pipeline rank at ep = 1 (no process group is touched)."""
+    config = ParallelConfig(pp=pp, dp=1, ep=1, schedule=schedule, pipeline_layout=layout)
+    place = ParallelLayout(
+        config=config, pp_rank=pp_rank, edp_rank=0, ep_rank=0, pp_group=None, dp_group=None, edp_group=None,
+        ep_group=None, mirror_group=None, mesh=None,
+    )  # fmt: skip
+    stages = build_stages(V3, place)
+    seen = {id(p): (n, p.numel()) for s in stages for n, p in s.named_parameters()}  # a tied embedding once
+    return sorted(seen.values())
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "layout"),
+    [("dualpipev", 2, "Ett|t|t|mL"), ("dualpipe", 2, "Et|tttmL"), ("1f1b", 2, "Ettt|tmL")],
+)
+def test_parameter_lists_follow_the_layout(schedule: str, pp: int, layout: str) -> None:
+    """Name by name, every rank, as build_stages builds it; and the layout moves something off the even split."""
+    moved = False
+    for r in range(pp):
+        planned = rank_params(V3, pp, 1, schedule, r, pipeline_layout=layout)
+        assert sorted((p.name, p.numel) for p in planned) == _built(schedule, pp, r, layout), (schedule, r)
+        moved |= rank_stages(V3, pp, schedule, r, pipeline_layout=layout) != rank_stages(V3, pp, schedule, r)
+    assert moved
+
+
+@pytest.mark.parametrize(("schedule", "pp", "spelled"), [("dualpipev", 2, "Et|t|t|tmL"), ("1f1b", 2, "Ett|ttmL")])
+def test_auto_is_the_even_split(schedule: str, pp: int, spelled: str) -> None:
+    """``auto``'s stages are split_layers' ranges (the planner's figures before layouts), and equal the same
+    split written out as a layout string, in the plans and the footprint alike."""
+    stages = ParallelConfig(pp=pp, schedule=schedule).num_stages
+    ranges = split_layers(V3.num_layers, stages)
+    for r in range(pp):
+        auto = rank_stages(V3, pp, schedule, r)
+        assert [sp.layers for _, sp in auto] == [ranges[sid] for sid, _ in auto]
+        assert [sp.mtp for _, sp in auto] == [V3.mtp_layers * (sid == stages - 1) for sid, _ in auto]
+        assert auto == rank_stages(V3, pp, schedule, r, pipeline_layout=spelled)
+    work = Workload(seq_len=16, micro_batch=1)
+    par = Parallelism(pp=pp, dp=2, ep=2, schedule=schedule)
+    laid = Parallelism(pp=pp, dp=2, ep=2, schedule=schedule, pipeline_layout=spelled)
+    assert footprint(V3, par, work, num_chunks=8) == footprint(V3, laid, work, num_chunks=8)
+
+
+def test_memory_follows_the_layout() -> None:
+    """All four layers on one stage of two: that rank holds more, the other less."""
+    work, kw = Workload(seq_len=16, micro_batch=1), dict(num_chunks=4)
+    even = [footprint(V3, Parallelism(pp=2, dp=1, ep=1, schedule="1f1b"), work, pp_rank=r, **kw) for r in (0, 1)]
+    par = Parallelism(pp=2, dp=1, ep=1, schedule="1f1b", pipeline_layout="Etttt|mL")
+    laid = [footprint(V3, par, work, pp_rank=r, **kw) for r in (0, 1)]
+    assert laid[0].params > even[0].params and laid[1].params < even[1].params
+    assert laid[0].activations > even[0].activations and laid[1].activations < even[1].activations
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ("Et|t|x|L", "cannot read 'x' at position 5"),
+        ("Et|t|t|t|t|L", "no schedule of 8 GPUs with a global batch of 64 has its 6 stages"),
+        ("Ettttt|tL", "6 layers (t), the model has 4"),
+    ],
+)
+def test_a_bad_layout_is_one_line(layout: str, message: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*SMALL, "--pipeline-layout", layout])
+    text = str(exc.value)
+    assert text.startswith("error: ") and "\n" not in text and message in text and layout in text, text
+
+
+def test_a_layout_keeps_the_candidates_with_its_stage_count(capsys: pytest.CaptureFixture[str]) -> None:
+    main([*SMALL, "--top", "100", "--pipeline-layout", "Ettt|tL", "--json", "-"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["inputs"]["pipeline_layout"] == "Ettt|tL" and doc["num_candidates"] == len(doc["top"])
+    shapes = {(row["schedule"], row["pp"]) for row in doc["top"]}
+    assert {("1f1b", 2), ("dualpipe", 2), ("dualpipev", 1)} <= shapes  # every 2-stage schedule, and only those
+    assert all(ParallelConfig(pp=pp, schedule=s).num_stages == 2 for s, pp in shapes)
+    assert all(row["pipeline_layout"] == "Ettt|tL" for row in doc["top"])
+
+
+def test_preflight_estimate_follows_the_trainers_layout() -> None:
+    argv = ["--preset", "tiny", "--pp", "2", "--schedule", "1f1b", "--seq-len", "32"]
+    even, _ = config_from_args(argv, world=2)
+    laid, _ = config_from_args([*argv, "--pipeline-layout", "Etttt|L"], world=2)
+    assert laid.parallel.pipeline_layout == "Etttt|L"
+    assert memory_estimate(laid) > memory_estimate(even)  # rank 0 holds all four layers and the embedding
