@@ -10,7 +10,8 @@ checkpoint directory (its config.json, :func:`moe.hf.read_hf_config`). Prints th
 how many fit, the best fitting plan (step time, tokens/s per GPU, MFU, bubble, exposed all-to-all, memory per
 GPU by kind and the memory options it uses), and a table of the top ``--top`` with why each loses.
 ``--deepseek-v3`` adds the DeepSeek-V3 report's layout with the report's memory options, each figure beside
-the report's (in the JSON as ``deepseek_v3``).
+the report's (in the JSON as ``deepseek_v3``), its memory with layers split evenly and at
+:data:`moe.plan.report.V3_LAYOUT`. ``--pipeline-layout`` places the stages' contents as the trainer's flag does.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ __all__ = ["JSON_SCHEMA_VERSION", "main", "parse_args"]
 
 JSON_SCHEMA_VERSION = 2
 """2: a row's ``recompute`` is a granularity and it has ``memory_options``; ``inputs.model_source``; the
-``deepseek_v3`` side-by-side with ``--deepseek-v3``."""
+``deepseek_v3`` side-by-side with ``--deepseek-v3``. Added since, without a new number (nothing removed or
+renamed): a row's and the inputs' ``pipeline_layout``, ``deepseek_v3.memory_gib_layout``."""
 
 _RECOMPUTE_FLAG = {"on": ("full",), "off": ("none",), "both": ("none", "full"), "all": RECOMPUTE}
 _RECOMPUTE_FLAG.update({name: (name,) for name in RECOMPUTE})
