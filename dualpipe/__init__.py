@@ -1,6 +1,7 @@
 """Pipeline schedules as data, one executor, a drop-in API for deepseek-ai/DualPipe, and the overlap runtime
 (a stage declared as compute and communication pieces gets ``overlapped_forward_backward``)."""
 
+from dualpipe import generators as _generators  # noqa: F401 (registers the built-in schedules, first)
 from dualpipe.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
 from dualpipe.executor import PIPELINES, DualPipe, DualPipeV, OneFOneB, Pipeline, ZeroBubble1P
 from dualpipe.grads import sum_mirrored_grads

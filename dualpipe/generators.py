@@ -1,7 +1,7 @@
 """The built-in schedules: one generator each, plus its registry entry.
 
 A generator is a pure function ``(layout, rank, num_chunks) -> [Action]`` written with
-:class:`dualpipe.schedule._Emitter`'s helpers, so it reads like the paper's pseudo-code. Adding a schedule is a
+:class:`dualpipe.authoring.Emitter`'s helpers, so it reads like the paper's pseudo-code. Adding a schedule is a
 generator here plus a :func:`~dualpipe.schedule.register_schedule` call; everything else (the pipeline class,
 training's ``--schedule`` choices and checks, stage placement, the benchmarks, the tests' parameter lists)
 reads the registry.
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dualpipe.schedule import Action, Layout, ScheduleSpec, _Emitter, register_schedule
+from dualpipe.authoring import Emitter
+from dualpipe.schedule import Action, Layout, ScheduleSpec, register_schedule
 
 __all__: list[str] = []  # nothing to import from here: use dualpipe.schedule.SCHEDULES / build_schedule
 
 
-def _dual_phases(e: _Emitter, n: int, r: int, c: int, turning: bool, module: Callable[[int], int]) -> None:
+def _dual_phases(e: Emitter, n: int, r: int, c: int, turning: bool, module: Callable[[int], int]) -> None:
     """The eight phases shared by DualPipe and DualPipeV.
 
     ``n`` ranks per half (DualPipe: N/2; DualPipeV: N), ``r`` this rank's index within its half, ``c``
@@ -89,7 +90,7 @@ def _dual_phases(e: _Emitter, n: int, r: int, c: int, turning: bool, module: Cal
 def _dualpipe(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
     n = layout.num_ranks
     second_half = rank >= n // 2
-    e = _Emitter(layout, rank)
+    e = Emitter(layout, rank)
     turning = rank in (n // 2 - 1, n // 2)
     # For the second half the direction seen first is path 1 (module 1): phase ^ second_half.
     _dual_phases(e, n // 2, min(rank, n - 1 - rank), num_chunks // 2, turning, lambda ph: ph ^ second_half)
@@ -98,7 +99,7 @@ def _dualpipe(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
 
 def _dualpipev(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
     n = layout.num_ranks
-    e = _Emitter(layout, rank)
+    e = Emitter(layout, rank)
     _dual_phases(e, n, rank, num_chunks, rank == n - 1, lambda ph: ph)
     return e.actions
 
@@ -106,7 +107,7 @@ def _dualpipev(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
 def _one_f_one_b(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
     """Classic 1F1B: N-1-r warm-up forwards, steady forward/backward pairs, cool-down backwards."""
     n = layout.num_ranks
-    e = _Emitter(layout, rank)
+    e = Emitter(layout, rank)
     warmup = min(n - 1 - rank, num_chunks)
     for _ in range(warmup):
         e.forward_chunk(0)
@@ -129,7 +130,7 @@ def _zb1p(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
     works: rank 0 finishes its last I last, so it must not be left with more than one W after it.
     """
     n = layout.num_ranks
-    e = _Emitter(layout, rank)
+    e = Emitter(layout, rank)
     warmup = min(n - 1 - rank, num_chunks)
     lag = rank
     pending = 0
@@ -178,7 +179,7 @@ def _interleaved_1f1b(layout: Layout, rank: int, num_chunks: int) -> list[Action
     def b_module(k: int) -> int:
         return v - 1 - (k // n) % v
 
-    e = _Emitter(layout, rank)
+    e = Emitter(layout, rank)
     warmup = min(2 * (n - 1 - rank) + (v - 1) * n, total)
     steady = total - warmup
     # Each step's sends and the next step's receives form one batch, as Megatron's combined send-and-receive

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dualpipe.authoring import Emitter
 from dualpipe.checks import (
     DeadlockError,
     ScheduleError,
@@ -23,7 +24,6 @@ from dualpipe.schedule import (
     Op,
     Schedule,
     ScheduleSpec,
-    _Emitter,
     build_schedule,
     compute_order,
     post_receives_early,
@@ -210,7 +210,7 @@ def test_every_spec_gives_a_valid_default(name: str) -> None:
 
 def _gpipe(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
     """GPipe: every forward, then every backward (a schedule written only here)."""
-    e = _Emitter(layout, rank)
+    e = Emitter(layout, rank)
     for _ in range(num_chunks):
         e.forward_chunk(0)
     for _ in range(num_chunks):
@@ -245,3 +245,23 @@ def test_a_schedule_is_one_generator_and_one_registry_entry() -> None:
     assert "gpipe" not in SCHEDULES
     with pytest.raises(ValueError, match="unknown schedule"):
         build_schedule("gpipe", 3, 4)
+
+
+def test_generators_build_on_the_schedule_module_never_the_reverse() -> None:
+    import ast
+
+    import dualpipe
+
+    root = Path(dualpipe.__file__).parent
+
+    def imports(name: str) -> set[str]:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        found |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        return found
+
+    assert not {"dualpipe.generators", "dualpipe.authoring"} & imports("schedule")
+    assert "dualpipe.schedule" in imports("authoring") and "dualpipe.authoring" in imports("generators")
+    import dualpipe.schedule as schedule_module
+
+    assert not hasattr(schedule_module, "_Emitter")  # the authoring API is public, in dualpipe.authoring
