@@ -36,12 +36,15 @@ from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 __all__ = [
     "DEEPEP_INSTALL_HINT",
     "DEEPEP_V1_COMMIT",
+    "INTERNODE_RANKS",
+    "INTRANODE_RANKS",
     "NVL_PEERS",
     "DeepEPApi",
     "DeepEPDispatcher",
     "deep_ep_api",
     "deepep_rules",
     "import_deep_ep",
+    "size_problem",
     "topology_problem",
 ]
 
@@ -314,6 +317,25 @@ def _make_deepep(
     return DeepEPDispatcher(num_experts, group, hidden_bytes=hidden_bytes, comm_sms=comm_sms, sync_free=sync_free)
 
 
+INTRANODE_RANKS = (2, 4, 8)
+"""Group sizes the V1 intranode kernels take (SWITCH_RANKS in csrc/kernels/legacy/launch.cuh)."""
+INTERNODE_RANKS = (16, 24, 32, 48, 64, 96, 128, 144, 160)
+"""Group sizes the V1 internode kernels take: 8 NVLink peers times the RDMA rank counts SWITCH_RDMA_RANKS
+instantiates (2, 3, 4, 6, 8, 12, 16, 18, 20)."""
+INTERNODE_MIN_SMS = 4
+"""Communication SMs the internode kernels need at least."""
+
+
+def size_problem(size: int) -> str | None:
+    """Why DeepEP V1 cannot run an expert-parallel group of ``size`` ranks; None if it can."""
+    if size in INTRANODE_RANKS or size in INTERNODE_RANKS:
+        return None
+    return (
+        f"an ep group of {size} ranks; DeepEP runs {', '.join(map(str, INTRANODE_RANKS))} ranks within a node and "
+        f"{', '.join(map(str, INTERNODE_RANKS))} across nodes"
+    )
+
+
 def topology_problem(ep_ranks: Sequence[int], local_world_size: int) -> str | None:
     """Why DeepEP cannot run over the group of global ``ep_ranks`` with ``local_world_size`` ranks per node
     (torchrun numbering: node ``r // local_world_size``); None if it can.
@@ -326,14 +348,12 @@ def topology_problem(ep_ranks: Sequence[int], local_world_size: int) -> str | No
     ranks = list(ep_ranks)
     size = len(ranks)
     nodes = [r // local_world_size for r in ranks]
+    if problem := size_problem(size):
+        return problem
     if size <= NVL_PEERS:
-        if size not in (2, 4, 8):  # SWITCH_RANKS in csrc/kernels/legacy/launch.cuh
-            return f"an ep group of {size} ranks; DeepEP's intranode kernels run on 2, 4 or 8"
         if len(set(nodes)) > 1:
             return f"ep ranks {ranks} span nodes {sorted(set(nodes))}; a group of <= 8 needs NVLink, one node"
         return None
-    if size % NVL_PEERS:
-        return f"an ep group of {size} ranks; groups of more than 8 must be a multiple of 8"
     for i in range(0, size, NVL_PEERS):
         block = ranks[i : i + NVL_PEERS]
         if len(set(nodes[i : i + NVL_PEERS])) > 1 or block != list(range(block[0], block[0] + NVL_PEERS)):
@@ -358,12 +378,18 @@ def deepep_rules(launch: Launch) -> list[str]:
                 f"rows of at most {MAX_INTRANODE_ROW_BYTES} bytes, a multiple of {ROW_BYTES_MULTIPLE} "
                 f"(hidden {launch.hidden_size} x {launch.dtype} = {nbytes})"
             )
-        internode = launch.ep_ranks is not None and len(launch.ep_ranks) > NVL_PEERS
+        internode = (launch.group_size or 0) > NVL_PEERS
         if internode and launch.hidden_size % INTERNODE_HIDDEN_MULTIPLE:
             found.append(f"hidden % {INTERNODE_HIDDEN_MULTIPLE} == 0 across nodes (got {launch.hidden_size})")
-    topology = launch.ep_ranks is not None and launch.local_world_size
-    if topology and (problem := topology_problem(launch.ep_ranks, launch.local_world_size)):
+    size = launch.group_size
+    problem = None if size is None else size_problem(size)
+    if problem is None and launch.ep_ranks is not None and launch.local_world_size:
+        problem = topology_problem(launch.ep_ranks, launch.local_world_size)  # the placement on nodes
+    if problem is not None:
         found.append(problem)
+    internode = size is not None and size > NVL_PEERS
+    if internode and launch.comm_sms is not None and 0 < launch.comm_sms < INTERNODE_MIN_SMS:
+        found.append(f"at least {INTERNODE_MIN_SMS} --comm-sms across nodes (got {launch.comm_sms})")
     return found
 
 

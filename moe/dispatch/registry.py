@@ -58,6 +58,15 @@ class Launch:
     """SM budget of the communication kernels."""
     ep_ranks: tuple[int, ...] | None = None
     """Global ranks of the expert-parallel group, in group-rank order."""
+    ep_size: int | None = None
+    """The expert-parallel group's size, where its ranks are not known yet (a configuration's check); with
+    ``ep_ranks`` their count."""
+
+    @property
+    def group_size(self) -> int | None:
+        """Ranks of the expert-parallel group (None: not known)."""
+        return len(self.ep_ranks) if self.ep_ranks is not None else self.ep_size
+
     local_world_size: int | None = None
     """Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``); node ``n`` holds global ranks ``n*L .. n*L+L-1``."""
 

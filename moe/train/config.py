@@ -325,8 +325,9 @@ class TrainConfig:
             pc.check_model(cfg)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if pc.ep > 1:  # the rows the dispatcher would move (its package and topology: moe.train.preflight)
-            rows = Launch(dtype=getattr(torch, self.training.dtype), hidden_size=cfg.hidden_size, comm_sms=pc.comm_sms)
+        if pc.ep > 1:  # the rows it would move and the group's size (its package and placement: preflight)
+            dtype = getattr(torch, self.training.dtype)
+            rows = Launch(dtype=dtype, hidden_size=cfg.hidden_size, comm_sms=pc.comm_sms, ep_size=pc.ep)
             found = DISPATCHERS.lookup(pc.dispatcher).violations(rows)
             if found:
                 raise ConfigError(f"--dispatcher {pc.dispatcher}: {'; '.join(found)}")

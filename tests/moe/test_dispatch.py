@@ -287,10 +287,11 @@ def test_deepep_limits(launch: Launch, problem: str | None):
         (range(4, 8), 4, None),
         (range(2, 6), 4, "ep ranks [2, 3, 4, 5] span nodes [0, 1]"),
         ((0, 8), 8, "ep ranks [0, 8] span nodes [0, 1]"),  # a pp-major grid: one rank per node
-        (range(6), 8, "an ep group of 6 ranks; DeepEP's intranode kernels run on 2, 4 or 8"),
+        (range(6), 8, "an ep group of 6 ranks; DeepEP runs 2, 4, 8 ranks within a node and 16, 24, 32,"),
         (range(16), 8, None),
         (range(32), 8, None),
-        (range(12), 8, "an ep group of 12 ranks; groups of more than 8 must be a multiple of 8"),
+        (range(12), 8, "an ep group of 12 ranks; DeepEP runs"),
+        (range(40), 8, "an ep group of 40 ranks; DeepEP runs"),  # whole nodes, but no kernel for 5 RDMA ranks
         (range(16), 4, "ep ranks [0, 1, 2, 3, 4, 5, 6, 7] (group ranks 0-7) are not 8 consecutive ranks of one node"),
         (range(0, 32, 2), 8, "ep ranks [0, 2, 4, 6, 8, 10, 12, 14] (group ranks 0-7)"),
         ((*range(8, 16), *range(8)), 8, None),  # blocks of whole nodes, in any node order

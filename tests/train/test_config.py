@@ -253,3 +253,26 @@ def test_optimizer_choices_come_from_the_registry() -> None:
         config, _ = config_from_args(["--optimizer", name], world=1)
         hyper = config.optimizer.hyper()
         assert set(hyper) == set(OPTIMIZERS[name].hyper) and math.isclose(hyper["lr"], 3e-3)
+
+
+@pytest.mark.parametrize(
+    ("ep", "extra", "problem"),
+    [
+        (6, [], "an ep group of 6 ranks; DeepEP runs 2, 4, 8 ranks within a node and 16, 24, 32, 48, 64, 96"),
+        (40, [], "an ep group of 40 ranks; DeepEP runs"),
+        (16, ["--comm-sms", "2"], "at least 4 --comm-sms across nodes (got 2)"),
+        (8, [], None),
+        (16, [], None),
+    ],
+)
+def test_deepep_group_sizes_are_refused_with_the_config(ep: int, extra: list[str], problem: str | None) -> None:
+    """DeepEP V1 has kernels for 2, 4, 8 ranks in a node and 16 .. 160 across nodes: --print-config says it."""
+    flags = ["--dispatcher", "deepep", "--dtype", "bfloat16", "--hidden-size", "256", *extra]
+    argv = [*flags, "--ep", str(ep), "--dp", str(ep), "--num-experts", str(2 * ep), "--print-config"]
+    if problem is None:
+        config_from_args(argv, world=ep)
+        return
+    with pytest.raises(UsageError) as info:
+        config_from_args(argv, world=ep)
+    text = str(info.value.code)
+    assert text.startswith("error: --dispatcher deepep: ") and problem in text and "\n" not in text, text
