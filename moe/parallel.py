@@ -29,7 +29,7 @@ from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, schedule_spec
 from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
 from moe.layers import selective_recompute
-from moe.pipeline_layout import AUTO, StagePlan, plan_stages
+from moe.pipeline_layout import AUTO, StagePlan, plan_stages, split_layers
 from moe.stage import MoEStage
 
 __all__ = [
@@ -188,27 +188,20 @@ class ParallelConfig:
     def stage_plans(self, cfg: MoEConfig) -> list[StagePlan]:
         """What each stage of ``cfg`` holds under :attr:`pipeline_layout`, by stage index (``ValueError`` naming
         the field when the layout and the model or the schedule disagree)."""
-        if self.pipeline_layout != AUTO:
-            try:
-                return plan_stages(
-                    self.pipeline_layout,
-                    num_stages=self.num_stages,
-                    num_layers=cfg.num_layers,
-                    mtp_layers=cfg.mtp_layers,
-                )
-            except ValueError as exc:
-                raise ValueError(f"parallel.{exc} ({self.schedule} at pp={self.pp})") from None
-        if cfg.num_layers < self.num_stages:
+        if self.pipeline_layout == AUTO and cfg.num_layers < self.num_stages:
             raise ValueError(
                 f"model.num_layers = {cfg.num_layers}: {self.schedule} at pp={self.pp} has {self.num_stages} "
                 f"stages; pass --layers {self.num_stages} or more"
             )
-        last = self.num_stages - 1
-        ranges = split_layers(cfg.num_layers, self.num_stages)
-        return [
-            StagePlan(first=s == 0, layers=r, mtp=cfg.mtp_layers * (s == last), last=s == last)
-            for s, r in enumerate(ranges)
-        ]
+        try:
+            return plan_stages(
+                self.pipeline_layout,
+                num_stages=self.num_stages,
+                num_layers=cfg.num_layers,
+                mtp_layers=cfg.mtp_layers,
+            )
+        except ValueError as exc:
+            raise ValueError(f"parallel.{exc} ({self.schedule} at pp={self.pp})") from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -376,19 +369,6 @@ def with_schedule(base: ParallelLayout, schedule: str) -> ParallelLayout:
     if embedding_ends(config.stage_layout) is not None:
         embed_group = base.embed_group or _embed_group(config, rank_grid(config, dist.get_world_size()))
     return dataclasses.replace(base, config=config, mirror_group=mirror_group, embed_group=embed_group)
-
-
-def split_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous, balanced layer ranges; the first ``num_layers % num_stages`` stages get one more."""
-    if num_layers < num_stages:
-        raise ValueError(f"{num_layers} layers cannot fill {num_stages} pipeline stages")
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for s in range(num_stages):
-        n = base + (1 if s < extra else 0)
-        ranges.append(range(start, start + n))
-        start += n
-    return ranges
 
 
 def build_stages(

@@ -9,7 +9,8 @@ layer), ``m`` (one multi-token-prediction module) and ``L`` (the final norm, the
                          layers, the MTP module alone, the head alone (Megatron-Core's example)
 
 Layers are numbered in order over the whole string. ``auto`` (the default) splits the layers evenly, the
-embedding with the first layers and the head (and MTP) with the last (:func:`moe.parallel.split_layers`).
+embedding with the first layers and the head (and MTP) with the last (:func:`split_layers`). The trainer
+(:meth:`moe.parallel.ParallelConfig.stage_plans`) and the planner both ask :func:`plan_stages`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["AUTO", "StagePlan", "expand", "plan_stages"]
+__all__ = ["AUTO", "StagePlan", "expand", "plan_stages", "split_layers"]
 
 AUTO = "auto"
 """The layout that balances layer counts (the default)."""
@@ -70,9 +71,29 @@ def _seq(text: str, pos: int, *, top: bool) -> tuple[str, int]:
     return "".join(parts), pos
 
 
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous, balanced layer ranges; the first ``num_layers % num_stages`` stages get one more."""
+    if num_layers < num_stages:
+        raise ValueError(f"{num_layers} layers cannot fill {num_stages} pipeline stages")
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s < extra else 0)
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
 def plan_stages(text: str, *, num_stages: int, num_layers: int, mtp_layers: int) -> list[StagePlan]:
-    """The stages a layout string describes, checked against the model and the schedule's stage count: one line
-    naming what does not match (``ValueError``)."""
+    """The stages a layout string (or :data:`AUTO`: the even split, MTP with the head) describes, checked
+    against the model and the schedule's stage count: one line naming what does not match (``ValueError``)."""
+    if text == AUTO:
+        last = num_stages - 1
+        ranges = split_layers(num_layers, num_stages)
+        return [
+            StagePlan(first=s == 0, layers=r, mtp=mtp_layers * (s == last), last=s == last)
+            for s, r in enumerate(ranges)
+        ]
     where = f"pipeline_layout = {text!r}"
     stages = expand(text).split("|")
     if len(stages) != num_stages:

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 from dualpipe.schedule import Layout, schedule_spec
 from moe.config import MoEConfig
-from moe.parallel import ParallelConfig
-from moe.pipeline_layout import AUTO, StagePlan
+from moe.pipeline_layout import AUTO, StagePlan, plan_stages
 
 __all__ = [
     "ParamSpec",
@@ -178,15 +177,12 @@ def stage_plans(
     pipeline_layout: str = AUTO,
 ) -> tuple[StagePlan, ...]:
     """What each stage holds (by stage index) under ``pipeline_layout`` (Megatron-Core's syntax, or ``auto``:
-    the even split), by the trainer's own rule (:meth:`moe.parallel.ParallelConfig.stage_plans`, which
+    the even split), by the trainer's own rule (:func:`moe.pipeline_layout.plan_stages`, which
     :func:`moe.parallel.build_stages` follows): the one place the planner learns where layers, the MTP
     modules, the embedding and the head sit. ``ValueError`` in one line when the layout does not fit the model
     or the schedule's stages. Cached: a search asks for the same shape once per candidate and rank."""
-    pc = ParallelConfig(pp=pp, schedule=schedule, modules_per_rank=modules_per_rank, pipeline_layout=pipeline_layout)
-    try:
-        return tuple(pc.stage_plans(MoEConfig(num_layers=num_layers, mtp_layers=mtp_layers)))
-    except ValueError as exc:
-        raise ValueError(str(exc).removeprefix("parallel.")) from None
+    num_stages = schedule_spec(schedule).stage_layout(pp, modules_per_rank).num_stages
+    return tuple(plan_stages(pipeline_layout, num_stages=num_stages, num_layers=num_layers, mtp_layers=mtp_layers))
 
 
 def rank_stages(
