@@ -20,6 +20,7 @@ from moe.hf.config import (
     quantization_block,
     read_hf_config,
     to_hf_config,
+    weight_map,
 )
 from moe.hf.fp8 import Dequantized
 from moe.hf.keys import RULES, HFCheckpointError, checkpoint_shapes, to_hub, to_ours
@@ -82,14 +83,10 @@ class _Files(Mapping[str, torch.Tensor]):
             raise HFCheckpointError(
                 "reading safetensors needs the safetensors package: pip install 'dualpipe-moe[hf]'"
             ) from None
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            self._where = dict(json.loads(index.read_text())["weight_map"])
-        elif (path / "model.safetensors").exists():
-            with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-                self._where = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
+        where = weight_map(path)
+        if where is None:
             raise HFCheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+        self._where = where
         self._files = {name: safe_open(str(path / name), framework="pt") for name in set(self._where.values())}
 
     def __getitem__(self, key: str) -> torch.Tensor:

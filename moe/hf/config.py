@@ -352,16 +352,22 @@ def read_hf_config(path: str | Path) -> MoEConfig:
     return cfg
 
 
-def _holds_layer(path: Path, layer: int) -> bool:
-    """Whether a checkpoint directory's tensors include layer ``layer`` (its weight index, or the names in
-    ``model.safetensors``); True when it holds no tensors to look at (a config.json alone)."""
-    prefix = f"model.layers.{layer}."
+def weight_map(path: Path) -> dict[str, str] | None:
+    """Tensor name -> file of a checkpoint directory: its ``model.safetensors.index.json``, or the names in the
+    header of its one ``model.safetensors`` (read without the safetensors package); None when it has neither."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        return any(k.startswith(prefix) for k in json.loads(index.read_text()).get("weight_map", {}))
+        return dict(json.loads(index.read_text())["weight_map"])
     single = path / "model.safetensors"
     if not single.exists():
-        return True
+        return None
     with single.open("rb") as f:  # the format's header: 8 bytes of length, then JSON keyed by tensor name
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return any(k.startswith(prefix) for k in header)
+    return {name: single.name for name in header if name != "__metadata__"}
+
+
+def _holds_layer(path: Path, layer: int) -> bool:
+    """Whether a checkpoint directory's tensors include layer ``layer``; True when it holds no tensors to look at
+    (a config.json alone)."""
+    where = weight_map(path)
+    return where is None or any(k.startswith(f"model.layers.{layer}.") for k in where)
