@@ -306,9 +306,9 @@ class Trainer:
         finally:
             memory = self.meter.stop_step()
         per_layer, figures = self._worst_over_ranks(memory)
-        mtp = self._global_mean_mtp_loss()
+        loss_mean, mtp = self._global_mean_losses(loss)
         return {
-            "loss": self._global_mean_loss(loss),
+            "loss": loss_mean,
             **({"mtp_loss": mtp} if mtp is not None else {}),
             "expert_imbalance": max(per_layer.values(), default=1.0),
             "expert_imbalance_per_layer": per_layer,
@@ -329,21 +329,23 @@ class Trainer:
         layers = {i: v for i, v in enumerate(worst[: cfg.num_layers]) if cfg.is_moe_layer(i)}
         return layers, {k: int(v) for k, v in zip(memory, worst[cfg.num_layers :])}
 
-    def _global_mean_loss(self, loss: torch.Tensor | None) -> float:
-        """Mean micro-batch loss over every rank that computed one (all ranks call this)."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+    def _global_mean_losses(self, loss: torch.Tensor | None) -> tuple[float, float | None]:
+        """One all-reduce over the world (all ranks call this): the mean micro-batch loss over every rank that
+        computed one, and the mean multi-token-prediction loss (over depths and micro-batches) of the
+        micro-batches run since the last call (None for a model without MTP)."""
+        total = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss sum, count; MTP sum, count
         if loss is not None:
             total[0], total[1] = loss.double().sum(), loss.numel()
+        for losses in self._pop_mtp_losses():
+            total[2] += losses.mean(1).double().sum()
+            total[3] += losses.shape[0]
         dist.all_reduce(total)
-        return (total[0] / total[1]).item()
+        mtp = (total[2] / total[3]).item() if self.model_config.mtp_layers else None
+        return (total[0] / total[1]).item(), mtp
 
-    def _global_mean_mtp_loss(self) -> float | None:
-        """The mean multi-token-prediction loss (over depths and micro-batches) of the micro-batches run since
-        the last call, over every rank that ran one; None for a model without MTP (all ranks call this)."""
-        if not self.model_config.mtp_layers:
-            return None
-        runs = [losses.mean(1) for stage in self.stages if (losses := stage.pop_mtp_losses()) is not None]
-        return self._global_mean_loss(torch.cat(runs) if runs else None)
+    def _pop_mtp_losses(self) -> list[torch.Tensor]:
+        """This rank's MTP losses since the last call, ``[micro-batches, depths]`` per stage that ran some."""
+        return [losses for stage in self.stages if (losses := stage.pop_mtp_losses()) is not None]
 
     def validate(self) -> float:
         """Mean loss over ``training.val_batches`` fixed global batches of the held-out split."""
@@ -354,8 +356,8 @@ class Trainer:
             for i in range(self.config.training.val_batches):
                 inputs, labels = self.batch(self.val_loader, i * self.config.global_batch)
                 loss, _ = self.pipe.step(*inputs, num_chunks=chunks, criterion=lm_loss, labels=labels)
-                losses.append(self._global_mean_loss(loss))
-                self._global_mean_mtp_loss()  # held-out MTP losses: not part of the next step's figure
+                self._pop_mtp_losses()  # held-out MTP losses: not part of the next step's figure
+                losses.append(self._global_mean_losses(loss)[0])
         self.pipe.train()
         return sum(losses) / len(losses)
 
