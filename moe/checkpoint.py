@@ -48,6 +48,7 @@ Optimizer = torch.optim.Optimizer | DistributedOptimizer
 
 __all__ = [
     "CheckpointError",
+    "checkpoint_entries",
     "find_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
@@ -69,10 +70,11 @@ def _expert_offset(module: nn.Module, name: str) -> int | None:
     return block.dispatcher.local_experts.start
 
 
-def _global_tensors(
+def checkpoint_entries(
     modules: Sequence[nn.Module],
 ) -> Iterator[tuple[str, torch.Tensor, nn.Parameter | None, int | None]]:
-    """(global key, tensor to save or load in place, owning parameter or None for buffers, expert row)."""
+    """Our checkpoints' entries, the one definition of their names (saving, loading and ``moe.convert``):
+    (global key, tensor to save or load in place, owning parameter or None for buffers, expert row)."""
     for module in modules:
         params = dict(module.named_parameters())
         for name, t in [*params.items(), *module.named_buffers()]:
@@ -117,7 +119,7 @@ def _state_dict(
     ranks that hold it (so every copy of a key has one dtype); to load, pass ``staged``: such weights are
     read into fp32 tensors collected there, for :meth:`DistributedOptimizer.load_weight_` to set afterwards."""
     flat: dict[str, torch.Tensor] = {}
-    for key, t, param, row in _global_tensors(modules):
+    for key, t, param, row in checkpoint_entries(modules):
         if not _has_master(optimizer, param):
             flat[f"model.{key}"] = t
         elif staged is not None:

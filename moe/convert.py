@@ -39,7 +39,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from moe.checkpoint import _global_tensors  # the one definition of our checkpoints' entry names
+from moe.checkpoint import checkpoint_entries
 from moe.command import run_command
 from moe.config import MoEConfig
 from moe.dispatch.local import LocalDispatcher
@@ -264,7 +264,7 @@ def hf_to_ours(src: Path, dst: Path, *, dtype: torch.dtype | None, optimizer: st
         placeholders[name] = torch.zeros((), dtype=dt).expand(shape)  # shape and dtype for the plan, one element
         makers[name] = make
 
-    for key, t, param, row in _global_tensors([skeleton]):
+    for key, t, param, row in checkpoint_entries([skeleton]):
         base = key if row is None else key.rsplit(".e", 1)[0]
         dt = dtype if param is not None else t.dtype  # buffers keep theirs (fp32 router state)
         if base in hub:
