@@ -59,10 +59,10 @@ from bench.overlap_report import collect, load_rank_files
 from bench.overlap_run import CALIBRATION_MODE
 from bench.overlap_stats import RankSteps
 from moe.config import MoEConfig
-from moe.parallel import split_layers
 from moe.plan.measured import MeasuredCosts, load_costs, save_costs
 from moe.plan.model import LayerCostModel
-from moe.plan.pair import chunk_times
+from moe.plan.params import stage_plans
+from moe.plan.search import StageTimes
 
 __all__ = [
     "SPAN_FIELDS",
@@ -296,7 +296,7 @@ def predict_setup(costs: MeasuredCosts, setup: Setup, *, memory_bytes: float):
     pred = predict(
         candidate,
         model,
-        num_layers=setup.layers,
+        plans=stage_plans(costs.config, setup.pp, "dualpipev"),
         tokens_per_step=setup.tokens_per_step,
         num_gpus=world,
         peak_flops=gpu.bf16_flops,
@@ -304,25 +304,16 @@ def predict_setup(costs: MeasuredCosts, setup: Setup, *, memory_bytes: float):
     return pred, model
 
 
-def _action_costs(model: LayerCostModel, layers: int, pp: int) -> dict[str, float]:
+def _action_costs(model: LayerCostModel, pp: int) -> dict[str, float]:
     """The planner's lone F and B and overlapped F&B of one chunk, seconds, averaged over the DualPipeV
-    stages and the pairs the schedule runs (stage s with stage 2pp-1-s), as :mod:`moe.plan.search` times
-    them."""
-    stages = 2 * pp
-    ranges = split_layers(layers, stages)
-    blocks = [[model.block(i) for i in r] for r in ranges]
-    emb, head = model.embed(), model.head()
-    extra = [(emb[0] * (s == 0) + head[0] * (s == stages - 1), emb[1] * (s == 0) + head[1] * (s == stages - 1))
-             for s in range(stages)]  # fmt: skip
-    lone = [chunk_times(blocks[s], extra_f=extra[s][0], extra_b=extra[s][1]) for s in range(stages)]
-    pairs = [
-        chunk_times(blocks[s], blocks[stages - 1 - s], extra_f=extra[s][0], extra_b=extra[stages - 1 - s][1])
-        for s in range(stages)
-    ]
+    stages (as the trainer places the layers: ``auto``) and the pairs the schedule runs (stage s with stage
+    2pp-1-s), as :mod:`moe.plan.search` times them."""
+    times = StageTimes(model, stage_plans(model.cfg, pp, "dualpipev"))
+    stages = range(2 * pp)
     return {
-        "F": statistics.fmean(t.F for t in lone),
-        "B": statistics.fmean(t.B for t in lone),
-        "FB": statistics.fmean(t.FB for t in pairs),
+        "F": statistics.fmean(times.alone(s).F for s in stages),
+        "B": statistics.fmean(times.alone(s).B for s in stages),
+        "FB": statistics.fmean(times.pair(s, 2 * pp - 1 - s).FB for s in stages),
     }
 
 
@@ -343,7 +334,7 @@ def compare(setup: Setup, costs: MeasuredCosts, overlap_record: dict, *, memory_
         "step_ms_with_dp_reduce": pred.step_time * 1e3,
         "hidden": predicted_hidden,
         "bubble": pred.bubble_fraction,
-        "costs_ms": {k: v * 1e3 for k, v in _action_costs(model, setup.layers, setup.pp).items()},
+        "costs_ms": {k: v * 1e3 for k, v in _action_costs(model, setup.pp).items()},
     }
     lone = next((r for r in overlap_record["rows"] if r["mode"] == CALIBRATION_MODE), None)
     if lone is not None and lone["a2a_exposed_ms"] > 0:

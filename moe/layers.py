@@ -30,6 +30,7 @@ from kernels import functional
 from kernels.functional import accumulate_grad
 
 __all__ = [
+    "RECOMPUTE",
     "Attention",
     "DenseMLP",
     "Linear",
@@ -38,6 +39,7 @@ __all__ = [
     "causal_attention",
     "defer_wgrad",
     "recompute",
+    "recompute_granularity",
     "release",
     "selective_recompute",
 ]
@@ -202,6 +204,19 @@ def _refill(node: Any) -> None:
         storage.resize_(new.untyped_storage().nbytes())
         storage.copy_(new.untyped_storage())
     replay.freed = []
+
+
+RECOMPUTE = ("none", "selective", "full")
+"""Activation-recompute granularities (``ParallelConfig.recompute``), from keeping everything to keeping least."""
+
+
+def recompute_granularity(value: bool | str) -> str:
+    """A granularity of :data:`RECOMPUTE`; True and False (the switch of earlier releases) are full and none."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if value not in RECOMPUTE:
+        raise ValueError(f"recompute = {value!r}: choose one of {', '.join(RECOMPUTE)} (true: full, false: none)")
+    return value
 
 
 def selective_recompute(module: nn.Module, enabled: bool = True) -> nn.Module:

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, schedule_spec
 from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
-from moe.layers import selective_recompute
-from moe.pipeline_layout import AUTO, StagePlan, plan_stages, split_layers
+from moe.layers import RECOMPUTE, recompute_granularity, selective_recompute
+from moe.pipeline_layout import AUTO, StagePlan, plan_stages
+from moe.plan.params import layout_costs
 from moe.stage import MoEStage
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
     "nccl_options",
     "rank_grid",
     "recompute_granularity",
-    "split_layers",
     "tie_embeddings",
     "with_schedule",
 ]
@@ -59,19 +59,6 @@ def _full_order(order: tuple[str, ...]) -> tuple[str, ...]:
         i = order.index("ep")
         return (*order[:i], "edp", *order[i:])
     return order
-
-
-RECOMPUTE = ("none", "selective", "full")
-"""Activation-recompute granularities (``ParallelConfig.recompute``), from keeping everything to keeping least."""
-
-
-def recompute_granularity(value: bool | str) -> str:
-    """A granularity of :data:`RECOMPUTE`; True and False (the switch of earlier releases) are full and none."""
-    if isinstance(value, bool):
-        return "full" if value else "none"
-    if value not in RECOMPUTE:
-        raise ValueError(f"recompute = {value!r}: choose one of {', '.join(RECOMPUTE)} (true: full, false: none)")
-    return value
 
 
 @dataclass(kw_only=True, slots=True)
@@ -124,7 +111,8 @@ class ParallelConfig:
     pipeline_layout: str = AUTO
     """What each stage holds, in Megatron-Core's syntax (:mod:`moe.pipeline_layout`): ``E`` embedding, ``t``
     a layer, ``m`` an MTP module, ``L`` the head, ``|`` between stages, ``*n`` repeats, e.g. ``Et|ttt|tt|tL``;
-    stages in the order the schedule numbers them. ``auto``: layers split evenly."""
+    stages in the order the schedule numbers them. ``auto``: stages balanced by cost
+    (:func:`moe.pipeline_layout.balance`)."""
 
     def __post_init__(self) -> None:
         if self.dp is None:
@@ -199,6 +187,7 @@ class ParallelConfig:
                 num_stages=self.num_stages,
                 num_layers=cfg.num_layers,
                 mtp_layers=cfg.mtp_layers,
+                costs=layout_costs(cfg),
             )
         except ValueError as exc:
             raise ValueError(f"parallel.{exc} ({self.schedule} at pp={self.pp})") from None

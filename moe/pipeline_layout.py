@@ -8,20 +8,29 @@ layer), ``m`` (one multi-token-prediction module) and ``L`` (the final norm, the
     Et*3|(tt|)*29m|L     DeepSeek-V3 on 32 stages: the embedding and the 3 dense layers, 29 stages of two
                          layers, the MTP module alone, the head alone (Megatron-Core's example)
 
-Layers are numbered in order over the whole string. ``auto`` (the default) splits the layers evenly, the
-embedding with the first layers and the head (and MTP) with the last (:func:`split_layers`). The trainer
-(:meth:`moe.parallel.ParallelConfig.stage_plans`) and the planner both ask :func:`plan_stages`.
+Layers are numbered in order over the whole string. ``auto`` (the default) balances the stages by cost
+(:func:`balance`): each piece weighs its matmul FLOPs per token (:class:`Costs`, from the planner's parameter
+model, :func:`moe.plan.params.layout_costs`), so a dense layer, an MoE layer, the head and an MTP module each
+count for what they compute, and the embedding (a lookup) for nothing. The trainer
+(:meth:`moe.parallel.ParallelConfig.stage_plans`) and the planner both ask :func:`plan_stages`, so the planner
+sizes the stages the trainer builds.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import re
 from dataclasses import dataclass
 
-__all__ = ["AUTO", "StagePlan", "expand", "plan_stages", "split_layers"]
+__all__ = ["AUTO", "Costs", "StagePlan", "balance", "expand", "plan_stages", "shift_to_last"]
 
 AUTO = "auto"
-"""The layout that balances layer counts (the default)."""
+"""The layout that balances the stages' costs (the default; :func:`balance`)."""
+
+# Stage costs within this relative distance of the optimum's largest count as equal (sums of equal layers in
+# different orders differ in the last bits).
+_TIE = 1e-9
 
 _TOKEN = re.compile(r"\s*(?:(?P<atom>[EtmL|])|(?P<open>\()|(?P<close>\))|(?P<star>\*\s*(?P<n>\d+)))")
 
@@ -34,6 +43,20 @@ class StagePlan:
     layers: range
     mtp: int
     last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """What each piece of a layout costs, in any one unit (:func:`moe.plan.params.layout_costs`: matmul FLOPs
+    per token)."""
+
+    embed: float
+    layers: tuple[float, ...]
+    """One per transformer layer, in order."""
+    mtp: float
+    """All the MTP modules together: they sit on the stage of the head, after the last layer."""
+    head: float
+    """The final norm, the head and the loss."""
 
 
 def expand(text: str) -> str:
@@ -71,29 +94,100 @@ def _seq(text: str, pos: int, *, top: bool) -> tuple[str, int]:
     return "".join(parts), pos
 
 
-def split_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous, balanced layer ranges; the first ``num_layers % num_stages`` stages get one more."""
-    if num_layers < num_stages:
-        raise ValueError(f"{num_layers} layers cannot fill {num_stages} pipeline stages")
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for s in range(num_stages):
-        n = base + (1 if s < extra else 0)
-        ranges.append(range(start, start + n))
-        start += n
-    return ranges
+@functools.lru_cache(maxsize=64)
+def balance(costs: Costs, num_stages: int, mtp_layers: int = 0) -> str:
+    """The layout (spelled out, repeated stages folded as ``(tt|)*n``) whose costliest stage costs least, and
+    among those the one whose stage costs are most even (least sum of squares). Contiguous stages; the
+    embedding first with at least one layer; the MTP modules (``mtp_layers`` of them, costing ``costs.mtp``
+    together) and the head last and on one stage, which holds a layer too unless it holds MTP modules (every
+    stage runs a block; a layout string can still give the embedding or the head a stage of its own). Exact
+    (dynamic programming over the split points), deterministic."""
+    layers = len(costs.layers)
+    if layers < 1 or not 1 <= num_stages <= layers + (mtp_layers > 0):
+        raise ValueError(f"{layers} layers cannot fill {num_stages} pipeline stages")
+    # Indivisible units: the embedding with the first layer, each layer, the head with the last layer or with
+    # the MTP modules.
+    names = ["t"] * layers
+    units = list(costs.layers)
+    names[0], units[0] = "Et", costs.embed + units[0]
+    if mtp_layers:
+        names.append("m" * mtp_layers + "L")
+        units.append(costs.mtp + costs.head)
+    else:
+        names[-1] += "L"
+        units[-1] += costs.head
+    prefix = [0.0]
+    for c in units:
+        prefix.append(prefix[-1] + c)
+    n = len(units)
+
+    def cost(k: int, i: int) -> float:  # units k..i-1 on one stage
+        return prefix[i] - prefix[k]
+
+    inf = float("inf")
+    best = [0.0] + [inf] * n  # best[i]: the least costliest stage over splits of units[:i] into j stages
+    for j in range(1, num_stages + 1):
+        best = [inf] * j + [min(max(best[k], cost(k, i)) for k in range(j - 1, i)) for i in range(j, n + 1)]
+    limit = best[n] * (1 + _TIE) + _TIE
+    sq = [0.0] + [inf] * n  # under that limit, the least sum of squares; cuts[j][i]: where the j-th stage starts
+    cuts: list[list[int]] = []
+    for j in range(1, num_stages + 1):
+        nxt, cut = [inf] * (n + 1), [0] * (n + 1)
+        for i in range(j, n + 1):
+            for k in range(j - 1, i):
+                c = cost(k, i)
+                if c <= limit and sq[k] + c * c < nxt[i]:
+                    nxt[i], cut[i] = sq[k] + c * c, k
+        sq = nxt
+        cuts.append(cut)
+    bounds, i = [n], n
+    for j in range(num_stages, 0, -1):
+        i = cuts[j - 1][i]
+        bounds.append(i)
+    bounds.reverse()
+    return _fold(["".join(names[a:b]) for a, b in itertools.pairwise(bounds)])
 
 
-def plan_stages(text: str, *, num_stages: int, num_layers: int, mtp_layers: int) -> list[StagePlan]:
-    """The stages a layout string (or :data:`AUTO`: the even split, MTP with the head) describes, checked
-    against the model and the schedule's stage count: one line naming what does not match (``ValueError``)."""
+def shift_to_last(text: str, layers: int) -> str | None:
+    """``text`` with ``layers`` of the first stage's layers moved to the front of the last stage (a lighter first
+    stage, which keeps the most micro-batches in flight); None when the first stage would keep no layer or the
+    layout has one stage."""
+    stages = expand(text).split("|")
+    first = stages[0]
+    if len(stages) < 2 or first.count("t") <= layers or not first.endswith("t" * layers):
+        return None
+    stages[0], stages[-1] = first[: len(first) - layers], "t" * layers + stages[-1]
+    return _fold(stages)
+
+
+def _fold(stages: list[str]) -> str:
+    """``|``-joined stages, each run of two or more equal stages before the last written ``(s|)*n``."""
+    out, i = [], 0
+    while i < len(stages) - 1:
+        j = i
+        while j + 1 < len(stages) - 1 and stages[j + 1] == stages[i]:
+            j += 1
+        run = j - i + 1
+        out.append(f"({stages[i]}|)*{run}" if run > 1 else f"{stages[i]}|")
+        i = j + 1
+    return "".join(out) + stages[-1]
+
+
+def plan_stages(
+    text: str,
+    *,
+    num_stages: int,
+    num_layers: int,
+    mtp_layers: int,
+    costs: Costs | None = None,
+) -> list[StagePlan]:
+    """The stages a layout string describes, checked against the model and the schedule's stage count: one
+    line naming what does not match (``ValueError``). :data:`AUTO` is :func:`balance`'s layout for the model's
+    ``costs`` (required with it)."""
     if text == AUTO:
-        last = num_stages - 1
-        ranges = split_layers(num_layers, num_stages)
-        return [
-            StagePlan(first=s == 0, layers=r, mtp=mtp_layers * (s == last), last=s == last)
-            for s, r in enumerate(ranges)
-        ]
+        if costs is None:
+            raise TypeError("pipeline_layout 'auto' balances the model's costs: pass costs=")
+        text = balance(costs, num_stages, mtp_layers)
     where = f"pipeline_layout = {text!r}"
     stages = expand(text).split("|")
     if len(stages) != num_stages:

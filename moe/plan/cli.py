@@ -10,7 +10,7 @@ checkpoint directory (its config.json, :func:`moe.hf.read_hf_config`). Prints th
 how many fit, the best fitting plan (step time, tokens/s per GPU, MFU, bubble, exposed all-to-all, memory per
 GPU by kind and the memory options it uses), and a table of the top ``--top`` with why each loses.
 ``--deepseek-v3`` adds the DeepSeek-V3 report's layout with the report's memory options, each figure beside
-the report's (in the JSON as ``deepseek_v3``), its memory with layers split evenly and at
+the report's (in the JSON as ``deepseek_v3``), its memory with the stages balanced by cost (``auto``) and at
 :data:`moe.plan.report.V3_LAYOUT`. ``--pipeline-layout`` places the stages' contents as the trainer's flag does.
 """
 
@@ -95,8 +95,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="what each stage holds, in Megatron-Core's syntax as the trainer's --pipeline-layout (E embedding, t "
         "layer, m MTP module, L head, | between stages, *n repeats; e.g. Et*3|(t*4|)*14t*2mL); only the "
-        "candidates whose schedule has as many stages as it lists are searched (default auto: layers split "
-        "evenly, every candidate)",
+        "candidates whose schedule has as many stages as it lists are searched (default auto: stages "
+        "balanced by cost, every candidate)",
     )
     p.add_argument("--costs", metavar="FILE", help="measured sub-stage costs (bench.overlap --calibrate)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")

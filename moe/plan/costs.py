@@ -31,8 +31,8 @@ from typing import Protocol
 
 from dualpipe.schedule import schedule_spec
 from moe.config import MoEConfig
+from moe.layers import RECOMPUTE, recompute_granularity
 from moe.optimizer import STATE_DTYPES
-from moe.parallel import RECOMPUTE, recompute_granularity
 from moe.pipeline_layout import AUTO
 from moe.plan import flops as fl
 from moe.plan.hardware import GPU, Cluster
@@ -87,7 +87,7 @@ class Parallelism:
     """For schedules that take any number (interleaved 1F1B); None: the schedule's own."""
     pipeline_layout: str = AUTO
     """What each stage holds, the trainer's ``parallel.pipeline_layout`` (:mod:`moe.pipeline_layout`);
-    ``auto``: layers split evenly."""
+    ``auto``: stages balanced by cost."""
 
     def __post_init__(self) -> None:
         if min(self.pp, self.dp, self.ep) < 1:

@@ -25,13 +25,15 @@ from dataclasses import dataclass
 
 from dualpipe.schedule import Layout, schedule_spec
 from moe.config import MoEConfig
-from moe.pipeline_layout import AUTO, StagePlan, plan_stages
+from moe.pipeline_layout import AUTO, Costs, StagePlan, balance, plan_stages
 
 __all__ = [
     "ParamSpec",
     "active_params",
     "attention_params",
+    "auto_layout",
     "layer_params",
+    "layout_costs",
     "mtp_params",
     "rank_params",
     "rank_stages",
@@ -167,22 +169,54 @@ def stage_params(
     return out
 
 
-@functools.lru_cache(maxsize=256)
+def layout_costs(cfg: MoEConfig) -> Costs:
+    """What a ``pipeline_layout`` of ``auto`` balances (:func:`moe.pipeline_layout.balance`): each piece's matmul
+    FLOPs per token, forward and backward (6 x the parameters a token meets, as :func:`active_params` counts
+    them: the top-k of the routed experts, the head once more for every MTP module). The embedding is a lookup
+    and costs nothing. Attention's score and value products are left out: every layer and MTP block has the
+    same, so they change no balance between layers (they weigh the head a little less than the layers at long
+    sequences)."""
+
+    def flops(specs: Sequence[ParamSpec]) -> float:
+        return 6.0 * sum(p.numel * cfg.top_k / cfg.num_experts if p.expert else p.numel for p in specs)
+
+    head = flops(
+        [ParamSpec("norm.weight", cfg.hidden_size), ParamSpec("head.weight", cfg.vocab_size * cfg.hidden_size)]
+    )
+    mtp = sum(flops(mtp_params(cfg, k)) + head for k in range(cfg.mtp_layers))
+    return Costs(
+        embed=0.0, layers=tuple(flops(layer_params(cfg, i)) for i in range(cfg.num_layers)), mtp=mtp, head=head
+    )
+
+
+def auto_layout(cfg: MoEConfig, pp: int, schedule: str, modules_per_rank: int | None = None) -> str:
+    """The layout string ``auto`` stands for: :func:`moe.pipeline_layout.balance` of :func:`layout_costs` over
+    the schedule's stages (what ``--print-config`` and the planner show)."""
+    num_stages = schedule_spec(schedule).stage_layout(pp, modules_per_rank).num_stages
+    return balance(layout_costs(cfg), num_stages, cfg.mtp_layers)
+
+
 def stage_plans(
-    num_layers: int,
-    mtp_layers: int,
+    cfg: MoEConfig,
     pp: int,
     schedule: str,
     modules_per_rank: int | None = None,
     pipeline_layout: str = AUTO,
 ) -> tuple[StagePlan, ...]:
     """What each stage holds (by stage index) under ``pipeline_layout`` (Megatron-Core's syntax, or ``auto``:
-    the even split), by the trainer's own rule (:func:`moe.pipeline_layout.plan_stages`, which
-    :func:`moe.parallel.build_stages` follows): the one place the planner learns where layers, the MTP
+    balanced by :func:`layout_costs`), by the trainer's own rule (:func:`moe.pipeline_layout.plan_stages`,
+    which :func:`moe.parallel.build_stages` follows): the one place the planner learns where layers, the MTP
     modules, the embedding and the head sit. ``ValueError`` in one line when the layout does not fit the model
-    or the schedule's stages. Cached: a search asks for the same shape once per candidate and rank."""
+    or the schedule's stages."""
     num_stages = schedule_spec(schedule).stage_layout(pp, modules_per_rank).num_stages
-    return tuple(plan_stages(pipeline_layout, num_stages=num_stages, num_layers=num_layers, mtp_layers=mtp_layers))
+    return _plans(pipeline_layout, num_stages, cfg.num_layers, cfg.mtp_layers, layout_costs(cfg))
+
+
+@functools.lru_cache(maxsize=256)
+def _plans(text: str, num_stages: int, num_layers: int, mtp_layers: int, costs: Costs) -> tuple[StagePlan, ...]:
+    # Cached: a search asks for the same shape once per candidate and rank.
+    kw = dict(num_stages=num_stages, num_layers=num_layers, mtp_layers=mtp_layers, costs=costs)
+    return tuple(plan_stages(text, **kw))
 
 
 def rank_stages(
@@ -197,7 +231,7 @@ def rank_stages(
     """``(stage index, plan)`` of each local module of pipeline rank ``pp_rank``, placed as
     :func:`moe.parallel.build_stages` places them (the schedule's layout; :func:`stage_plans`)."""
     layout: Layout = schedule_spec(schedule).stage_layout(pp, modules_per_rank)
-    plans = stage_plans(cfg.num_layers, cfg.mtp_layers, pp, schedule, modules_per_rank, pipeline_layout)
+    plans = stage_plans(cfg, pp, schedule, modules_per_rank, pipeline_layout)
     sids = [layout.stage_of(pp_rank, m) for m in range(layout.modules_per_rank)]
     return [(sid, plans[sid]) for sid in sids]
 

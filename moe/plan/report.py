@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe.config import MoEConfig
-from moe.pipeline_layout import AUTO, expand
+from moe.pipeline_layout import AUTO, expand, shift_to_last
 from moe.plan.costs import RECOMPUTE, TRAINER_DEFAULTS, MemoryOptions
 from moe.plan.footprint import HEADROOM, Footprint, footprint, layer_activations
 from moe.plan.hardware import Cluster
 from moe.plan.measured import MeasuredCosts
 from moe.plan.model import LayerCostModel
-from moe.plan.params import stage_plans
+from moe.plan.params import auto_layout, stage_plans
 from moe.plan.search import Candidate, Prediction, StageTimes, candidates, predict, rank_predictions, seconds, why_worse
 
 __all__ = ["V3_LAYOUT", "V3_REPORT", "Plan", "RunShape", "plan", "plan_table", "v3_comparison", "v3_side_by_side"]
@@ -71,11 +71,12 @@ def _predict(model: LayerCostModel) -> Prediction:
     return predict(
         model.candidate,
         model,
-        num_layers=model.cfg.num_layers,
+        plans=stage_plans(
+            model.cfg, model.candidate.pp, model.candidate.schedule, None, model.candidate.pipeline_layout
+        ),
         tokens_per_step=model.tokens_per_step,
         num_gpus=model.cluster.num_gpus,
         peak_flops=model.cluster.gpu.bf16_flops,
-        mtp_layers=model.cfg.mtp_layers,
     )
 
 
@@ -136,7 +137,33 @@ def plan(
     fitting = [c for c in found if models[c].fits()]
     rest = sorted((c for c in found if not models[c].fits()), key=lambda c: models[c].memory().total)
     timed = fitting + rest[: max(0, top - len(fitting))]
-    return Plan(rank_predictions([_predict(models[c]) for c in timed]), len(found), len(fitting))
+    ranked = rank_predictions([_predict(models[c]) for c in timed])
+    # The layout dimension, where it can change the answer: the leading candidates with lighter first stages.
+    variants = [v for p in ranked[:top] for v in layout_variants(cfg, p.candidate)]
+    for v in variants:
+        models[v] = _model(cfg, cluster, run, v, measured, options)
+    more = [_predict(models[v]) for v in variants if models[v].fits() or not fitting]
+    fits = len(fitting) + sum(models[v].fits() for v in variants)
+    best: dict[Candidate, Prediction] = {}  # each candidate once, at its best layout
+    for p in rank_predictions([*ranked, *more]):
+        best.setdefault(dataclasses.replace(p.candidate, pipeline_layout=AUTO), p)
+    return Plan(list(best.values()), len(found) + len(variants), fits)
+
+
+LAYOUT_SHIFTS = (1, 2, 3)
+"""Layers the planner moves from the first stage of ``auto``'s layout to the last one
+(:func:`moe.pipeline_layout.shift_to_last`): ``auto`` balances compute, while the first stage keeps the most
+micro-batches in flight and bidirectional schedules run it beside the last."""
+
+
+def layout_variants(cfg: MoEConfig, c: Candidate) -> list[Candidate]:
+    """``c`` under ``auto``'s layout with each of :data:`LAYOUT_SHIFTS` layers moved off its first stage (none
+    for a candidate with a layout of its own)."""
+    if c.pipeline_layout != AUTO:
+        return []
+    base = auto_layout(cfg, c.pp, c.schedule)
+    shifted = (shift_to_last(base, k) for k in LAYOUT_SHIFTS)
+    return [dataclasses.replace(c, pipeline_layout=text) for text in shifted if text is not None]
 
 
 def _row(p: Prediction) -> list[str]:
@@ -149,6 +176,7 @@ def _row(p: Prediction) -> list[str]:
         str(c.num_chunks),
         str(c.comm_sms),
         c.recompute,
+        c.pipeline_layout,
         seconds(p.step_time),
         f"{p.tokens_per_s_per_gpu:,.0f}",
         f"{p.mfu:.1%}",
@@ -159,7 +187,7 @@ def _row(p: Prediction) -> list[str]:
     ]
 
 
-_HEADER = ["schedule", "pp", "dp", "ep", "chunks", "comm SMs", "recompute", "step", "tok/s/GPU", "MFU",
+_HEADER = ["schedule", "pp", "dp", "ep", "chunks", "comm SMs", "recompute", "layout", "step", "tok/s/GPU", "MFU",
            "bubble", "exposed a2a", "GiB/GPU", "fits"]  # fmt: skip
 
 
@@ -234,15 +262,18 @@ def v3_side_by_side(
     without the options for contrast."""
     layout, options = V3_REPORT["layout"], V3_REPORT["options"]
     chunks = run.global_batch // (layout.dp * run.micro_batch)
-    cand = dataclasses.replace(layout, num_chunks=chunks)
-    model = _model(cfg, cluster, run, cand, measured, options)
-    p = _predict(model)
+    auto = dataclasses.replace(layout, num_chunks=chunks)
+    # The planner's layout for the report's parallelism: auto's or a lighter first stage, as plan() searches.
+    tried = {c: _model(cfg, cluster, run, c, measured, options) for c in [auto, *layout_variants(cfg, auto)]}
+    p = rank_predictions([_predict(m) for m in tried.values()])[0]
+    cand, model = p.candidate, tried[p.candidate]
     moe = model.layer(cfg.moe_layers[0])
     # The report's bubble formula with this model's per-chunk costs (a middle stage's chunk, paired with itself).
-    plans = stage_plans(cfg.num_layers, cfg.mtp_layers, layout.pp, layout.schedule)
-    times = StageTimes(model, plans, cfg.num_layers).alone(layout.pp // 2)
+    plans = stage_plans(cfg, cand.pp, cand.schedule, None, cand.pipeline_layout)
+    times = StageTimes(model, plans).alone(layout.pp // 2)
     formula = (layout.pp / 2 - 1) * (times.FB + times.B - 3 * times.W)
     plain = evaluate(cfg, cluster, run, dataclasses.replace(cand, recompute="none"), measured)
+    auto_memory = tried[auto].memory()
     hbm = V3_REPORT["hbm_gb"] * 1e9
     m = p.memory
     # What one MoE layer keeps per micro-batch at these options, largest first: where the gap to the report is.
@@ -262,14 +293,17 @@ def v3_side_by_side(
             "within_hbm": m.total <= hbm,
             "by_kind": _by_kind(m),
             "pp_rank": m.pp_rank,
-            "pipeline_layout": AUTO,
+            "pipeline_layout": cand.pipeline_layout,
+            "auto_layout": auto_layout(cfg, layout.pp, layout.schedule),
+            "auto": auto_memory.total / GIB,
             "per_rank": _per_rank(model),
             "peak_live_modules": m.peak_modules,
             "moe_layer_mib": sum(kept.values()) / 2**20,
             "moe_layer_largest_mib": largest,
             "without_options": plain.memory.total / GIB,
             "note": f"the report: fits in {V3_REPORT['hbm_gb']} GB with these options; ours: the fullest rank, "
-            f"which fits when it leaves {HEADROOM_NOTE}; layers split evenly over the 16 stages (auto)",
+            f"which fits when it leaves {HEADROOM_NOTE}; at the planner's layout (auto's, or with layers moved off "
+            "its first stage: moe.plan.report.LAYOUT_SHIFTS), auto's beside it",
         },
         "memory_gib_layout": _layout_memory(laid, hbm),
         "tokens_per_s_per_gpu": {
@@ -365,10 +399,11 @@ def v3_comparison(
         ["compute : all-to-all, one MoE layer forward",
          f"{ratio['planner']:.2f} : 1 (experts alone {ratio['experts_alone']:.2f} : 1)" if ratio["planner"]
          else "no a2a", "about 1 : 1 (3.2.2)"],
-        ["memory per GPU (GiB), layers split evenly",
+        [f"memory per GPU (GiB), the planner's layout {mem['pipeline_layout']}",
          f"{mem['planner']:.1f} ({_fit_words(mem)}, rank {mem['pp_rank']}); "
          f"{mem['without_options']:.0f} without the options",
          f"fits in {V3_REPORT['hbm_gb']} GB ({mem['report']:.1f} GiB)"],
+        [f"memory per GPU (GiB), layout auto = {mem['auto_layout']}", f"{mem['auto']:.1f}", ""],
         [f"memory per GPU (GiB), layout {lay['pipeline_layout']}",
          lay["note"] if lay["planner"] is None else
          f"{lay['planner']:.1f} ({_fit_words(lay)}, rank {lay['pp_rank']}); Megatron-Core's V3 example at 16 stages",

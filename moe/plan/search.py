@@ -26,7 +26,6 @@ from dualpipe.simulate import Costs, SimResult, simulate
 from moe.pipeline_layout import AUTO, StagePlan, expand
 from moe.plan.costs import RECOMPUTE, recompute_granularity
 from moe.plan.pair import BlockTimes, ChunkTimes, chunk_times
-from moe.plan.params import stage_plans
 
 __all__ = [
     "Candidate",
@@ -55,7 +54,7 @@ class Candidate:
     recompute: str
     """A granularity of :data:`moe.plan.costs.RECOMPUTE` (a bool reads as ``full`` / ``none``)."""
     pipeline_layout: str = AUTO
-    """What each stage holds (:mod:`moe.pipeline_layout`); ``auto``: layers split evenly."""
+    """What each stage holds (:mod:`moe.pipeline_layout`); ``auto``: stages balanced by cost."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_granularity(self.recompute))
@@ -202,8 +201,9 @@ class StageTimes:
     plan (:func:`moe.plan.params.stage_plans`): its layers, then its MTP blocks (layers ``num_layers ..``);
     the embedding on the first, the head on the last."""
 
-    def __init__(self, model: CostModel, plans: Sequence[StagePlan], num_layers: int) -> None:
+    def __init__(self, model: CostModel, plans: Sequence[StagePlan]) -> None:
         self.plans = list(plans)
+        num_layers = sum(len(p.layers) for p in self.plans)
         self.blocks = [
             [model.block(i) for i in (*p.layers, *range(num_layers, num_layers + p.mtp))] for p in self.plans
         ]
@@ -265,17 +265,15 @@ def predict(
     candidate: Candidate,
     model: CostModel,
     *,
-    num_layers: int,
+    plans: Sequence[StagePlan],
     tokens_per_step: int,
     num_gpus: int,
     peak_flops: float,
-    mtp_layers: int = 0,
 ) -> Prediction:
-    """Time and size ``candidate`` with ``model`` (see the module docstring), its stages as its
-    ``pipeline_layout`` says."""
+    """Time and size ``candidate`` with ``model`` (see the module docstring), its stages as ``plans`` say
+    (:func:`moe.plan.params.stage_plans` of its ``pipeline_layout``)."""
     schedule = build_schedule(candidate.schedule, candidate.pp, candidate.num_chunks)
-    plans = stage_plans(num_layers, mtp_layers, candidate.pp, candidate.schedule, None, candidate.pipeline_layout)
-    times = StageTimes(model, plans, num_layers)
+    times = StageTimes(model, plans)
     durations, exposed, total = _durations(schedule, times)
     sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
     reduce = model.dp_reduce()

@@ -10,7 +10,6 @@ from dualpipe.weight_grad import GradStore
 from moe import MoEConfig, MoEModel, lm_loss, preset
 from moe.grad_sync import balance_routers
 from moe.layers import Linear
-from moe.parallel import split_layers
 from moe.router import Router
 from tests.moe.helpers import SEED, assert_rel_close, batch, tiny_config
 
@@ -129,9 +128,6 @@ def test_config_validation_and_presets():
     v3 = preset("v3")
     assert (v3.num_experts, v3.top_k, v3.n_group, v3.topk_group, v3.num_dense_layers) == (256, 8, 8, 4, 3)
     assert preset("tiny", num_layers=3).num_layers == 3
-    assert [len(r) for r in split_layers(7, 4)] == [2, 2, 2, 1]
-    with pytest.raises(ValueError, match="cannot fill"):
-        split_layers(3, 4)
 
 
 def test_bf16_model_keeps_balancing_state_in_fp32():

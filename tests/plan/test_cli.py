@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from moe.config import PRESETS
+from moe.pipeline_layout import shift_to_last
 from moe.plan.cli import JSON_SCHEMA_VERSION, main
-from moe.plan.report import V3_LAYOUT
+from moe.plan.params import auto_layout
+from moe.plan.report import LAYOUT_SHIFTS, V3_LAYOUT
 
 SMALL = ["--preset", "tiny", "--gpus", "8", "--gpus-per-node", "4", "--gpu", "h100", "--seq-len", "64"]
 SMALL += ["--global-batch", "64", "--micro-batch", "2"]
@@ -130,16 +133,20 @@ def test_deepseek_v3_side_by_side_in_the_json(tmp_path: Path) -> None:
     assert mem["planner"] == pytest.approx(layout["memory_bytes"]["total"] / 2**30)
     assert mem["report"] == pytest.approx(80e9 / 2**30) and mem["fits"] == layout["fits"]
     assert mem["planner"] < 0.6 * mem["without_options"]
-    # both figures: the even split and Megatron-Core's V3 example at 16 stages, each its fullest rank of 16
+    # both figures: the planner's layout (auto's, or it with layers moved off the first stage) and Megatron-Core's
+    # V3 example at 16 stages, each its fullest rank of 16; auto's beside them
     lay = v3["memory_gib_layout"]
-    assert mem["pipeline_layout"] == "auto" and lay["pipeline_layout"] == V3_LAYOUT
+    auto = auto_layout(PRESETS["deepseek-v3"], 16, "dualpipe")
+    assert mem["auto_layout"] == auto and lay["pipeline_layout"] == V3_LAYOUT
+    assert mem["pipeline_layout"] in {"auto", *(shift_to_last(auto, k) for k in LAYOUT_SHIFTS)}
+    assert mem["planner"] <= mem["auto"] or not mem["fits"]
     for m in (mem, lay):
         assert len(m["per_rank"]) == 16 and max(r["total"] for r in m["per_rank"]) == pytest.approx(m["planner"])
         assert m["per_rank"][m["pp_rank"]]["total"] == pytest.approx(m["planner"])
         assert m["within_hbm"] == (m["planner"] <= mem["report"])
-    # the layout's ends (embedding, 3 dense + 2 layers, MTP, head) hold fewer parameters than the even split's
-    assert lay["per_rank"][0]["params"] < mem["per_rank"][0]["params"]
-    assert lay["per_rank"][0]["total"] != pytest.approx(mem["per_rank"][0]["total"])
+    # auto balances compute and leaves five layers on the first stage, the one with the most micro-batches in
+    # flight: a lighter first stage holds less, and the planner takes it
+    assert mem["pipeline_layout"] != "auto" and mem["planner"] < mem["auto"]
     tok = v3["tokens_per_s_per_gpu"]
     assert tok["report"] == pytest.approx(14.8e12 / (2664e3 * 3600)) and round(tok["report"]) == 1543
     assert tok["planner"] == pytest.approx(layout["tokens_per_s_per_gpu"]) and 500 < tok["planner"] < 5000

@@ -1,19 +1,22 @@
 """The planner under pipeline layouts (moe.pipeline_layout): per-rank parameters equal to the stages
-build_stages builds under the same layout, ``auto`` as the even split, mistakes in one line, the pre-flight
-estimate following the trainer's layout."""
+build_stages builds under the same layout, ``auto`` as the cost balance (checked against every split), mistakes
+in one line, the pre-flight estimate following the trainer's layout."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 
 import pytest
 
 from moe.config import PRESETS
-from moe.parallel import ParallelConfig, ParallelLayout, build_stages, split_layers
+from moe.parallel import ParallelConfig, ParallelLayout, build_stages
+from moe.pipeline_layout import Costs, balance, expand, shift_to_last
 from moe.plan.cli import main
 from moe.plan.costs import Parallelism, Workload
 from moe.plan.footprint import footprint
-from moe.plan.params import rank_params, rank_stages
+from moe.plan.params import auto_layout, rank_params, rank_stages
 from moe.train import config_from_args
 from moe.train.preflight import memory_estimate
 
@@ -36,10 +39,10 @@ def _built(schedule: str, pp: int, pp_rank: int, layout: str) -> list[tuple[str,
 
 @pytest.mark.parametrize(
     ("schedule", "pp", "layout"),
-    [("dualpipev", 2, "Ett|t|t|mL"), ("dualpipe", 2, "Et|tttmL"), ("1f1b", 2, "Ettt|tmL")],
+    [("dualpipev", 2, "Ett|t|t|mL"), ("dualpipe", 2, "Et|tttmL"), ("1f1b", 2, "Et|tttmL")],
 )
 def test_parameter_lists_follow_the_layout(schedule: str, pp: int, layout: str) -> None:
-    """Name by name, every rank, as build_stages builds it; and the layout moves something off the even split."""
+    """Name by name, every rank, as build_stages builds it; and the layout moves something off ``auto``'s split."""
     moved = False
     for r in range(pp):
         planned = rank_params(V3, pp, 1, schedule, r, pipeline_layout=layout)
@@ -48,21 +51,60 @@ def test_parameter_lists_follow_the_layout(schedule: str, pp: int, layout: str) 
     assert moved
 
 
-@pytest.mark.parametrize(("schedule", "pp", "spelled"), [("dualpipev", 2, "Et|t|t|tmL"), ("1f1b", 2, "Ett|ttmL")])
-def test_auto_is_the_even_split(schedule: str, pp: int, spelled: str) -> None:
-    """``auto``'s stages are split_layers' ranges (the planner's figures before layouts), and equal the same
-    split written out as a layout string, in the plans and the footprint alike."""
-    stages = ParallelConfig(pp=pp, schedule=schedule).num_stages
-    ranges = split_layers(V3.num_layers, stages)
+@pytest.mark.parametrize(("schedule", "pp", "spelled"), [("dualpipev", 2, "Et|t|tt|mL"), ("1f1b", 2, "Ettt|tmL")])
+def test_auto_is_the_cost_balance(schedule: str, pp: int, spelled: str) -> None:
+    """``auto``'s stages are the layout balance spells for the model's costs (here the head and the MTP module
+    weigh more than a layer, so the last stage holds fewer layers), in the trainer's plans, the planner's and
+    the footprint alike."""
+    assert auto_layout(V3, pp, schedule) == spelled
+    trainer = ParallelConfig(pp=pp, schedule=schedule)
+    assert trainer.stage_plans(V3) == ParallelConfig(pp=pp, schedule=schedule, pipeline_layout=spelled).stage_plans(V3)
     for r in range(pp):
-        auto = rank_stages(V3, pp, schedule, r)
-        assert [sp.layers for _, sp in auto] == [ranges[sid] for sid, _ in auto]
-        assert [sp.mtp for _, sp in auto] == [V3.mtp_layers * (sid == stages - 1) for sid, _ in auto]
-        assert auto == rank_stages(V3, pp, schedule, r, pipeline_layout=spelled)
+        assert rank_stages(V3, pp, schedule, r) == rank_stages(V3, pp, schedule, r, pipeline_layout=spelled)
     work = Workload(seq_len=16, micro_batch=1)
     par = Parallelism(pp=pp, dp=2, ep=2, schedule=schedule)
     laid = Parallelism(pp=pp, dp=2, ep=2, schedule=schedule, pipeline_layout=spelled)
     assert footprint(V3, par, work, num_chunks=8) == footprint(V3, laid, work, num_chunks=8)
+
+
+def _every_split(units: list[float], stages: int) -> list[tuple[float, float, tuple[int, ...]]]:
+    """(costliest stage, sum of squares, stage sizes) of every way to cut ``units`` into ``stages`` runs."""
+    out = []
+    for cuts in itertools.combinations(range(1, len(units)), stages - 1):
+        bounds = (0, *cuts, len(units))
+        costs = [sum(units[a:b]) for a, b in itertools.pairwise(bounds)]
+        out.append((max(costs), sum(c * c for c in costs), tuple(b - a for a, b in itertools.pairwise(bounds))))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balance_finds_the_best_split(seed: int) -> None:
+    """Against every split of random costs: the costliest stage is the least possible, and among those splits the
+    sum of squares is the least; the embedding rides with the first layer, the head with the MTP module (or
+    with the last layer when there is none)."""
+    rng = random.Random(seed)
+    layers = tuple(rng.choice([1.0, 1.0, 2.0, 3.5]) for _ in range(rng.randint(3, 8)))
+    mtp = rng.choice([0, 1])
+    costs = Costs(embed=0.0, layers=layers, mtp=2.5 * mtp, head=rng.choice([0.5, 1.5, 4.0]))
+    units = [*layers, costs.mtp + costs.head] if mtp else [*layers[:-1], layers[-1] + costs.head]
+    for stages in range(1, len(units) + 1):
+        text = balance(costs, stages, mtp)
+        sizes = [s.count("t") + ("m" in s) for s in expand(text).split("|")]  # units per stage
+        got = [sum(units[a:b]) for a, b in itertools.pairwise(itertools.accumulate([0, *sizes]))]
+        splits = _every_split(units, stages)
+        least = min(s[0] for s in splits)
+        assert max(got) == pytest.approx(least), (text, splits)
+        assert sum(c * c for c in got) == pytest.approx(min(s[1] for s in splits if s[0] <= least + 1e-9)), text
+        assert text.startswith("Et") and expand(text).endswith("mL" if mtp else "tL")
+    with pytest.raises(ValueError, match="cannot fill"):
+        balance(costs, len(units) + 1, mtp)
+
+
+def test_shift_to_last_lightens_the_first_stage() -> None:
+    assert shift_to_last("Ettttt|(tttt|)*14mL", 2) == "Ettt|(tttt|)*14ttmL"
+    assert shift_to_last("Ett|t|tL", 1) == "Et|t|ttL"
+    assert shift_to_last("Et|t|tL", 1) is None  # the first stage would keep no layer
+    assert shift_to_last("EttL", 1) is None  # one stage
 
 
 def test_memory_follows_the_layout() -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from dualpipe.schedule import build_schedule
 from dualpipe.simulate import Costs, simulate
+from moe.pipeline_layout import StagePlan, plan_stages
 from moe.plan.pair import BlockTimes, chunk_times
 from moe.plan.search import Candidate, candidates, predict, rank_predictions, why_worse
 
@@ -69,13 +70,19 @@ class _Uniform:
         return 1.0
 
 
+def _one_layer_each(stages: int) -> list[StagePlan]:
+    text = "|".join(["Et", *["t"] * (stages - 2), "tL"])
+    return plan_stages(text, num_stages=stages, num_layers=stages, mtp_layers=0)
+
+
 @pytest.mark.parametrize(("schedule", "pp", "chunks"), [("1f1b", 4, 8), ("dualpipe", 4, 8), ("dualpipev", 2, 8)])
 def test_without_communication_the_published_bubbles_come_back(schedule: str, pp: int, chunks: int) -> None:
     """One block per stage, every sub-stage 1 unit: F = 2, B = 4, W = 2 per chunk, F&B = F + B (nothing to
     overlap): the simulator's regime for the report's formulas (F = B - W, W <= F, F&B <= F + B)."""
     cand = Candidate(schedule, pp, 1, 1, chunks, 0, False)
     layers = build_schedule(schedule, pp, chunks).layout.num_stages
-    got = predict(cand, _Uniform(1.0, 0.0), num_layers=layers, tokens_per_step=1, num_gpus=pp, peak_flops=1.0)
+    plans = _one_layer_each(layers)
+    got = predict(cand, _Uniform(1.0, 0.0), plans=plans, tokens_per_step=1, num_gpus=pp, peak_flops=1.0)
     F, B, W = 2.0, 4.0, 2.0
     stages = layers if schedule == "dualpipev" else pp
     formula = {
@@ -92,8 +99,10 @@ def test_without_communication_the_published_bubbles_come_back(schedule: str, pp
 def test_overlap_hides_what_a_lone_chunk_exposes() -> None:
     dualpipev = Candidate("dualpipev", 2, 1, 1, 8, 0, False)
     zb1p = Candidate("zb1p", 2, 1, 1, 8, 0, False)
-    kw = dict(num_layers=4, tokens_per_step=1, num_gpus=2, peak_flops=1.0)
-    overlapped, plain = predict(dualpipev, _Uniform(1.0, 1.0), **kw), predict(zb1p, _Uniform(1.0, 1.0), **kw)
+    kw = dict(tokens_per_step=1, num_gpus=2, peak_flops=1.0)
+    overlapped = predict(dualpipev, _Uniform(1.0, 1.0), plans=_one_layer_each(4), **kw)
+    two_each = plan_stages("Ett|ttL", num_stages=2, num_layers=4, mtp_layers=0)  # the same 4 layers on 2 stages
+    plain = predict(zb1p, _Uniform(1.0, 1.0), plans=two_each, **kw)
     assert plain.exposed_a2a_fraction > 0.7  # no pair: only a backward's dW hides anything
     assert 0.0 <= overlapped.exposed_a2a_fraction < 0.5
     best, worse = rank_predictions([plain, overlapped])
