@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dualpipe.schedule import SCHEDULES, schedule_spec
 from moe.config import MoEConfig
 from moe.pipeline_layout import AUTO, expand, shift_to_last
 from moe.plan.costs import RECOMPUTE, TRAINER_DEFAULTS, MemoryOptions
@@ -263,9 +264,7 @@ def v3_side_by_side(
     layout, options = V3_REPORT["layout"], V3_REPORT["options"]
     chunks = run.global_batch // (layout.dp * run.micro_batch)
     auto = dataclasses.replace(layout, num_chunks=chunks)
-    # The planner's layout for the report's parallelism: auto's or a lighter first stage, as plan() searches.
-    tried = {c: _model(cfg, cluster, run, c, measured, options) for c in [auto, *layout_variants(cfg, auto)]}
-    p = rank_predictions([_predict(m) for m in tried.values()])[0]
+    p, tried = _best_layout(cfg, cluster, run, auto, measured, options)
     cand, model = p.candidate, tried[p.candidate]
     moe = model.layer(cfg.moe_layers[0])
     # The report's bubble formula with this model's per-chunk costs (a middle stage's chunk, paired with itself).
@@ -324,10 +323,53 @@ def v3_side_by_side(
             "report": V3_REPORT["compute_to_a2a"],
         },
         "mfu": {"planner": p.mfu, "report": None},
+        "schedules": _beside(cfg, cluster, run, auto, measured, options),
         "exposed_a2a_fraction": {
             "planner": p.exposed_a2a_fraction, "report": 0.0, "note": "report: fully overlapped (claimed, 3.2.1)",
         },
     }  # fmt: skip
+
+
+def _best_layout(
+    cfg: MoEConfig,
+    cluster: Cluster,
+    run: RunShape,
+    c: Candidate,
+    measured: MeasuredCosts | None,
+    options: MemoryOptions,
+) -> tuple[Prediction, dict[Candidate, LayerCostModel]]:
+    """``c`` at the planner's layout (auto's, or with layers moved off its first stage, as :func:`plan`
+    searches): the best prediction and every model tried."""
+    tried = {v: _model(cfg, cluster, run, v, measured, options) for v in [c, *layout_variants(cfg, c)]}
+    return rank_predictions([_predict(m) for m in tried.values()])[0], tried
+
+
+def _beside(
+    cfg: MoEConfig,
+    cluster: Cluster,
+    run: RunShape,
+    report: Candidate,
+    measured: MeasuredCosts | None,
+    options: MemoryOptions,
+) -> list[dict[str, Any]]:
+    """Every other registered schedule (the V family among them) at the report's pp, dp, ep, micro-batches and
+    options, each at its best layout: what a user limited by memory rather than bubble would weigh."""
+    out = []
+    for name in SCHEDULES:
+        if name == report.schedule:
+            continue
+        c = dataclasses.replace(report, schedule=name)
+        try:
+            schedule_spec(name).validate(c.pp, c.num_chunks)
+        except ValueError as exc:
+            out.append({"schedule": name, "note": f"does not run here: {exc}"})
+            continue
+        p, _ = _best_layout(cfg, cluster, run, c, measured, options)
+        out.append({
+            "schedule": name, "pipeline_layout": p.candidate.pipeline_layout, "memory_gib": p.memory.total / GIB,
+            "fits": p.fits, "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "bubble_fraction": p.bubble_fraction,
+        })  # fmt: skip
+    return out
 
 
 HEADROOM_NOTE = "10% of HBM left free (moe.plan.footprint.HEADROOM)"
@@ -414,6 +456,17 @@ def v3_comparison(
         ["MFU (bf16 peak)", f"{v3['mfu']['planner']:.1%}", "not stated"],
         ["all-to-all exposed", f"{v3['exposed_a2a_fraction']['planner']:.1%}", "fully overlapped (claimed, 3.2.1)"],
     ]  # fmt: skip
+    for o in v3["schedules"]:  # the other schedules at the same parallelism
+        rows.append(
+            [
+                f"{o['schedule']} instead, same pp/dp/ep",
+                o["note"]
+                if "note" in o
+                else f"{o['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {o['memory_gib']:.1f} GiB "
+                f"({'fits' if o['fits'] else 'does NOT fit'}), bubble {o['bubble_fraction']:.1%}",
+                "",
+            ]
+        )
     layout = v3["layout"]
     head = (
         f"DeepSeek-V3's layout: {layout['schedule']} pp={layout['pp']} dp={layout['dp']} ep={layout['ep']} "

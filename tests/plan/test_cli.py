@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dualpipe.schedule import SCHEDULES
 from moe.config import PRESETS
 from moe.pipeline_layout import shift_to_last
 from moe.plan.cli import JSON_SCHEMA_VERSION, main
@@ -82,7 +83,8 @@ def test_measured_costs_describe_the_machine_they_came_from(tmp_path: Path) -> N
 def test_model_takes_a_preset_or_a_checkpoint_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--model NAME`` (``--preset`` is the same flag) or a Hugging Face directory, read by moe.hf; an unknown
     name is one line."""
-    from moe.config import PRESETS
+    from dualpipe.schedule import SCHEDULES
+from moe.config import PRESETS
     from moe.hf import to_hf_config
 
     argv = SMALL[2:]
@@ -152,3 +154,7 @@ def test_deepseek_v3_side_by_side_in_the_json(tmp_path: Path) -> None:
     assert tok["planner"] == pytest.approx(layout["tokens_per_s_per_gpu"]) and 500 < tok["planner"] < 5000
     assert v3["bubble_s"]["planner"] > 0 and v3["bubble_s"]["report_formula_with_our_costs"] > 0
     assert {"compute_to_a2a", "mfu", "exposed_a2a_fraction"} <= set(v3)
+    # every other registered schedule beside DualPipe at the same parallelism, or why it cannot run there
+    assert [o["schedule"] for o in v3["schedules"]] == [s for s in SCHEDULES if s != "dualpipe"]
+    for o in v3["schedules"]:
+        assert "note" in o or (o["memory_gib"] > 0 and 0 < o["tokens_per_s_per_gpu"] < 5000), o
