@@ -83,8 +83,7 @@ def test_measured_costs_describe_the_machine_they_came_from(tmp_path: Path) -> N
 def test_model_takes_a_preset_or_a_checkpoint_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--model NAME`` (``--preset`` is the same flag) or a Hugging Face directory, read by moe.hf; an unknown
     name is one line."""
-    from dualpipe.schedule import SCHEDULES
-from moe.config import PRESETS
+    from moe.config import PRESETS
     from moe.hf import to_hf_config
 
     argv = SMALL[2:]
