@@ -21,7 +21,18 @@ from moe.plan.hardware import Cluster
 from moe.plan.measured import MeasuredCosts
 from moe.plan.model import LayerCostModel
 from moe.plan.params import auto_layout, stage_plans
-from moe.plan.search import Candidate, Prediction, StageTimes, candidates, predict, rank_predictions, seconds, why_worse
+from moe.plan.search import (
+    LOSS_CLASSES,
+    Candidate,
+    Prediction,
+    StageTimes,
+    candidates,
+    loss_class,
+    predict,
+    rank_predictions,
+    seconds,
+    why_worse,
+)
 
 __all__ = ["V3_LAYOUT", "V3_REPORT", "Plan", "RunShape", "plan", "plan_table", "v3_comparison", "v3_side_by_side"]
 
@@ -48,6 +59,8 @@ class Plan:
     ranked: list[Prediction]
     num_candidates: int
     num_fitting: int
+    closest_misfit: tuple[Candidate, float] | None = None
+    """The candidate that misses memory by least and its bytes per GPU (None when every candidate fits)."""
 
     @property
     def best(self) -> Prediction:
@@ -148,7 +161,8 @@ def plan(
     best: dict[Candidate, Prediction] = {}  # each candidate once, at its best layout
     for p in rank_predictions([*ranked, *more]):
         best.setdefault(dataclasses.replace(p.candidate, pipeline_layout=AUTO), p)
-    return Plan(list(best.values()), len(found) + len(variants), fits)
+    misfit = (rest[0], models[rest[0]].memory().total) if rest else None
+    return Plan(list(best.values()), len(found) + len(variants), fits, misfit)
 
 
 LAYOUT_SHIFTS = (1, 2, 3)
@@ -219,7 +233,28 @@ def plan_table(result: Plan, top: int = 10) -> str:
     shown = result.ranked[:top]
     rows = [[*_row(p), "best" if p is best else why_worse(p, best)] for p in shown]
     lines.append(_table(rows, [*_HEADER, "why it loses"]))
+    lines += ["", *why_not(result)]
     return "\n".join(lines)
+
+
+def why_not(result: Plan) -> list[str]:
+    """One line per class of candidates that lose to the best (:data:`moe.plan.search.LOSS_CLASSES`): how many,
+    and the closest of them."""
+    best = result.best
+    out = []
+    misses = result.num_candidates - result.num_fitting
+    if misses and result.closest_misfit is not None:
+        c, need = result.closest_misfit
+        out.append(f"memory: {misses} candidates {LOSS_CLASSES['memory']} (the closest, {c.describe()}, needs "
+                   f"{need / GIB:.1f} GiB per GPU)")  # fmt: skip
+    timed = [p for p in result.ranked[1:] if p.fits and best.fits]
+    for kind in ("bubble", "comm", "dp", "close"):
+        group = [p for p in timed if loss_class(p, best) == kind]
+        if group:
+            p = group[0]
+            out.append(f"{kind}: {len(group)} fitting candidates {LOSS_CLASSES[kind]} (the closest, "
+                       f"{p.candidate.describe()}: {why_worse(p, best)})")  # fmt: skip
+    return out
 
 
 def describe_options(options: dict) -> str:

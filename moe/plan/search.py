@@ -307,20 +307,34 @@ def seconds(t: float) -> str:
     return f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
 
 
-def why_worse(p: Prediction, best: Prediction) -> str:
-    """The main reasons ``p`` loses to ``best``, largest first, in words with numbers."""
-    if not p.fits:
-        return f"does not fit: {p.memory.total / 2**30:.1f} GiB per GPU"
-    reasons: list[tuple[float, str]] = []
+LOSS_CLASSES = {
+    "memory": "do not fit in memory",
+    "bubble": "lose mainly to the pipeline bubble",
+    "comm": "lose mainly to busy time (exposed all-to-all, recompute)",
+    "dp": "lose mainly to the data-parallel reduction",
+    "close": "are within 0.5% of the best",
+}
+"""Why a candidate loses to the best, by class (:func:`loss_class`): the planner's one line per class."""
 
-    def add(extra: float, text: str) -> None:
+
+def _losses(p: Prediction, best: Prediction) -> list[tuple[float, str, str]]:
+    """(seconds lost, class of :data:`LOSS_CLASSES`, words) of each way a fitting ``p`` is slower than ``best``
+    by more than 0.5% of its step, largest first."""
+    reasons: list[tuple[float, str, str]] = []
+
+    def add(extra: float, kind: str, text: str) -> None:
         if extra > 0.005 * best.step_time:
-            reasons.append((extra, text))
+            reasons.append((extra, kind, text))
 
     b_bubble = best.bubble_fraction * best.pipeline_time
-    add(p.bubble_fraction * p.pipeline_time - b_bubble, f"bubble {p.bubble_fraction:.1%} vs {best.bubble_fraction:.1%}")
+    add(
+        p.bubble_fraction * p.pipeline_time - b_bubble,
+        "bubble",
+        f"bubble {p.bubble_fraction:.1%} vs {best.bubble_fraction:.1%}",
+    )
     add(
         p.dp_reduce_time - best.dp_reduce_time,
+        "dp",
         f"dp reduction {seconds(p.dp_reduce_time)} vs {seconds(best.dp_reduce_time)}",
     )
     busy = p.pipeline_time * (1 - p.bubble_fraction) - best.pipeline_time * (1 - best.bubble_fraction)
@@ -329,8 +343,23 @@ def why_worse(p: Prediction, best: Prediction) -> str:
         why.append(f"{p.exposed_a2a_fraction:.0%} vs {best.exposed_a2a_fraction:.0%} exposed")
     if p.candidate.recompute != best.candidate.recompute:
         why.append(f"recompute {p.candidate.recompute} vs {best.candidate.recompute}")
-    add(busy, f"busy time per rank +{seconds(busy)} ({', '.join(why)})")
+    add(busy, "comm", f"busy time per rank +{seconds(busy)} ({', '.join(why)})")
+    return sorted(reasons, reverse=True)
+
+
+def loss_class(p: Prediction, best: Prediction) -> str:
+    """The key of :data:`LOSS_CLASSES` that says why ``p`` loses to ``best``: its largest loss."""
+    if not p.fits:
+        return "memory"
+    losses = _losses(p, best)
+    return losses[0][1] if losses else "close"
+
+
+def why_worse(p: Prediction, best: Prediction) -> str:
+    """The main reasons ``p`` loses to ``best``, largest first, in words with numbers."""
+    if not p.fits:
+        return f"does not fit: {p.memory.total / 2**30:.1f} GiB per GPU"
+    reasons = _losses(p, best)
     if not reasons:
         return f"step {p.step_time / best.step_time - 1:+.1%}"
-    reasons.sort(reverse=True)
-    return f"step {p.step_time / best.step_time - 1:+.1%}: " + "; ".join(text for _, text in reasons[:2])
+    return f"step {p.step_time / best.step_time - 1:+.1%}: " + "; ".join(text for _, _, text in reasons[:2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,20 @@ def test_table_and_deepseek_v3_comparison(capsys: pytest.CaptureFixture[str]) ->
     assert "candidates," in text and "why it loses" in text
     for line in ("bubble per step", "compute : all-to-all", "memory per GPU", "tokens/s per GPU", "1,543"):
         assert line in text
+
+
+def test_one_line_per_class_of_losing_candidates(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every candidate but the best falls in one class (memory, bubble, comm, dp or close), each class one line
+    with its count and its closest candidate."""
+    main([*SMALL, "--top", "1000"])  # every timed candidate in the table
+    text = capsys.readouterr().out
+    total = int(re.match(r"(\d+) candidates, (\d+) fit", text)[1])
+    fit = int(re.match(r"(\d+) candidates, (\d+) fit", text)[2])
+    counts = dict(re.findall(r"^(memory|bubble|comm|dp|close): (\d+) ", text, flags=re.M))
+    assert counts and all(text.count(f"\n{k}: ") == 1 for k in counts)
+    assert int(counts.get("memory", 0)) == total - fit
+    rows = text.split("why it loses\n")[1].split("\n\n")[0].splitlines()
+    assert sum(int(v) for k, v in counts.items() if k != "memory") == len(rows) - 1  # every timed one but the best
 
 
 def test_errors_name_the_flag(tmp_path: Path) -> None:
