@@ -19,6 +19,7 @@ group before anything else. Gradient reduction and the router balancing step liv
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, schedule_spec
 from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
+from moe.groups import group_timeout, new_groups, with_timeout
 from moe.layers import RECOMPUTE, recompute_granularity, selective_recompute
 from moe.pipeline_layout import AUTO, StagePlan, plan_stages
 from moe.plan.params import layout_costs
@@ -217,6 +219,8 @@ class ParallelLayout:
     group (Megatron's embedding group), so the two stay equal."""
     mesh: object
     """The ``DeviceMesh`` over (pp, edp, ep)."""
+    timeout: datetime.timedelta | None = None
+    """How long a collective of any of these groups waits (:func:`with_schedule`'s new groups get it too)."""
 
     @property
     def dp_rank(self) -> int:
@@ -282,33 +286,42 @@ def mirror_pairs(layout: Layout) -> list[tuple[int, int]]:
     return sorted({tuple(sorted((r, layout.mirror(r, 0)[0]))) for r in range(layout.num_ranks)})
 
 
-def init_layout(config: ParallelConfig, device_type: str = "cpu") -> ParallelLayout:
-    """Build the (pp, edp, ep) ``DeviceMesh``, its flattened dp group and the mirror groups; every rank of the
-    default group must call it (collective)."""
+def init_layout(
+    config: ParallelConfig, device_type: str = "cpu", *, timeout: datetime.timedelta | None = None
+) -> ParallelLayout:
+    """Build the (pp, edp, ep) ``DeviceMesh``, the dp group (its (edp, ep) plane) and the mirror and embedding
+    groups; every rank of the default group must call it (collective).
+
+    Every group waits at most ``timeout`` (None: as long as the default group, e.g. the trainer's
+    ``--timeout``). The groups are created here, each with the timeout, and handed to ``DeviceMesh``:
+    ``new_group`` and ``DeviceMesh`` would give them the backend's default instead (NCCL 10 minutes).
+    """
     from torch.distributed.device_mesh import DeviceMesh
 
     if not dist.is_initialized():
         raise RuntimeError("init_layout needs torch.distributed initialised (torchrun / init_process_group)")
+    timeout = timeout or group_timeout()
     grid = rank_grid(config, dist.get_world_size())
-    opts = group_options(config)
-    override = tuple((None, group_options(config, d)) for d in MESH_DIMS) if opts is not None else None
-    mesh = DeviceMesh(device_type, grid, mesh_dim_names=MESH_DIMS, backend_override=override)
-    # The dp group is the (edp, ep) submesh seen as one dimension. ``_flatten`` is DeviceMesh's own way to get
-    # it (torchtitan's too); it is underscored in torch 2.13, hence this one call site.
-    dp_mesh = mesh["edp", "ep"]._flatten("dp", backend_override=opts)
+    dims = []
+    for i, dim in enumerate(MESH_DIMS):
+        lines = grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist()
+        dims.append(new_groups(lines, timeout=timeout, options=group_options(config, dim)))
+    dp_group = new_groups(grid.reshape(config.pp, -1).tolist(), timeout=timeout, options=group_options(config))
+    mesh = DeviceMesh.from_group(dims, device_type, mesh=grid.contiguous(), mesh_dim_names=MESH_DIMS)
     pp_rank, edp_rank, ep_rank = mesh.get_coordinate()
     return ParallelLayout(
         config=config,
         pp_rank=pp_rank,
         edp_rank=edp_rank,
         ep_rank=ep_rank,
-        pp_group=mesh["pp"].get_group(),
-        dp_group=dp_mesh.get_group(),
-        edp_group=mesh["edp"].get_group(),
-        ep_group=mesh["ep"].get_group(),
-        mirror_group=_mirror_group(config, grid),
-        embed_group=_embed_group(config, grid),
+        pp_group=dims[0],
+        dp_group=dp_group,
+        edp_group=dims[1],
+        ep_group=dims[2],
+        mirror_group=_mirror_group(config, grid, timeout),
+        embed_group=_embed_group(config, grid, timeout),
         mesh=mesh,
+        timeout=timeout,
     )
 
 
@@ -321,26 +334,30 @@ def embedding_ends(layout: Layout) -> tuple[int, int] | None:
     return first[0], last[0]
 
 
-def _embed_group(config: ParallelConfig, grid: torch.Tensor) -> dist.ProcessGroup | None:
+def _embed_group(
+    config: ParallelConfig, grid: torch.Tensor, timeout: datetime.timedelta | None
+) -> dist.ProcessGroup | None:
     """Create every embedding group of ``config``'s layout (collective); return this rank's, if any."""
     ends = embedding_ends(config.stage_layout)
     if ends is None:
         return None
     rank, mine = dist.get_rank(), None
     for ranks in torch.stack([grid[ends[0]], grid[ends[1]]], dim=-1).reshape(-1, 2).tolist():
-        g = dist.new_group(ranks, pg_options=group_options(config))
+        g = dist.new_group(ranks, timeout=timeout, pg_options=with_timeout(group_options(config), timeout))
         if rank in ranks:
             mine = g
     return mine
 
 
-def _mirror_group(config: ParallelConfig, grid: torch.Tensor) -> dist.ProcessGroup | None:
+def _mirror_group(
+    config: ParallelConfig, grid: torch.Tensor, timeout: datetime.timedelta | None
+) -> dist.ProcessGroup | None:
     """Create every mirror group of ``config``'s layout (collective); return this rank's, if any."""
     rank, mine = dist.get_rank(), None
-    opts = group_options(config)
+    opts = with_timeout(group_options(config), timeout)
     for a, b in mirror_pairs(config.stage_layout):
         for ranks in torch.stack([grid[a], grid[b]], dim=-1).reshape(-1, 2).tolist():
-            g = dist.new_group(ranks, pg_options=opts)
+            g = dist.new_group(ranks, timeout=timeout, pg_options=opts)
             if rank in ranks:
                 mine = g
     return mine
@@ -353,10 +370,12 @@ def with_schedule(base: ParallelLayout, schedule: str) -> ParallelLayout:
     config = dataclasses.replace(base.config, schedule=schedule, modules_per_rank=None, num_chunks=None, overlap=True)
     mirror_group = None
     if config.stage_layout.mirrored:
-        mirror_group = base.mirror_group or _mirror_group(config, rank_grid(config, dist.get_world_size()))
+        mirror_group = base.mirror_group or _mirror_group(
+            config, rank_grid(config, dist.get_world_size()), base.timeout
+        )
     embed_group = None
     if embedding_ends(config.stage_layout) is not None:
-        embed_group = base.embed_group or _embed_group(config, rank_grid(config, dist.get_world_size()))
+        embed_group = base.embed_group or _embed_group(config, rank_grid(config, dist.get_world_size()), base.timeout)
     return dataclasses.replace(base, config=config, mirror_group=mirror_group, embed_group=embed_group)
 
 

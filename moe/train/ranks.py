@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dualpipe import PIPELINES, Pipeline
+from moe.groups import with_timeout
 from moe.parallel import ParallelLayout, nccl_options
 from moe.stage import MoEStage
 
@@ -47,7 +48,8 @@ def init_process_group(device: torch.device, timeout_s: float, reserved_sms: int
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return True
     try:
-        dist.init_process_group(backend, timeout=timeout, pg_options=nccl_options(reserved_sms) if cuda else None)
+        options = with_timeout(nccl_options(reserved_sms), timeout) if cuda else None
+        dist.init_process_group(backend, timeout=timeout, pg_options=options)
     except dist.DistNetworkError as exc:
         if "EADDRINUSE" not in str(exc):
             raise
