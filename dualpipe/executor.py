@@ -160,6 +160,14 @@ class Pipeline(nn.Module):
         """Local modules of this rank that run a last stage (they compute the loss)."""
         return self.layout.exits(self.rank)
 
+    @property
+    def label_modules(self) -> list[int]:
+        """Local modules that get their micro-batch's labels: the last stages (for the criterion) and any stage
+        that computes a loss of its own in forward (``forward_takes_labels``: multi-token prediction on a stage
+        of its own)."""
+        takes = [m for m, mod in enumerate(self.module) if getattr(mod, "forward_takes_labels", False)]
+        return sorted({*self.last_modules, *takes})
+
     def add_observer(self, observer: PipelineObserver) -> None:
         """Report every span of the executor's work to ``observer`` (see :mod:`dualpipe.observer`)."""
         self._observers.append(observer)
@@ -223,7 +231,7 @@ class Pipeline(nn.Module):
                 rank N-1), ignored elsewhere.
             num_chunks: micro-batches per step (DualPipe: in total, half per direction).
             criterion: ``criterion(*outputs, *labels) -> loss`` on ranks that run a last stage.
-            labels: whole-batch labels for this rank's last stage.
+            labels: whole-batch labels for this rank's last stage (and a stage that takes them in forward).
             return_outputs: also return the last stage's outputs (concatenated along ``batch_dim``).
             loss_reduction: ``"sum"`` (the reference: each micro-batch loss is backpropagated as is) or
                 ``"mean"`` (gradients of the mean over all ``num_chunks`` micro-batches).
@@ -252,7 +260,7 @@ class Pipeline(nn.Module):
         for m in first:
             for k, micro in enumerate(scatter(inputs, per_path, self.batch_dim)):
                 st.inputs[(m, k)] = list(micro)
-        for m in last:
+        for m in self.label_modules:
             st.labels[m] = scatter(tuple(labels), per_path, self.batch_dim) if labels else [()] * per_path
 
         st.schedule = schedule
@@ -271,7 +279,7 @@ class Pipeline(nn.Module):
         The batch is split into equal parts along ``batch_dim``, one per path of the layout, in path order:
         DualPipe feeds the first half at rank 0 (labelled at rank N-1) and the second half at rank N-1
         (labelled at rank 0); one-path schedules feed everything at their first stage. Ranks that run no
-        first (last) stage get no inputs (labels).
+        first stage (no stage that takes labels) get no inputs (labels).
         """
         num_paths = len(self.layout.paths)
 
@@ -281,7 +289,7 @@ class Pipeline(nn.Module):
             path = self.layout.path_of(self.rank, modules[0])
             return tuple(t.tensor_split(num_paths, dim=self.batch_dim)[path] for t in tensors)
 
-        return part(inputs, self.first_modules), part(labels, self.last_modules)
+        return part(inputs, self.first_modules), part(labels, self.label_modules)
 
     def _run(self, actions: Sequence[Action], st: _StepState) -> None:
         batch: list[Action] = []
@@ -424,10 +432,10 @@ class Pipeline(nn.Module):
         self._after_forward(a.module, a.chunk, outputs, st)
 
     def _with_labels(self, st: _StepState, key: Key, inputs: list[torch.Tensor | None]) -> list[Any]:
-        """A last stage that computes a loss of its own in forward (``forward_takes_labels``) gets its
-        micro-batch's labels after its inputs."""
+        """A stage that computes a loss of its own in forward (``forward_takes_labels``) gets its micro-batch's
+        labels after its inputs."""
         m, k = key
-        if self.layout.is_last(self.rank, m) and getattr(self.module[m], "forward_takes_labels", False):
+        if getattr(self.module[m], "forward_takes_labels", False):
             return [*inputs, *st.labels[m][k]]
         return inputs
 

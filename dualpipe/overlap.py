@@ -405,7 +405,7 @@ class OverlapStage(nn.Module):
     recompute: bool = False
     recorder: Recorder | None = None
     forward_takes_labels: bool = False
-    """A last stage that needs its micro-batch's labels in forward (a loss computed inside the stage, such
+    """A stage that needs its micro-batch's labels in forward (a loss computed inside the stage, such
     as multi-token prediction's) sets this: the pipeline then calls ``stage(x, *labels)`` and the labels
     reach every piece as ``ctx.side``."""
 

@@ -29,7 +29,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moe.block import Block
 from moe.optimizer import DistributedOptimizer, ShardGroup, grad_of
-from moe.parallel import ParallelLayout
+from moe.parallel import ParallelConfig, ParallelLayout
 from moe.stage import MoEStage
 
 __all__ = [
@@ -130,7 +130,7 @@ def make_optimizer(
     and in their dtype (bf16 parameters get fp32 masters unless ``master_weights=False``)."""
     dense, expert = split_params(modules)
     groups = [ShardGroup(dense, layout.dp_group), ShardGroup(expert, layout.edp_group)]
-    copies = [m.embed.weight for m in modules if m.embed is not None and not m.first]
+    _, copies = shared_with_mtp(modules, layout.config)
     return DistributedOptimizer(
         groups,
         optimizer,
@@ -141,6 +141,28 @@ def make_optimizer(
         state_dtype=state_dtype,
         **hyper,
     )
+
+
+def shared_with_mtp(
+    modules: Sequence[MoEStage], config: ParallelConfig
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the parameters this rank shares with the multi-token-prediction stage, in the order every rank of an
+    embedding group lists them: embeddings, final norms, heads; those of them that are the MTP stage's own
+    copies, not the first or last stage's). The embedding always; the final norm and the head when the MTP
+    modules sit on a stage of their own (``m|L``)."""
+    own_stage = config.mtp_stage != config.num_stages - 1
+    kinds: list[list[nn.Parameter]] = [[], [], []]
+    real: set[int] = set()
+    for m in modules:
+        if m.embed is not None and (m.first or m.mtp_blocks):
+            kinds[0].append(m.embed.weight)
+            real |= {id(m.embed.weight)} if m.first else set()
+        if own_stage and m.norm is not None and m.head is not None and (m.last or m.mtp_blocks):
+            kinds[1].append(m.norm.weight)
+            kinds[2].append(m.head.weight)
+            real |= {id(m.norm.weight), id(m.head.weight)} if m.last else set()
+    shared = list({id(p): p for kind in kinds for p in kind}.values())
+    return shared, [p for p in shared if id(p) not in real]
 
 
 @torch.no_grad()
@@ -155,9 +177,10 @@ def reduce_gradients(
     dense, expert = split_params(modules)
     config = layout.config
     if layout.embed_group is not None and any(m.cfg.mtp_layers for m in modules):
-        # the first stage's embedding and the MTP stage's copy of it, on two pipeline ranks: one gradient
-        embeds = {id(m.embed.weight): m.embed.weight for m in modules if m.embed is not None}
-        all_reduce_buckets([grad_of(p) for p in embeds.values()], layout.embed_group, bucket_bytes=bucket_bytes)
+        # the first stage's embedding and the MTP stage's copy of it, on two pipeline ranks: one gradient (and the
+        # last stage's final norm and head with the copies of an MTP stage of its own, m|L)
+        shared, _ = shared_with_mtp(modules, layout.config)
+        all_reduce_buckets([grad_of(p) for p in shared], layout.embed_group, bucket_bytes=bucket_bytes)
     if layout.mirror_group is not None:
         all_reduce_buckets([grad_of(p) for p in dense + expert], layout.mirror_group, bucket_bytes=bucket_bytes)
     dp = config.dp

@@ -31,7 +31,7 @@ from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
 from moe.groups import group_timeout, new_groups, with_timeout
 from moe.layers import RECOMPUTE, recompute_granularity, selective_recompute
-from moe.pipeline_layout import AUTO, StagePlan, plan_stages
+from moe.pipeline_layout import AUTO, StagePlan, expand, plan_stages
 from moe.plan.params import layout_costs
 from moe.stage import MoEStage
 
@@ -41,7 +41,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelLayout",
     "build_stages",
-    "embedding_ends",
+    "embedding_pairs",
     "init_layout",
     "mirror_pairs",
     "nccl_options",
@@ -165,6 +165,27 @@ class ParallelConfig:
     def num_stages(self) -> int:
         return self.stage_layout.num_stages
 
+    def _check_mtp_stage(self) -> None:
+        """An MTP stage of its own shares the embedding with the first stage and the head with the last: one
+        group per direction keeps its copies equal, so every rank that runs a first stage runs a last one."""
+        layout = self.stage_layout
+        ends = [(bool(layout.entries(r)), bool(layout.exits(r))) for r in range(layout.num_ranks)]
+        if self.mtp_stage != layout.num_stages - 1 and any(first != last for first, last in ends):
+            raise ValueError(
+                f"pipeline_layout = {self.pipeline_layout!r}: an MTP stage of its own ('m|L') needs a schedule that "
+                "runs the first and the last stage on one rank (DualPipe, DualPipeV)"
+            )
+
+    @property
+    def mtp_stage(self) -> int:
+        """The stage that holds a model's multi-token-prediction modules: the one :attr:`pipeline_layout` marks
+        ``m``, else the last (``auto`` keeps them with the head)."""
+        if self.pipeline_layout != AUTO:
+            marked = [i for i, s in enumerate(expand(self.pipeline_layout).split("|")) if "m" in s]
+            if marked:
+                return marked[0]
+        return self.num_stages - 1
+
     def check_model(self, cfg: MoEConfig) -> None:
         """``ValueError`` (naming the fields) unless ``cfg`` spreads over this layout: its experts over ``ep``,
         its layers over the schedule's stages. The one place these rules live (the trainer's config and
@@ -184,13 +205,15 @@ class ParallelConfig:
                 f"stages; pass --layers {self.num_stages} or more"
             )
         try:
-            return plan_stages(
+            plans = plan_stages(
                 self.pipeline_layout,
                 num_stages=self.num_stages,
                 num_layers=cfg.num_layers,
                 mtp_layers=cfg.mtp_layers,
                 costs=layout_costs(cfg),
             )
+            self._check_mtp_stage()
+            return plans
         except ValueError as exc:
             raise ValueError(f"parallel.{exc} ({self.schedule} at pp={self.pp})") from None
 
@@ -325,27 +348,25 @@ def init_layout(
     )
 
 
-def embedding_ends(layout: Layout) -> tuple[int, int] | None:
-    """(the pipeline rank of the first stage, that of the head) when they differ, else None."""
-    first = [r for r in range(layout.num_ranks) if layout.entries(r)]
-    last = [r for r in range(layout.num_ranks) if layout.exits(r)]
-    if set(first) == set(last):
-        return None
-    return first[0], last[0]
+def embedding_pairs(layout: Layout, mtp_stage: int) -> list[tuple[int, int]]:
+    """Per path of ``layout``, (the pipeline rank of its first stage, that of stage ``mtp_stage``, which holds
+    the multi-token-prediction modules and a copy of the embedding) where the MTP stage's rank runs no first
+    stage: the ranks whose embeddings :attr:`ParallelLayout.embed_group` keeps one parameter. A rank that runs
+    a first stage too ties the two (:func:`tie_embeddings`; DualPipe's mirrored copies are then summed as every
+    mirrored parameter is), so DualPipe and the V schedules with MTP beside the head need no group."""
+    return sorted({(p[0][0], p[mtp_stage][0]) for p in layout.paths if not layout.entries(p[mtp_stage][0])})
 
 
 def _embed_group(
     config: ParallelConfig, grid: torch.Tensor, timeout: datetime.timedelta | None
 ) -> dist.ProcessGroup | None:
     """Create every embedding group of ``config``'s layout (collective); return this rank's, if any."""
-    ends = embedding_ends(config.stage_layout)
-    if ends is None:
-        return None
     rank, mine = dist.get_rank(), None
-    for ranks in torch.stack([grid[ends[0]], grid[ends[1]]], dim=-1).reshape(-1, 2).tolist():
-        g = dist.new_group(ranks, timeout=timeout, pg_options=with_timeout(group_options(config), timeout))
-        if rank in ranks:
-            mine = g
+    for a, b in embedding_pairs(config.stage_layout, config.mtp_stage):
+        for ranks in torch.stack([grid[a], grid[b]], dim=-1).reshape(-1, 2).tolist():
+            g = dist.new_group(ranks, timeout=timeout, pg_options=with_timeout(group_options(config), timeout))
+            if rank in ranks:
+                mine = g
     return mine
 
 
@@ -374,7 +395,7 @@ def with_schedule(base: ParallelLayout, schedule: str) -> ParallelLayout:
             config, rank_grid(config, dist.get_world_size()), base.timeout
         )
     embed_group = None
-    if embedding_ends(config.stage_layout) is not None:
+    if embedding_pairs(config.stage_layout, config.mtp_stage):
         embed_group = base.embed_group or _embed_group(config, rank_grid(config, dist.get_world_size()), base.timeout)
     return dataclasses.replace(base, config=config, mirror_group=mirror_group, embed_group=embed_group)
 
@@ -425,6 +446,7 @@ def build_stages(
             comm_sms=pc.reserved_sms if torch.device(device).type == "cuda" else 0,
             stage_index=sid,
             piecewise=piecewise,
+            mtp_layers=plans[sid].mtp,
         )
         selective_recompute(stage, pc.recompute == "selective")
         stage.reset_parameters(seed)
@@ -434,11 +456,15 @@ def build_stages(
 
 
 def tie_embeddings(stages: Sequence[MoEStage]) -> None:
-    """A last stage with multi-token prediction uses the embedding of the first stage on the same rank (one
-    parameter: its gradient gathers both uses). Where the first stage is on another rank, the last stage keeps
-    its own copy, initialised alike (by name) and kept equal by :func:`moe.grad_sync.reduce_gradients` over
+    """The stage with multi-token prediction uses the embedding of the first stage on the same rank, and (on a
+    stage of its own, ``m|L``) the final norm and head of the last stage on the same rank: one parameter each,
+    whose gradient gathers both uses. Where those stages are on another rank, it keeps its own copies,
+    initialised alike (by name) and kept equal by :func:`moe.grad_sync.reduce_gradients` over
     :attr:`ParallelLayout.embed_group`."""
     first = next((s for s in stages if s.first), None)
+    last = next((s for s in stages if s.last), None)
     for stage in stages:
         if stage.mtp_blocks and not stage.first and first is not None:
             stage.embed = first.embed
+        if stage.mtp_blocks and not stage.last and last is not None:
+            stage.norm, stage.head = last.norm, last.head

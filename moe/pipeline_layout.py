@@ -8,6 +8,10 @@ layer), ``m`` (one multi-token-prediction module) and ``L`` (the final norm, the
     Et*3|(tt|)*29m|L     DeepSeek-V3 on 32 stages: the embedding and the 3 dense layers, 29 stages of two
                          layers, the MTP module alone, the head alone (Megatron-Core's example)
 
+The MTP modules come together after the last layer, on the head's stage or on the stage just before a last
+stage that holds only the head: that stage takes the labels in forward and hands the main hidden state on
+with the MTP loss attached to it (:func:`moe.block.attach_loss`).
+
 Layers are numbered in order over the whole string. ``auto`` (the default) balances the stages by cost
 (:func:`balance`): each piece weighs its matmul FLOPs per token (:class:`Costs`, from the planner's parameter
 model, :func:`moe.plan.params.layout_costs`), so a dense layer, an MoE layer, the head and an MTP module each
@@ -208,10 +212,11 @@ def plan_stages(
         if not stage:
             raise ValueError(f"{where}: stage {i} is empty")
         mtp = body.count("m")
-        if mtp and (i != len(stages) - 1 or "t" in body[body.index("m") :]):
+        own = i == len(stages) - 2 and stages[-1] == "L"  # Megatron-Core's "...m|L": the head alone after them
+        if mtp and (mtp != counts["m"] or "t" in body[body.index("m") :] or not (own or i == len(stages) - 1)):
             raise ValueError(
-                f"{where}: the MTP modules (m) go after the last layer, on the stage of the head (L) (an MTP stage "
-                "of its own is not built yet)"
+                f"{where}: the MTP modules (m) go together after the last layer, on the stage of the head (L) or "
+                "on the stage before a last stage of the head alone ('m|L')"
             )
         n = body.count("t")
         plans.append(StagePlan(first=i == 0, layers=range(layer, layer + n), mtp=mtp, last=i == len(stages) - 1))

@@ -51,8 +51,11 @@ class MoEStage(OverlapStage):
     ``loss_reduction="mean"`` so the balance loss is averaged like the language-model loss.
 
     With ``cfg.mtp_layers`` the last stage also holds the multi-token-prediction modules
-    (:mod:`moe.models.mtp`, layers ``num_layers ..``) and an embedding (the main one: the pipeline ties it to
-    the first stage's where both are on one rank). It then takes its micro-batch's labels in forward,
+    (:mod:`moe.models.mtp`, layers ``num_layers ..``), or the stage a layout puts them on (``mtp_layers``: all of
+    them or none; before a last stage of the head alone, Megatron-Core's ``m|L``), and an embedding (the main
+    one: the pipeline ties it to the first stage's where both are on one rank; on a stage of their own also the
+    final norm and the head, tied to the last stage's alike). It then takes its
+    micro-batch's labels in forward,
     ``stage(h, labels)``; ``mtp_loss_weight`` (lambda) weights the mean MTP loss in the objective and
     :meth:`pop_mtp_losses` returns each depth's loss of each micro-batch run since the last call.
     """
@@ -69,6 +72,7 @@ class MoEStage(OverlapStage):
         comm_sms: int = 0,
         piecewise: bool = True,
         stage_index: int | None = None,
+        mtp_layers: int | None = None,
     ) -> None:
         super().__init__()
         layers = list(layers)
@@ -84,14 +88,19 @@ class MoEStage(OverlapStage):
         self.stage_index = stage_index
         self.aux_loss_scale = 1.0
         self.mtp_loss_weight = 0.3  # the DeepSeek-V3 report's lambda for its first 10T tokens
-        mtp = range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers) if last else range(0)
+        if mtp_layers is None:  # the model's MTP modules sit with the head unless a layout says otherwise
+            mtp_layers = cfg.mtp_layers if last else 0
+        if mtp_layers not in (0, cfg.mtp_layers):
+            raise ValueError(f"a stage holds all {cfg.mtp_layers} MTP modules or none, not {mtp_layers}")
+        mtp = range(cfg.num_layers, cfg.num_layers + mtp_layers)
         self.forward_takes_labels = bool(mtp)
         self._mtp_losses: list[list[torch.Tensor]] = []
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first or mtp else None
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i, dispatcher, comm_sms) for i in layers})
         self.blocks.update({str(i): MTPBlock(cfg, i, dispatcher, comm_sms) for i in mtp})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if last else None
-        self.head = Linear(cfg.hidden_size, cfg.vocab_size) if last else None
+        # MTP shares the final norm and the head too: a stage of its own (``m|L``) holds a copy of each
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if last or mtp else None
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size) if last or mtp else None
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -148,7 +157,7 @@ class MoEStage(OverlapStage):
         if self.first:
             embed = Compute("embed", self._embed, "ids", "h", recompute=False)
             blocks.insert(0, Pieces((embed,), "ids", "h", paired=False))
-        if self.head is not None:
+        if self.last:
             head = Compute("head", self._head, "h", "logits", recompute=False)
             blocks.append(Pieces((head,), "h", "logits", paired=False))
         return blocks
@@ -166,7 +175,7 @@ class MoEStage(OverlapStage):
             raise ValueError(
                 "this stage holds multi-token-prediction modules: call it with the labels, stage(x, labels)"
                 if self.forward_takes_labels
-                else "this stage takes one input (labels only reach a last stage with multi-token prediction)"
+                else "this stage takes one input (labels only reach the stage with multi-token prediction)"
             )
         if not self.piecewise:
             return self._graph_forward(x, *labels)
@@ -178,8 +187,8 @@ class MoEStage(OverlapStage):
             h = block(h, self.aux_loss_scale, self.recorder)
         if self.mtp_blocks:
             h = mtp_graph(self, self.mtp_blocks, h, *labels)
-        if self.head is not None:
-            assert self.norm is not None
+        if self.last:
+            assert self.norm is not None and self.head is not None
             h = self.head(self.norm(h))
         return h
 

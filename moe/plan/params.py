@@ -158,7 +158,7 @@ def stage_params(
     out = [ParamSpec("embed.weight", v * d)] if first or mtp else []
     for layer in layers:
         out += layer_params(cfg, layer, ep)
-    if last:
+    if last or mtp:  # an MTP stage of its own (m|L) holds copies of the final norm and the head
         out += [ParamSpec("norm.weight", d), ParamSpec("head.weight", v * d)]
     if mtp:
         for k in range(mtp):

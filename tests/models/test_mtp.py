@@ -12,12 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dualpipe.schedule import SCHEDULES
 from moe.config import preset
 from moe.hf import load_hf_model, read_hf_config, read_safetensors, to_hub
 from moe.hf.keys import checkpoint_shapes
 from moe.model import MoEModel, lm_loss, next_token_batch
-from moe.parallel import ParallelConfig, embedding_ends
+from moe.parallel import ParallelConfig, embedding_pairs
 from tests.models import test_hf_deepseek_v3
 
 transformers = pytest.importorskip("transformers")
@@ -150,11 +149,21 @@ def test_pieces_equal_the_graph_and_lambda_weighs_the_mtp_gradient() -> None:
     assert not torch.allclose(graph["embed.weight"], off["embed.weight"])  # the MTP reaches the shared embedding
 
 
-def test_the_embedding_is_copied_only_where_the_head_is_on_another_rank() -> None:
+def test_the_embedding_is_copied_only_where_the_mtp_stage_is_on_another_rank() -> None:
     # DualPipe and DualPipeV hold the first stage and the head on one rank (one parameter); the linear and
     # interleaved schedules put them on pipeline ranks 0 and pp-1, whose copies the embedding group keeps equal
-    ends = {s: embedding_ends(ParallelConfig(pp=4, dp=1, ep=1, schedule=s).stage_layout) for s in SCHEDULES}
-    assert ends == {s: None if s in ("dualpipe", "dualpipev") else (0, 3) for s in SCHEDULES}
+    def pairs(schedule: str, layout: str = "auto") -> list[tuple[int, int]]:
+        pc = ParallelConfig(pp=4, dp=1, ep=1, schedule=schedule, pipeline_layout=layout)
+        return embedding_pairs(pc.stage_layout, pc.mtp_stage)
+
+    assert {s: pairs(s) for s in ("dualpipe", "dualpipev", "1f1b", "zb1p", "interleaved-1f1b")} == {
+        "dualpipe": [], "dualpipev": [], "1f1b": [(0, 3)], "zb1p": [(0, 3)], "interleaved-1f1b": [(0, 3)],
+    }  # fmt: skip
+    # Megatron-Core's "m|L": the MTP stage before a stage of the head alone. DualPipe's stage 2 runs on rank 2
+    # (path 0, first stage on rank 0) and on rank 1 (path 1, first stage on rank 3); DualPipeV's stage 6 on rank 1
+    assert pairs("dualpipe", "Et|t|m|L") == [(0, 2), (3, 1)]
+    assert pairs("dualpipev", "Et|(t|)*5m|L") == [(0, 1)]
+    assert pairs("1f1b", "Ett|t|m|L") == [(0, 2)]
 
 
 def test_an_mtp_stage_without_labels_is_one_line() -> None:

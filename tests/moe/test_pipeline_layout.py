@@ -35,12 +35,15 @@ def test_a_layout_that_does_not_fit_is_one_line() -> None:
         "tE|tt|t|mL": "the embedding (E) comes once, first in the first stage",
         "Et|tt|tL|m": "the head (L) comes once, last in the last stage",
         "Ett|tt||mL": "stage 2 is empty",
-        "E|ttt|tm|L": "the MTP modules (m) go after the last layer, on the stage of the head (L)",
+        "E|tttm|t|L": "the MTP modules (m) go together after the last layer, on the stage of the head (L) or",
+        "Et|tt|m|tL": "on the stage before a last stage of the head alone ('m|L')",
+        "1f1b:Ett|tt|m|L": "an MTP stage of its own ('m|L') needs a schedule that runs the first and the last stage",
         "Et(t|tt|mL": "'(' is never closed",
         "Et|t*|tt|mL": "cannot read '*' at position 4",
     }
-    for layout, message in cases.items():
-        pc = ParallelConfig(pp=2, schedule="dualpipev", pipeline_layout=layout)
+    for case, message in cases.items():
+        schedule, _, layout = case.rpartition(":")
+        pc = ParallelConfig(pp=4 if schedule else 2, schedule=schedule or "dualpipev", pipeline_layout=layout)
         with pytest.raises(ValueError) as err:
             pc.check_model(cfg)
         text = str(err.value)
@@ -61,7 +64,26 @@ def test_an_uneven_layout_trains_like_one_process_and_resumes_under_another(tmp_
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-5) and b["mtp_loss"] == pytest.approx(
             a["mtp_loss"], rel=2e-5
         )
-    # the step-2 checkpoint, resumed with the even split (stage 3 now holds layer 3 too)
-    even = ["--pp", "2", "--ep", "2", "--num-chunks", "4", "--steps", "3"]
-    resumed = losses(train(4, tmp_path, "even", *args, *even, *ckpt, "--resume"))
+    # the step-2 checkpoint, resumed under auto (Et|t|tt|mL: another split of the layers)
+    auto = ["--pp", "2", "--ep", "2", "--num-chunks", "4", "--steps", "3"]
+    resumed = losses(train(4, tmp_path, "auto", *args, *auto, *ckpt, "--resume"))
     assert sorted(resumed) == [3] and resumed[3] == pytest.approx(one[2]["loss"], rel=2e-5)
+
+
+def test_mtp_on_a_stage_of_its_own_trains_like_one_process(tmp_path: Path) -> None:
+    """Megatron-Core's ``m|L``: the MTP module on the stage before a stage of the head alone, which takes the
+    labels in forward and hands the hidden state on with the MTP loss attached. DualPipeV at pp=2 x ep=2 (the
+    MTP stage on rank 1, its embedding copy kept equal over the embedding group) and DualPipe at pp=4 (the MTP
+    stage on ranks 2 and 1, one per direction, each paired with its direction's first stage), both with
+    overlap: the single process's losses and MTP losses."""
+    from tests.train.test_trainer import train
+
+    args = ["--model", "deepseek-v3-tiny", "--seq-len", "16", "--steps", "2"]
+    one = train(1, tmp_path, "one", *args, "--schedule", "1f1b", "--num-chunks", "8")
+    v = ["--pp", "2", "--ep", "2", "--schedule", "dualpipev", "--num-chunks", "4", "--pipeline-layout", "Et|ttt|m|L"]
+    dual = ["--pp", "4", "--schedule", "dualpipe", "--num-chunks", "8", "--pipeline-layout", "Ett|tt|m|L"]
+    for name, extra in (("v", v), ("dual", dual)):
+        piped = train(4, tmp_path, name, *args, *extra, "--overlap")
+        for a, b in zip(one, piped, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=2e-5), name
+            assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=2e-5), name

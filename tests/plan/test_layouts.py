@@ -39,7 +39,12 @@ def _built(schedule: str, pp: int, pp_rank: int, layout: str) -> list[tuple[str,
 
 @pytest.mark.parametrize(
     ("schedule", "pp", "layout"),
-    [("dualpipev", 2, "Ett|t|t|mL"), ("dualpipe", 2, "Et|tttmL"), ("1f1b", 2, "Et|tttmL")],
+    [
+        ("dualpipev", 2, "Ett|t|t|mL"),
+        ("dualpipev", 2, "Et|ttt|m|L"),
+        ("dualpipe", 2, "Et|tttmL"),
+        ("1f1b", 2, "Et|tttmL"),
+    ],
 )
 def test_parameter_lists_follow_the_layout(schedule: str, pp: int, layout: str) -> None:
     """Name by name, every rank, as build_stages builds it; and the layout moves something off ``auto``'s split."""
