@@ -9,8 +9,12 @@ one (pp, ep) loads at another:
 - optimizer state follows its parameter's names (the keys :attr:`moe.optimizer.OptimizerSpec.state` names), in
   the dtype the optimizer keeps it in (bf16 moments under ``optimizer.state_dtype``); DCP casts on load, so a run
   may resume with the other state dtype;
-- replicated entries (non-expert weights on every ep rank, DualPipe's two copies of a stage) are written
-  once, the planner de-duplicates them.
+- under ZeRO-1 each rank holds its rows of every entry's fp32 master and state (:func:`moe.optimizer.shard_rows`,
+  an expert tensor's rows per expert) and saves them as a DTensor ``Shard(0)`` over a mesh of its group, whose
+  chunks DCP records: a load at any other group size, or without ZeRO-1, reads the rows it needs from them (and
+  a rank loading ZeRO-1 state reads its rows from a whole-tensor entry just as well);
+- replicated entries (non-expert weights on every ep rank, DualPipe's two copies of a stage, the same chunk
+  from two replicas) are written once, the planner de-duplicates them.
 
 Atomicity: all ranks write into ``.step_NNNNNNNN.partial``; once every rank's files are there, rank 0 adds
 ``meta.json`` and a manifest (``moe.manifest``: each file's size and CRC-32), renames the directory to
@@ -40,9 +44,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from moe.manifest import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
-from moe.optimizer import DistributedOptimizer
+from moe.optimizer import DistributedOptimizer, ParamShard
 
 Optimizer = torch.optim.Optimizer | DistributedOptimizer
 
@@ -87,9 +93,9 @@ def checkpoint_entries(
                     yield f"{name}.e{offset + row}", t[row], param, row
 
 
-def _optimizer_state(optimizer: Optimizer, p: nn.Parameter) -> dict[str, torch.Tensor] | None:
-    """``p``'s optimizer state to save or load in place; None where another rank holds it (ZeRO-1). A plain
-    torch optimizer must be Adam or AdamW."""
+def _optimizer_state(optimizer: Optimizer, p: nn.Parameter) -> dict[str, torch.Tensor]:
+    """``p``'s optimizer state to save or load in place (this rank's rows of it under ZeRO-1). A plain torch
+    optimizer must be Adam or AdamW."""
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.state_for(p)
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -112,13 +118,44 @@ def _has_master(optimizer: Optimizer | None, param: nn.Parameter | None) -> bool
     )
 
 
+class _Rows:
+    """This rank's rows of checkpoint entries as DTensors ``Shard(0)`` over its ZeRO-1 group, whose chunk
+    metadata DCP writes and reads (one mesh per group, made without communication)."""
+
+    def __init__(self) -> None:
+        self._meshes: dict[tuple[int, str], DeviceMesh] = {}
+
+    def __call__(
+        self, key: str, local: torch.Tensor, entry: torch.Tensor, row: int | None, shard: ParamShard | None
+    ) -> torch.Tensor:
+        """``local``: this rank's rows of ``entry`` (the parameter, or its expert ``row``); itself when they are
+        all of it (``shard`` None: a plain torch optimizer's)."""
+        if shard is None or not shard.sharded:
+            return local
+        if shard.dim != (0 if row is None else 1):  # each entry is split along its own dim 0
+            raise ValueError(
+                f"{key}: ZeRO-1 state split along dim {shard.dim}; an expert tensor's shard group "
+                "must be stacked (ShardGroup(stacked=True)), any other tensor's not"
+            )
+        assert shard.group is not None
+        at = (id(shard.group), local.device.type)
+        if at not in self._meshes:
+            self._meshes[at] = DeviceMesh.from_group(shard.group, local.device.type)
+        stride = torch.empty(entry.shape, device="meta").stride()
+        return DTensor.from_local(
+            local, self._meshes[at], [Shard(0)], run_check=False, shape=entry.shape, stride=stride
+        )
+
+
 def _state_dict(
     modules: Sequence[nn.Module], optimizer: Optimizer | None, staged: dict[nn.Parameter, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The flat DCP state under global names. A weight with an fp32 master is saved from the master, by the
-    ranks that hold it (so every copy of a key has one dtype); to load, pass ``staged``: such weights are
-    read into fp32 tensors collected there, for :meth:`DistributedOptimizer.load_weight_` to set afterwards."""
+    """The flat DCP state under global names. A weight with an fp32 master is saved from the master (so every
+    copy of a key has one dtype), under ZeRO-1 each rank its rows; to load, pass ``staged``: such weights are
+    read whole into fp32 tensors collected there, for :meth:`DistributedOptimizer.load_weight_` to set
+    afterwards (from whichever chunks were saved)."""
     flat: dict[str, torch.Tensor] = {}
+    rows = _Rows()
     for key, t, param, row in checkpoint_entries(modules):
         if not _has_master(optimizer, param):
             flat[f"model.{key}"] = t
@@ -127,14 +164,14 @@ def _state_dict(
             flat[f"model.{key}"] = whole if row is None else whole[row]
         else:
             master = optimizer.master_for(param)  # type: ignore[union-attr]
-            if master is not None:  # None: another rank of its group owns it (ZeRO-1) and saves it
-                flat[f"model.{key}"] = master if row is None else master[row]
+            local = master if row is None else master[row]
+            flat[f"model.{key}"] = rows(key, local, t, row, optimizer.shard_of(param))  # type: ignore[union-attr]
         if optimizer is None or param is None or not param.requires_grad:
             continue
-        state = _optimizer_state(optimizer, param)
-        for name, s in (state or {}).items():
-            # "step" is a scalar shared by every row of an expert tensor
-            flat[f"optim.{key}.{name}"] = s if row is None or s.dim() == 0 else s[row]
+        shard = optimizer.shard_of(param) if isinstance(optimizer, DistributedOptimizer) else None
+        for name, s in _optimizer_state(optimizer, param).items():
+            # "step" is a scalar shared by every row of an expert tensor, the same on every rank of the group
+            flat[f"optim.{key}.{name}"] = s if s.dim() == 0 else rows(key, s if row is None else s[row], t, row, shard)
     return flat
 
 

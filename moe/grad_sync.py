@@ -122,14 +122,15 @@ def make_optimizer(
 ) -> DistributedOptimizer:
     """``optimizer`` (a name of :data:`moe.optimizer.OPTIMIZERS`) over ``modules``, sharded the way
     :func:`reduce_gradients` reduces: dense parameters over the dp group, expert parameters over their edp
-    replicas (ZeRO-1 with ``zero``). The gradient norm counts each parameter once in the world: its owner in
-    its group, and never on the DualPipe mirror copy or the MTP stage's copy of the embedding.
+    replicas (ZeRO-1 with ``zero``: each rank its rows of every tensor, an expert tensor's rows per expert). The
+    gradient norm counts each element once in the world: each rank of a group its rows, and never on the
+    DualPipe mirror copy or the MTP stage's copy of the embedding.
     ``state_dtype``: the moments' dtype (:data:`moe.optimizer.STATE_DTYPES`). ``hyper``: the optimizer's
     hyper-parameters (AdamW:
     ``lr``, ``betas``, ``eps``, ``weight_decay``). Collective; build it after the modules are on their device
     and in their dtype (bf16 parameters get fp32 masters unless ``master_weights=False``)."""
     dense, expert = split_params(modules)
-    groups = [ShardGroup(dense, layout.dp_group), ShardGroup(expert, layout.edp_group)]
+    groups = [ShardGroup(dense, layout.dp_group), ShardGroup(expert, layout.edp_group, stacked=True)]
     _, copies = shared_with_mtp(modules, layout.config)
     return DistributedOptimizer(
         groups,

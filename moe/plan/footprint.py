@@ -3,8 +3,9 @@
 Precision policy of issue 12 (moe/optimizer.py): bf16 parameters, fp32 ``main_grad`` buffers (every
 parameter, ZeRO-1 does not shard them), AdamW's two fp32 moments plus an fp32 master copy, sharded under
 ZeRO-1 over the data-parallel group for dense parameters and over the edp replicas for expert parameters.
-The optimizer's sharding is a size-balanced partition of whole parameters (:func:`moe.optimizer.partition`),
-not an even split: this module runs the same partition and reports its most loaded rank. Pure bf16
+The optimizer's sharding splits every checkpoint entry (a tensor, or one expert of an expert tensor) along its
+dim 0 by :func:`moe.optimizer.shard_rows` (torch.chunk's rule): its most loaded rank, rank 0, holds
+``ceil(rows / size)`` rows of each, which this module counts. Pure bf16
 (``master_weights=False``) keeps gradients and moments in bf16 and no master. A pure fp32 model
 (``param_bytes=4``) steps the parameters themselves: no master. ``Workload.state_dtype="bfloat16"`` keeps
 the moments in bf16 (the DeepSeek-V3 report, 3.3.3: moments in bf16, masters and gradients in fp32).
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 
 from dualpipe.schedule import Op, build_schedule, schedule_spec
 from moe.config import MoEConfig
-from moe.optimizer import OPTIMIZERS, partition
+from moe.optimizer import OPTIMIZERS, shard_rows
 from moe.plan.costs import Parallelism, Workload, recompute_granularity
 from moe.plan.hardware import GPU
 from moe.plan.params import ParamSpec, rank_params, rank_stages
@@ -374,8 +375,9 @@ def state_bytes(
     Optimizer state: the optimizer's state tensors of the parameter's size (AdamW's two moments, SGD's one
     momentum: :attr:`moe.optimizer.OptimizerSpec.moments`), in fp32 (the parameter's dtype without masters)
     or bf16 (``state_dtype``), plus an fp32 master where the parameters are lower precision and
-    ``master_weights``; with ``zero`` the worst rank of moe.optimizer's partition (dense over ``dp``, experts
-    over ``edp``). The 0-d step counters are left out, as ``DistributedOptimizer.state_bytes`` leaves them."""
+    ``master_weights``; with ``zero`` the worst rank of moe.optimizer's split (dense over ``dp``, experts over
+    ``edp``): rank 0, which holds the largest chunk of every entry. The 0-d step counters are left out, as
+    ``DistributedOptimizer.state_bytes`` leaves them."""
     moments = OPTIMIZERS.lookup(optimizer).moments
     mixed = master_weights and param_bytes < FP32
     grad_elem = FP32 if mixed else param_bytes
@@ -383,17 +385,12 @@ def state_bytes(
     state_elem = moments * moment_elem + (FP32 if mixed else 0)
     params = sum(p.numel for p in specs) * param_bytes
     grads = sum(p.numel for p in specs) * grad_elem
-    state = 0
-    for expert, size in ((False, dp), (True, edp)):
-        numels = [p.numel for p in specs if p.expert == expert]
-        if zero and size > 1:
-            load = [0] * size
-            for n, owner in zip(numels, partition(numels, size)):
-                load[owner] += n
-            state += max(load) * state_elem
-        else:
-            state += sum(numels) * state_elem
-    return params, grads, state
+    held = 0
+    for p in specs:
+        size = (edp if p.expert else dp) if zero else 1
+        start, stop = shard_rows(p.entry_rows, size, 0)
+        held += (stop - start) * (p.numel // p.entry_rows)  # rank 0's rows of every entry of the tensor
+    return params, grads, held * state_elem
 
 
 @dataclass(frozen=True, slots=True)

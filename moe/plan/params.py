@@ -46,11 +46,18 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class ParamSpec:
     """One parameter tensor: its name (as in :class:`moe.stage.MoEStage`), element count, whether it is an
-    expert weight (sharded over ep, its optimizer state over the edp replicas)."""
+    expert weight (sharded over ep, its optimizer state over the edp replicas), and the rows ZeRO-1 splits."""
 
     name: str
     numel: int
     expert: bool = False
+    rows: int = 0
+    """Rows of each checkpoint entry, the dimension ZeRO-1 splits (:func:`moe.optimizer.shard_rows`): a weight's
+    dim 0 (output features), an expert tensor's dim 1 (each expert's rows); 0 for a vector (its elements)."""
+
+    @property
+    def entry_rows(self) -> int:
+        return self.rows or self.numel
 
 
 def attention_params(cfg: MoEConfig, prefix: str = "attn.") -> list[ParamSpec]:
@@ -61,39 +68,40 @@ def attention_params(cfg: MoEConfig, prefix: str = "attn.") -> list[ParamSpec]:
         c = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         out = []
         if cfg.q_lora_rank is None:
-            out.append(ParamSpec(prefix + "q_proj.weight", h * c * d))
+            out.append(ParamSpec(prefix + "q_proj.weight", h * c * d, rows=h * c))
         else:
             q = cfg.q_lora_rank
             out += [
-                ParamSpec(prefix + "q_a_proj.weight", q * d),
+                ParamSpec(prefix + "q_a_proj.weight", q * d, rows=q),
                 ParamSpec(prefix + "q_a_layernorm.weight", q),
-                ParamSpec(prefix + "q_b_proj.weight", h * c * q),
+                ParamSpec(prefix + "q_b_proj.weight", h * c * q, rows=h * c),
             ]
         lat = cfg.kv_lora_rank
+        kv_a, kv_b = lat + cfg.qk_rope_head_dim, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # their output rows
         return [
             *out,
-            ParamSpec(prefix + "kv_a_proj_with_mqa.weight", (lat + cfg.qk_rope_head_dim) * d),
+            ParamSpec(prefix + "kv_a_proj_with_mqa.weight", kv_a * d, rows=kv_a),
             ParamSpec(prefix + "kv_a_layernorm.weight", lat),
-            ParamSpec(prefix + "kv_b_proj.weight", h * (cfg.qk_nope_head_dim + cfg.v_head_dim) * lat),
-            ParamSpec(prefix + "o_proj.weight", d * h * cfg.v_head_dim),
+            ParamSpec(prefix + "kv_b_proj.weight", kv_b * lat, rows=kv_b),
+            ParamSpec(prefix + "o_proj.weight", d * h * cfg.v_head_dim, rows=d),
         ]
     c, g = cfg.attn_head_dim, cfg.num_kv_heads
     if cfg.attention == "gqa-qk-norm":
         return [
-            ParamSpec(prefix + "q_proj.weight", h * c * d),
-            ParamSpec(prefix + "k_proj.weight", g * c * d),
-            ParamSpec(prefix + "v_proj.weight", g * c * d),
-            ParamSpec(prefix + "o_proj.weight", d * h * c),
+            ParamSpec(prefix + "q_proj.weight", h * c * d, rows=h * c),
+            ParamSpec(prefix + "k_proj.weight", g * c * d, rows=g * c),
+            ParamSpec(prefix + "v_proj.weight", g * c * d, rows=g * c),
+            ParamSpec(prefix + "o_proj.weight", d * h * c, rows=d),
             ParamSpec(prefix + "q_norm.weight", c),
             ParamSpec(prefix + "k_norm.weight", c),
         ]
     if cfg.attention != "gqa":
         raise ValueError(f"the planner has no parameter list for attention={cfg.attention!r}")
     return [
-        ParamSpec(prefix + "wq.weight", h * c * d),
-        ParamSpec(prefix + "wk.weight", g * c * d),
-        ParamSpec(prefix + "wv.weight", g * c * d),
-        ParamSpec(prefix + "wo.weight", d * h * c),
+        ParamSpec(prefix + "wq.weight", h * c * d, rows=h * c),
+        ParamSpec(prefix + "wk.weight", g * c * d, rows=g * c),
+        ParamSpec(prefix + "wv.weight", g * c * d, rows=g * c),
+        ParamSpec(prefix + "wo.weight", d * h * c, rows=d),
     ]
 
 
@@ -111,16 +119,23 @@ def layer_params(cfg: MoEConfig, layer: int, ep: int = 1, prefix: str | None = N
     ]
     if not cfg.is_moe_layer(layer):
         f = cfg.dense_intermediate_size
-        return [*out, ParamSpec(p + "mlp.gate_up.weight", 2 * f * d), ParamSpec(p + "mlp.down.weight", d * f)]
+        return [
+            *out,
+            ParamSpec(p + "mlp.gate_up.weight", 2 * f * d, rows=2 * f),
+            ParamSpec(p + "mlp.down.weight", d * f, rows=d),
+        ]
     e_local, f = cfg.num_experts // ep, cfg.moe_intermediate_size
     out += [
-        ParamSpec(p + "router.gate.weight", cfg.num_experts * d),
-        ParamSpec(p + "experts.w1", e_local * d * 2 * f, expert=True),
-        ParamSpec(p + "experts.w2", e_local * f * d, expert=True),
+        ParamSpec(p + "router.gate.weight", cfg.num_experts * d, rows=cfg.num_experts),
+        ParamSpec(p + "experts.w1", e_local * d * 2 * f, expert=True, rows=d),  # [E, D, 2F]
+        ParamSpec(p + "experts.w2", e_local * f * d, expert=True, rows=f),  # [E, F, D]
     ]
     if cfg.num_shared_experts:
         fs = cfg.num_shared_experts * f
-        out += [ParamSpec(p + "shared.gate_up.weight", 2 * fs * d), ParamSpec(p + "shared.down.weight", d * fs)]
+        out += [
+            ParamSpec(p + "shared.gate_up.weight", 2 * fs * d, rows=2 * fs),
+            ParamSpec(p + "shared.down.weight", d * fs, rows=d),
+        ]
     return out
 
 
@@ -133,7 +148,7 @@ def mtp_params(cfg: MoEConfig, k: int, ep: int = 1) -> list[ParamSpec]:
         *layer_params(cfg, layer, ep),
         ParamSpec(p + "enorm.weight", d),
         ParamSpec(p + "hnorm.weight", d),
-        ParamSpec(p + "eh_proj.weight", d * 2 * d),
+        ParamSpec(p + "eh_proj.weight", d * 2 * d, rows=d),
         ParamSpec(p + "head_norm.weight", d),
     ]
 
@@ -155,17 +170,17 @@ def stage_params(
     module holds its own embedding and head as well (``blocks.<layer>.embed.weight``, ``.head.weight``)."""
     v, d = cfg.vocab_size, cfg.hidden_size
     mtp = cfg.mtp_layers * last if mtp is None else mtp
-    out = [ParamSpec("embed.weight", v * d)] if first or mtp else []
+    out = [ParamSpec("embed.weight", v * d, rows=v)] if first or mtp else []
     for layer in layers:
         out += layer_params(cfg, layer, ep)
     if last or mtp:  # an MTP stage of its own (m|L) holds copies of the final norm and the head
-        out += [ParamSpec("norm.weight", d), ParamSpec("head.weight", v * d)]
+        out += [ParamSpec("norm.weight", d), ParamSpec("head.weight", v * d, rows=v)]
     if mtp:
         for k in range(mtp):
             out += mtp_params(cfg, k, ep)
             if not mtp_shared:
                 p = f"blocks.{cfg.num_layers + k}."
-                out += [ParamSpec(p + "embed.weight", v * d), ParamSpec(p + "head.weight", v * d)]
+                out += [ParamSpec(p + "embed.weight", v * d, rows=v), ParamSpec(p + "head.weight", v * d, rows=v)]
     return out
 
 

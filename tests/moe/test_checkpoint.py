@@ -245,3 +245,82 @@ def test_retention_keeps_the_newest_and_what_latest_names(tmp_path: Path) -> Non
     assert (ckpt / "latest").read_text() == "step_00000005"
     manifest = json.loads((ckpt / "step_00000005" / "manifest.json").read_text())
     assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "meta.json", "rank00000.pt"]
+
+
+# ZeRO-1: each rank saves its rows as DTensor chunks; any other split, or none, loads them
+
+
+def _zero_stages(world: int, zero: bool, seed: int, steps: int):
+    """bf16 stages at (pp=1, dp=world, ep=1), two experts (a router of two rows): dense weights and the experts
+    (edp=world) both split over the world with ``zero``; ``steps`` AdamW steps with the same gradients on every
+    rank (what the reduction leaves)."""
+    from moe.config import preset
+    from moe.grad_sync import make_optimizer
+    from moe.parallel import ParallelConfig, build_stages, init_layout
+
+    layout = init_layout(ParallelConfig(pp=1, dp=world, ep=1, schedule="1f1b"))
+    cfg = preset("tiny", num_layers=2, num_experts=2)
+    stages = list(build_stages(cfg, layout, seed=seed, dtype=torch.bfloat16))
+    opt = make_optimizer(stages, layout, zero=zero, lr=1e-2, weight_decay=0.1)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        for p in opt.params():
+            p.main_grad.copy_(torch.randn(p.shape, generator=g))
+        opt.step()
+    return stages, opt
+
+
+def _save_zero(rank: int, world: int, ckpt: str) -> None:
+    import moe.checkpoint as ck
+
+    for name, zero in (("sharded", True), ("whole", False)):  # "whole": one chunk per key, as before ZeRO's rows
+        stages, opt = _zero_stages(world, zero, seed=1, steps=2)
+        ck.save_checkpoint(f"{ckpt}/{name}", 2, stages, opt, {})
+
+
+def _load_zero(rank: int, world: int, ckpt: str) -> dict[str, bool]:
+    from moe.checkpoint import load_checkpoint
+
+    _, ref = _zero_stages(world, False, seed=1, steps=2)
+    out = {}
+    for name, zero in (("sharded", True), ("whole", True), ("sharded", False)):
+        stages, opt = _zero_stages(world, zero, seed=99, steps=1)  # other weights and state: all must be loaded
+        load_checkpoint(f"{ckpt}/{name}/step_00000002", stages, opt)
+        same = []
+        for p, q in zip(opt.params(), ref.params()):
+            sh = opt.shard_of(p)  # every row without ZeRO-1
+            assert sh.sharded == (zero and world > 1)
+            same += [
+                torch.equal(p, q),
+                torch.equal(opt.master_for(p), ref.master_for(q).narrow(sh.dim, sh.start, sh.stop - sh.start)),
+            ]
+            for k, v in opt.state_for(p).items():
+                want = ref.state_for(q)[k]
+                same.append(torch.equal(v, want.narrow(sh.dim, sh.start, sh.stop - sh.start) if v.dim() else want))
+        out[f"{name} -> zero={zero}"] = bool(same) and all(same)
+    return out
+
+
+def test_zero1_rows_are_dcp_chunks_that_load_at_any_split(tmp_path: Path) -> None:
+    """Saved at dp=3 (ZeRO-1 rows, uneven: the last rank holds none of the router's two rows; and whole tensors,
+    as older checkpoints hold them), loaded at dp=2 with ZeRO-1 and without: the same weights, masters and state
+    as the run that was saved."""
+    import torch.distributed.checkpoint as dcp
+
+    from moe.optimizer import shard_rows
+
+    run_ranks(_save_zero, 3, args=(str(tmp_path),), timeout=120)
+    stored = dcp.FileSystemReader(tmp_path / "sharded" / "step_00000002").read_metadata().state_dict_metadata
+
+    def chunks(key: str) -> list[tuple[int, int]]:
+        return sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in stored[key].chunks)
+
+    assert chunks("optim.embed.weight.exp_avg") == [shard_rows(256, 3, r) for r in range(3)]  # 86, 86, 84 rows
+    assert chunks("optim.blocks.1.router.gate.weight.exp_avg_sq") == [(0, 1), (1, 2), (2, 2)]
+    assert chunks("model.blocks.1.experts.w1.e1") == [shard_rows(32, 3, r) for r in range(3)]  # an expert's rows
+    assert stored["model.blocks.1.experts.w1.e1"].properties.dtype == torch.float32  # the master
+    whole = dcp.FileSystemReader(tmp_path / "whole" / "step_00000002").read_metadata().state_dict_metadata
+    assert len(whole["optim.embed.weight.exp_avg"].chunks) == 1
+    for r in run_ranks(_load_zero, 2, args=(str(tmp_path),), timeout=120):
+        assert r == {"sharded -> zero=True": True, "whole -> zero=True": True, "sharded -> zero=False": True}, r

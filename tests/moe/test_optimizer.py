@@ -1,4 +1,5 @@
-"""DistributedAdamW: torch's AdamW in fp32, fp32 masters and gradient buffers in bf16, ZeRO-1, global clipping.
+"""DistributedAdamW: torch's AdamW in fp32, fp32 masters and gradient buffers in bf16, ZeRO-1 (each rank its rows
+of every tensor), global clipping.
 
 The multi-rank tests emulate reduced gradients directly (the same tensor on every replica), so they test the
 optimizer alone: the reduction over the groups is the caller's.
@@ -15,7 +16,7 @@ import moe.optimizer
 from dualpipe.weight_grad import GradStore
 from moe import MoEModel, lm_loss
 from moe.layers import Linear, RMSNorm
-from moe.optimizer import DistributedAdamW, ShardGroup, partition
+from moe.optimizer import DistributedAdamW, ShardGroup, shard_rows
 from tests.distributed import run_ranks
 from tests.moe.helpers import SEED, assert_rel_close, batch, tiny_config
 
@@ -44,12 +45,23 @@ def _loss(model: nn.Module, step: int, dtype: torch.dtype) -> torch.Tensor:
     return model(torch.randn(5, 6, generator=g).to(dtype)).float().pow(2).mean()
 
 
-def test_partition_balances_sizes_deterministically() -> None:
-    assert partition([4, 4, 4, 4], 2) == [0, 1, 0, 1]
-    assert partition([10, 1, 1, 8], 2) == [0, 1, 1, 1]  # 10 | 8 + 1 + 1
-    assert partition([3, 5], 1) == [0, 0]
-    with pytest.raises(ValueError, match="group size"):
-        partition([1], 0)
+def test_shard_rows_is_torch_chunk_and_dtensor_shard() -> None:
+    """The split the optimizer, its checkpoints (DTensor ``Shard(0)`` chunks) and the planner share."""
+    from torch.distributed.tensor import Shard
+
+    assert [shard_rows(7, 3, r) for r in range(3)] == [(0, 3), (3, 6), (6, 7)]
+    assert [shard_rows(2, 3, r) for r in range(3)] == [(0, 1), (1, 2), (2, 2)]  # the last rank holds nothing
+    for rows in range(12):
+        for size in range(1, 6):
+            chunks = torch.arange(rows).chunk(size)
+            for r in range(size):
+                start, stop = shard_rows(rows, size, r)
+                want = chunks[r].tolist() if r < len(chunks) else []
+                assert list(range(start, stop)) == want, (rows, size, r)
+                length, offset = Shard.local_shard_size_and_offset(rows, size, r)
+                assert (stop - start, start) == (length, offset), (rows, size, r)
+    with pytest.raises(ValueError, match="not a rank of a group of size 2"):
+        shard_rows(4, 2, 2)
 
 
 def test_fp32_equals_torch_adamw_exactly() -> None:
@@ -79,6 +91,8 @@ def test_fp32_equals_torch_adamw_exactly() -> None:
         DistributedAdamW([ShardGroup(list(ours.parameters()))])
     with pytest.raises(ValueError, match="betas"):
         DistributedAdamW([ShardGroup(list(_Tiny().parameters()))], betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"a stacked group's parameters are \[entries, rows, ...\], got \(3,\)"):
+        DistributedAdamW([ShardGroup([nn.Parameter(torch.ones(3))], stacked=True)])
 
 
 def test_bf16_steps_fp32_masters_and_copies_them_into_the_params() -> None:
@@ -203,17 +217,22 @@ def test_deferred_weight_grads_of_a_piecewise_model_land_in_the_buffers(dtype: t
         assert_rel_close(g, q.grad.float(), rel=1e-5 if dtype == torch.float32 else 2e-2, what=name)
 
 
-# multi-rank: 4 ranks, dense parameters replicated over the world, experts over two replicas each
+# multi-rank: 4 ranks; dense parameters over ranks 0-2 (rank 3 alone), experts over two replicas each
+
+
+SHAPES = [(7, 3), (5,), (1, 4), (2, 2), (6, 4), (9,)]
+"""Over 3 ranks: uneven rows (7: 3, 3, 1), and tensors with fewer rows than ranks (the last ranks hold none)."""
 
 
 def _dense(dtype: torch.dtype) -> list[nn.Parameter]:
     torch.manual_seed(1)
-    return [nn.Parameter(torch.randn(6, 4).to(dtype)) for _ in range(8)]
+    return [nn.Parameter(torch.randn(shape).to(dtype)) for shape in SHAPES]
 
 
 def _experts(index: int, dtype: torch.dtype) -> list[nn.Parameter]:
+    """Two expert tensors of two experts each ``[E, rows, cols]``, split per expert (5 rows: 3, 2; 1 row: 1, 0)."""
     torch.manual_seed(10 + index)
-    return [nn.Parameter(torch.randn(3, 5).to(dtype)) for _ in range(2)]
+    return [nn.Parameter(torch.randn(2, 5, 3).to(dtype)), nn.Parameter(torch.randn(2, 1, 4).to(dtype))]
 
 
 def _fake_grads(params: list[nn.Parameter], opt: DistributedAdamW, seed: int) -> None:
@@ -223,19 +242,22 @@ def _fake_grads(params: list[nn.Parameter], opt: DistributedAdamW, seed: int) ->
         p.main_grad.copy_(torch.randn(p.shape, generator=g))
 
 
+# (model dtype, state_dtype, gathered bytes in flight: 0 cuts every chunk into one-row all-gathers)
+ZERO_CASES = [(torch.float32, "float32", 256 << 20), (torch.bfloat16, "float32", 0), (torch.bfloat16, "bfloat16", 0)]
+
+
 def _zero_on_off(rank: int) -> dict:
     ep = rank % 2
-    edp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # new_group is collective: all ranks make all
+    dense_group = dist.new_group([0, 1, 2])  # new_group is collective: all ranks make all
+    edp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     out = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        # bf16: one broadcast in flight at a time (the cap that bounds the temporary copies)
-        moe.optimizer._MAX_IN_FLIGHT_BYTES = 256 << 20 if dtype == torch.float32 else 0
+    for dtype, state_dtype, in_flight in ZERO_CASES:
+        moe.optimizer._MAX_IN_FLIGHT_BYTES = in_flight
         finals, bytes_ = [], []
         for zero in (False, True):
             dense, experts = _dense(dtype), _experts(ep, dtype)
-            opt = DistributedAdamW(
-                [ShardGroup(dense, dist.group.WORLD), ShardGroup(experts, edp_groups[ep])], lr=1e-2, zero=zero, **HYPER
-            )
+            groups = [ShardGroup(dense, dense_group if rank < 3 else None), ShardGroup(experts, edp_groups[ep], True)]
+            opt = DistributedAdamW(groups, lr=1e-2, zero=zero, state_dtype=state_dtype, **HYPER)
             for step in range(3):
                 for g in opt.param_groups:
                     g["lr"] = 1e-2 / (step + 1)
@@ -245,7 +267,7 @@ def _zero_on_off(rank: int) -> dict:
                 opt.step()
             finals.append([p.detach().clone() for p in dense + experts])
             bytes_.append(opt.state_bytes())
-        out[str(dtype)] = (finals, bytes_)
+        out[(str(dtype), state_dtype)] = (finals, bytes_)
     return out
 
 
@@ -263,20 +285,25 @@ def four_ranks() -> list:
 
 
 def test_zero_on_and_off_give_the_same_parameters_and_shard_the_state(four_ranks: list) -> None:
+    """Bit for bit: the rows step as the whole tensors do (AdamW with weight decay is elementwise)."""
     results = [r[0] for r in four_ranks]
-    dense_n, expert_n = 8 * 24, 2 * 15
-    for dtype, per_element in (("torch.float32", 8), ("torch.bfloat16", 12)):  # moments (+ fp32 master)
+    dense_n, expert_n = sum(torch.Size(s).numel() for s in SHAPES), 2 * 15 + 2 * 4
+    # elements of state per rank: its dense rows over [0, 1, 2] (rank 3: all of them) + its experts' rows
+    held = {0: 28 + 26, 1: 24 + 26, 2: 15 + 12, 3: dense_n + 12}
+    for dtype, state_dtype, _ in ZERO_CASES:
+        per_element = 4 * 2 if state_dtype == "float32" else 2 * 2  # two moments
+        per_element += 4 if dtype == torch.bfloat16 else 0  # an fp32 master
+        key = (str(dtype), state_dtype)
         for rank, r in enumerate(results):
-            (off, on), (bytes_off, bytes_on) = r[dtype]
+            (off, on), (bytes_off, bytes_on) = r[key]
             for a, b in zip(off, on):
-                assert torch.equal(a, b), (dtype, rank)
+                assert torch.equal(a, b), (key, rank)
             assert bytes_off == per_element * (dense_n + expert_n)
-            # dense: 8 equal tensors over 4 ranks; experts: 2 equal tensors over 2 replicas
-            assert bytes_on == per_element * (dense_n // 4 + expert_n // 2), (dtype, rank, bytes_on)
-        for rank in range(4):  # replicas agree after the broadcasts
-            peer = rank ^ 2
-            for a, b in zip(results[rank][dtype][0][1], results[peer][dtype][0][1]):
-                assert torch.equal(a, b)
+            assert bytes_on == per_element * held[rank], (key, rank, bytes_on)
+        n = len(SHAPES)  # replicas agree after the all-gathers: dense over ranks 0-2, experts over 0, 2 and 1, 3
+        for rank, peer, part in ((0, 1, slice(n)), (0, 2, slice(None)), (1, 3, slice(n, None))):
+            for a, b in zip(results[rank][key][0][1][part], results[peer][key][0][1][part]):
+                assert torch.equal(a, b), (key, rank, peer)
 
 
 # clipping: DualPipe-like, pp=2 x dp=2, ep=2 (one expert set per dp rank, no replicas), pp rank 1 the mirror
@@ -333,17 +360,22 @@ def _shard_state(rank: int, world: int) -> dict:
         opt.step()
     saved = {}
     for i, p in enumerate(dense):
-        state = opt.state_for(p)
-        assert (state is None) == (opt.master_for(p) is None) == (not opt.owns(p))
-        if state is not None:
-            saved[i] = ({k: v.clone() for k, v in state.items()}, opt.master_for(p).clone())
+        shard, state, master = opt.shard_of(p), opt.state_for(p), opt.master_for(p)
+        assert opt.owns(p) == (master.numel() > 0) == (state["exp_avg"].numel() > 0)
+        assert master.shape == state["exp_avg"].shape == p[shard.start : shard.stop].shape
+        saved[i] = ({k: v.clone() for k, v in state.items()}, master.clone())
     return saved
 
 
 def test_state_round_trips_into_another_partition() -> None:
     shards = run_ranks(_shard_state, 2, timeout=60)
-    assert shards[0] and shards[1] and sorted([*shards[0], *shards[1]]) == list(range(8))
-    saved = {**shards[0], **shards[1]}
+    # rank 1 holds none of the one-row tensor
+    assert [shards[1][i][1].shape[0] for i in range(len(SHAPES))] == [3, 2, 0, 1, 3, 4]
+
+    def whole(i: int) -> tuple[dict, torch.Tensor]:  # each rank's rows, concatenated: the whole tensors
+        (s0, m0), (s1, m1) = shards[0][i], shards[1][i]
+        state = {k: v if v.dim() == 0 else torch.cat([v, s1[k]]) for k, v in s0.items()}
+        return state, torch.cat([m0, m1])
 
     def single(load: bool) -> DistributedAdamW:
         dense = _dense(torch.bfloat16)
@@ -351,7 +383,7 @@ def test_state_round_trips_into_another_partition() -> None:
         steps = range(2, 3) if load else range(3)
         if load:
             for i, p in enumerate(dense):
-                state, master = saved[i]
+                state, master = whole(i)
                 opt.load_weight_(p, master)
                 opt.load_state_for(p, state)
         for step in steps:
@@ -368,3 +400,5 @@ def test_state_round_trips_into_another_partition() -> None:
             assert torch.equal(v, uninterrupted.state_for(q)[k]), k
     with pytest.raises(ValueError, match="lacks"):
         resumed.load_state_for(p, {"step": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match=r"state 'exp_avg' has shape \(4,\), expected \(9,\)"):
+        resumed.load_state_for(p, {**resumed.state_for(p), "exp_avg": torch.zeros(4)})

@@ -23,7 +23,7 @@ from moe.plan.footprint import (
     state_bytes,
 )
 from moe.plan.hardware import GPUS
-from moe.plan.params import rank_params
+from moe.plan.params import ParamSpec, rank_params
 from tests.moe.helpers import SEED, batch, tiny_config
 from tests.moe.test_experts import DeliveringDispatcher
 
@@ -48,11 +48,12 @@ def test_state_bytes_equal_the_meter(schedule: str, pp: int, dtype: torch.dtype)
     for r in range(pp):
         stages = _rank_stages(cfg, schedule, pp, r, dtype)
         specs = rank_params(cfg, pp, 1, schedule, r)
-        names = sorted((n, p.numel()) for s in stages for n, p in s.named_parameters())
-        assert names == sorted((p.name, p.numel) for p in specs)
+        # names, sizes and the rows ZeRO-1 splits: dim 0, an expert tensor's dim 1 (each expert's rows)
+        real = [(n, p.numel(), p.shape[int(".experts." in n)]) for s in stages for n, p in s.named_parameters()]
+        assert sorted(real) == sorted((p.name, p.numel, p.entry_rows) for p in specs)
         dense = [p for s in stages for n, p in s.named_parameters() if ".experts." not in n]
         experts = [p for s in stages for p in s.expert_parameters()]
-        opt = DistributedAdamW([ShardGroup(dense), ShardGroup(experts)], zero=True)
+        opt = DistributedAdamW([ShardGroup(dense), ShardGroup(experts, stacked=True)], zero=True)
         meter = MemoryMeter(list(stages), opt)
         meter.start_step()
         got = meter.stop_step()
@@ -60,18 +61,21 @@ def test_state_bytes_equal_the_meter(schedule: str, pp: int, dtype: torch.dtype)
         assert (got["param_bytes"], got["grad_bytes"], got["optimizer_state_bytes"]) == want
 
 
-def test_zero_shards_by_the_optimizers_partition() -> None:
+def test_zero_shards_by_the_optimizers_rows() -> None:
     # bf16 with masters: 12 bytes of state an element; experts over edp = 2, dense over dp = 4.
     specs = rank_params(tiny_config(), 1, 1, "1f1b", 0)
-    dense = sorted((p.numel for p in specs if not p.expert), reverse=True)
-    experts = [p.numel for p in specs if p.expert]
     _, grads, full = state_bytes(specs, param_bytes=2, master_weights=True, dp=1, edp=1, zero=True)
     _, grads4, sharded = state_bytes(specs, param_bytes=2, master_weights=True, dp=4, edp=2, zero=True)
     assert grads4 == grads == 4 * sum(p.numel for p in specs)  # ZeRO-1 keeps every gradient
     assert full == 12 * sum(p.numel for p in specs)
-    # the largest dense tensor goes alone to one rank; no rank can hold less than a quarter
-    assert 12 * (sum(dense) / 4 + sum(experts) / 2) <= sharded < full
-    assert sharded >= 12 * dense[0]
+    # the worst rank (rank 0) holds ceil(rows / size) rows of every tensor, of every expert of an expert tensor
+    size = {False: 4, True: 2}
+    rank0 = sum(-(-p.entry_rows // size[p.expert]) * (p.numel // p.entry_rows) for p in specs)
+    assert sharded == 12 * rank0
+    assert 12 * sum(p.numel / size[p.expert] for p in specs) <= sharded < 0.5 * full
+    # DeepSeek-V3's embedding [129280, 7168] over 128 ranks: 1010 rows each, not the whole table on one rank
+    v3 = [ParamSpec("embed.weight", 129280 * 7168, rows=129280)]
+    assert state_bytes(v3, param_bytes=2, master_weights=True, dp=128, edp=1, zero=True)[2] == 12 * 1010 * 7168
     # pure bf16: bf16 gradients and moments, no master
     assert state_bytes(specs, param_bytes=2, master_weights=False, dp=1, edp=1, zero=False)[1:] == (
         2 * sum(p.numel for p in specs),

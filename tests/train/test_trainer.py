@@ -293,15 +293,19 @@ def test_deepep_buffer_destroyed_on_the_clean_path_only(kind: str, width: list[s
 
 
 def test_a_checkpoint_reshards_across_pp_dp_ep(tmp_path: Path) -> None:
-    """Written at (pp=2, dp=2, ep=2), continued at (pp=1, dp=4, ep=4) and at (pp=2, dp=4, ep=1): the same
-    global batch of 16 sequences per step (micro-batches x size x dp), so the same losses."""
+    """Written at (pp=2, dp=2, ep=2) with ZeRO-1 (the state's rows over the 2 dp ranks), continued at (pp=1, dp=4,
+    ep=4) without it and at (pp=2, dp=4, ep=1) with it (rows over 4, experts' too): the same global batch of 16
+    sequences per step (micro-batches x size x dp), so the same losses."""
     ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
     written = ["--pp", "2", "--dp", "2", "--ep", "2", "--num-chunks", "4", "--micro-batch-size", "2"]
     full = losses(train(4, tmp_path, "full", *written, "--steps", "4"))
-    train(4, tmp_path, "first", *written, "--steps", "2", *ckpt)
+    train(4, tmp_path, "first", *written, "--steps", "2", "--zero", "1", *ckpt)
     layouts = {
         "wide-ep": (4, ["--pp", "1", "--dp", "4", "--ep", "4", "--num-chunks", "2", "--micro-batch-size", "2"]),
-        "no-ep": (8, ["--pp", "2", "--dp", "4", "--ep", "1", "--num-chunks", "4", "--micro-batch-size", "1"]),
+        "no-ep": (
+            8,
+            ["--pp", "2", "--dp", "4", "--ep", "1", "--num-chunks", "4", "--micro-batch-size", "1", "--zero", "1"],
+        ),
     }
     for name, (world, layout) in layouts.items():
         resumed = losses(train(world, tmp_path, name, *layout, "--steps", "4", *ckpt[:2], "--resume"))
@@ -322,9 +326,9 @@ def test_bf16_with_fp32_master_weights_tracks_fp32(tmp_path: Path) -> None:
 
 
 def test_zero1_keeps_the_losses_and_shards_the_optimizer_state(tmp_path: Path) -> None:
-    """(pp=1, dp=4, ep=2), 4 ranks: ZeRO-1 on and off give the same losses, and the fullest rank's AdamW
-    state shrinks from every dense and local expert weight's two moments to about a quarter of each (dense
-    sharded over 4 dp ranks, the local experts over their 2 replicas)."""
+    """(pp=1, dp=4, ep=2), 4 ranks: ZeRO-1 on and off give the same losses, and rank 0's AdamW state (the fullest:
+    it holds the longest chunk of rows) shrinks from every dense and local expert weight's two moments to
+    ``ceil(rows / 4)`` rows of each dense weight and ``ceil(rows / 2)`` of each local expert (their 2 replicas)."""
     from moe.config import preset
     from moe.model import MoEModel
 
@@ -333,12 +337,15 @@ def test_zero1_keeps_the_losses_and_shards_the_optimizer_state(tmp_path: Path) -
     on = train(4, tmp_path, "on", *layout, "--zero", "1")
     assert losses(on) == losses(off)
     model = MoEModel(preset("tiny", num_layers=4))
-    numels = {n: p.numel() for n, p in model.named_parameters()}
-    dense = sum(v for n, v in numels.items() if ".experts." not in n)
-    local_experts = sum(v for n, v in numels.items() if ".experts." in n) // 2  # ep=2: half on each rank
+    params = dict(model.named_parameters())
+    dense = sum(p.numel() for n, p in params.items() if ".experts." not in n)
+    local_experts = sum(p.numel() for n, p in params.items() if ".experts." in n) // 2  # ep=2: half on each rank
     moments = 2 * 4  # exp_avg and exp_avg_sq, fp32
     assert off[-1]["optimizer_state_bytes"] == moments * (dense + local_experts)
-    sharded = moments * (dense / 4 + local_experts / 2)
-    # The partition places whole tensors: the fullest rank may hold up to one tensor more than its share.
-    assert sharded <= on[-1]["optimizer_state_bytes"] <= sharded + moments * max(numels.values())
+    rank0 = 0
+    for n, p in params.items():
+        dim, size = (1, 2) if ".experts." in n else (0, 4)  # an expert tensor: each expert's rows
+        held = -(-p.shape[dim] // size) * (p.numel() // p.shape[dim])
+        rank0 += held // 2 if dim else held
+    assert on[-1]["optimizer_state_bytes"] == moments * rank0
     assert on[-1]["optimizer_state_bytes"] < 0.5 * off[-1]["optimizer_state_bytes"]
