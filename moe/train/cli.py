@@ -32,6 +32,8 @@ from moe.dispatch import DISPATCHERS
 from moe.models import ATTENTIONS
 from moe.optimizer import OPTIMIZERS, STATE_DTYPES
 from moe.parallel import RECOMPUTE, ParallelConfig
+from moe.pipeline_layout import AUTO
+from moe.plan.params import auto_layout
 from moe.train.config import DTYPES, SECTIONS, TOKEN_DTYPES, ConfigError, ModelConfig, TrainConfig
 from moe.train.lr import LR_SCHEDULES
 
@@ -349,6 +351,10 @@ def dump_toml(config: TrainConfig) -> str:
         for key, value in items.items():
             if value is not None:
                 lines.append(f"{key} = {_toml_value(value)}")
+            if key == "pipeline_layout" and value == AUTO:  # what auto resolves to, for this model and schedule
+                pc = config.parallel
+                layout = auto_layout(config.model.build(), pc.pp, pc.schedule, pc.modules_per_rank)
+                lines.append(f"# auto = {layout!r}")
         lines.append("")
     return "\n".join(lines)
 

@@ -13,6 +13,8 @@ import pytest
 import tomllib
 
 from moe.optimizer import OPTIMIZERS
+from moe.pipeline_layout import expand
+from moe.plan.params import auto_layout
 from moe.train import LR_SCHEDULES, TrainConfig, UsageError, build_parser, config_from_args, dump_toml, lr_at
 from moe.train.cli import FLAG_ALIASES, load_config, schema
 from moe.train.config import SECTIONS, LRScheduleConfig
@@ -120,6 +122,9 @@ def test_print_config_reads_back_into_the_same_job(tmp_path: Path) -> None:
     config, _ = config_from_args(argv, world=4)
     text = dump_toml(config)
     tomllib.loads(text)  # valid TOML
+    # the layout auto resolves to, as a comment under the field (the vocabulary of 300 weighs the head)
+    auto = auto_layout(config.model_config, 2, config.parallel.schedule)
+    assert f'pipeline_layout = "auto"\n# auto = {auto!r}\n' in text and expand(auto).count("|") == 3
     path = tmp_path / "job.toml"
     path.write_text(text)
     again, _ = config_from_args(["--config", str(path)], world=4)
