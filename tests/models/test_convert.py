@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from moe.convert import ConvertError
 from moe.convert import main as convert
@@ -37,9 +38,13 @@ def test_hf_to_ours_and_back_is_the_same_tensors(build, tmp_path: Path) -> None:
 def test_save_hf_at_the_end_of_training_and_a_converted_checkpoint_resumes(tmp_path: Path) -> None:
     run = ["--model", "qwen3-moe-tiny", "--schedule", "1f1b", "--num-chunks", "2", "--steps", "2"]
     ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
-    train(1, tmp_path, "trained", *run, *ckpt, "--save-hf", str(tmp_path / "hf"))
-    # the export equals our last checkpoint converted (fp32 masters = the fp32 weights), tensor for tensor
-    convert([str(tmp_path / "ckpt"), str(tmp_path / "converted")])
+    zero = ["--pp", "1", "--dp", "2", "--zero", "1", "--dtype", "bfloat16"]  # fp32 masters saved as 2 chunks of rows
+    train(2, tmp_path, "trained", *run, *zero, *ckpt, "--save-hf", str(tmp_path / "hf"))
+    stored = dcp.FileSystemReader(tmp_path / "ckpt" / "step_00000002").read_metadata().state_dict_metadata
+    assert len(stored["model.embed.weight"].chunks) == len(stored["model.blocks.0.experts.w1.e0"].chunks) == 2
+    # the export equals our last checkpoint converted (fp32 masters rounded as the bf16 weights were), tensor for
+    # tensor: each key read from the chunks of both ranks' files
+    convert([str(tmp_path / "ckpt"), str(tmp_path / "converted"), "--dtype", "bfloat16"])
     exported, converted = read_safetensors(tmp_path / "hf"), read_safetensors(tmp_path / "converted")
     assert sorted(exported) == sorted(converted) and all(torch.equal(exported[k], converted[k]) for k in converted)
     assert (tmp_path / "hf" / "config.json").read_text() == (tmp_path / "converted" / "config.json").read_text()
