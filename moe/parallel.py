@@ -104,6 +104,11 @@ class ParallelConfig:
     """Worst-case receive buffers, so a layer's routing and dispatch never wait on the host for row counts
     (DeepEP's ``num_worst_tokens``; a padded capacity for ``alltoall``). Costs ep x the all-to-all bytes and
     expert rows, and needs the same token count on every rank."""
+    deterministic_dispatch: bool = False
+    """Received rows in source order (rank, then token) however they arrive, so a run repeats bit for bit:
+    ``deepep-v2`` then sorts them after every dispatch (across nodes with a host sync); ``alltoall`` and
+    ``deepep`` always give that order. Off: ``deepep-v2`` keeps arrival order (the same sums, in another
+    order)."""
     num_chunks: int | None = None
     """Micro-batches per pipeline step; ``None`` takes the fewest the schedule accepts that is at least
     ``2 x pp`` (resolved in ``__post_init__``, checked against the schedule's rules)."""
@@ -430,6 +435,7 @@ def build_stages(
         dtype=dtype,
         comm_sms=pc.comm_sms,
         sync_free=pc.sync_free,
+        deterministic=pc.deterministic_dispatch,
     )
     plans = pc.stage_plans(cfg)
     stage_layout = pc.stage_layout

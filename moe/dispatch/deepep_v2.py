@@ -16,9 +16,11 @@ How it maps onto :class:`~moe.dispatch.base.TokenDispatcher`:
   result is consumed. Backward reuses the forward ``EPHandle``: the gradient of dispatch is a ``combine`` with
   ``topk_weights`` (it returns their gradient too), the gradient of combine a cached ``dispatch``.
 * Received rows come back in arrival order unless the buffer is ``deterministic`` (elastic.py:1021-1027: a
-  sort by source token after the wait). The project's contract is rows grouped by source rank, token order
-  within one (what ``alltoall`` gives), and only that order makes gradients bit-equal to ``alltoall``'s: the
-  buffer is built deterministic.
+  sort by source token after the wait, and across nodes a boolean-mask gather, a host sync). Any order is
+  correct (each row carries its expert ids and weights, combine follows the handle), but only source order,
+  rows grouped by source rank, token order within one (what ``alltoall`` gives), repeats bit for bit and
+  makes gradients bit-equal to ``alltoall``'s: ``deterministic=True`` (``--deterministic-dispatch``; the
+  tests) pays for it, the default does not.
 * The SM count: ``comm_sms > 0`` is passed as ``num_sms`` to every call; ``comm_sms == 0`` lets DeepEP pick
   (``get_theoretical_num_sms``, elastic.py:728-834, which models a balanced gate and says not to use it for
   V3's group-limited gate, elastic.py:754-755: prefer an explicit count for such routers).
@@ -99,7 +101,8 @@ class DeepEPV2Dispatcher(TokenDispatcher):
     ``hidden_size``: width of the bf16 rows. ``comm_sms``: SMs of every dispatch and combine (0: DeepEP
     picks). ``max_tokens_per_rank``: the most tokens one rank dispatches at once, equal on every rank (None:
     the group's largest count at the first plan). ``sync_free``: worst-case receive allocation, no host
-    sync in dispatch.
+    sync in dispatch. ``deterministic``: received rows in source order (V2 sorts them after each dispatch)
+    rather than arrival order.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class DeepEPV2Dispatcher(TokenDispatcher):
         comm_sms: int = DEFAULT_COMM_SMS,
         max_tokens_per_rank: int | None = None,
         sync_free: bool = False,
+        deterministic: bool = False,
     ) -> None:
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
         self._deep_ep = import_deep_ep(DEEPEP_V2_INSTALL_HINT, needs="ElasticBuffer")
@@ -128,6 +132,7 @@ class DeepEPV2Dispatcher(TokenDispatcher):
         self.comm_sms = comm_sms
         self.max_tokens_per_rank = max_tokens_per_rank
         self.sync_free = sync_free
+        self.deterministic = deterministic
         self.buffer: Any = None
         self.num_sms = comm_sms
         """SMs of every call; with ``comm_sms=0``, DeepEP's own count once the buffer exists."""
@@ -155,13 +160,12 @@ class DeepEPV2Dispatcher(TokenDispatcher):
             count = torch.tensor([num_tokens], dtype=torch.int64, device=topk_idx_TK.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
             self.max_tokens_per_rank = max(1, int(count.item()))
-        # deterministic: rows sorted by source token (the project's row order; see the module docstring).
         self.buffer = self._deep_ep.ElasticBuffer(
             self.group,
             num_max_tokens_per_rank=self.max_tokens_per_rank,
             hidden=self.hidden_size,
             num_topk=num_topk,
-            deterministic=True,
+            deterministic=self.deterministic,
             explicitly_destroy=True,
         )
         if self.comm_sms == 0:
@@ -198,7 +202,7 @@ class DeepEPV2Dispatcher(TokenDispatcher):
         route.handle = handle
 
         def finish() -> Dispatched:
-            event.current_stream_wait()  # also runs the deterministic sort (elastic.py:1027)
+            event.current_stream_wait()  # also runs the deterministic sort, if any (elastic.py:1027)
             local_idx = as_local_idx(recv_idx)
             if self.sync_free:
                 # Worst-case allocation: rows past the received count were never written.
@@ -256,6 +260,7 @@ def _make_deepep_v2(
     dtype: torch.dtype,
     comm_sms: int,
     sync_free: bool = False,
+    deterministic: bool = False,
     max_tokens_per_rank: int | None = None,
 ) -> TokenDispatcher:
     assert group is not None  # needs_group: make_dispatcher refused None already
@@ -266,6 +271,7 @@ def _make_deepep_v2(
         comm_sms=comm_sms,
         max_tokens_per_rank=max_tokens_per_rank,
         sync_free=sync_free,
+        deterministic=deterministic,
     )
 
 
@@ -325,5 +331,6 @@ register_dispatcher(
         rules=deepep_v2_rules,
         package="deep_ep",
         install_hint=DEEPEP_V2_INSTALL_HINT,
+        deterministic=True,
     )
 )

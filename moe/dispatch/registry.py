@@ -43,6 +43,7 @@ class DispatcherFactory(Protocol):
         dtype: torch.dtype,
         comm_sms: int,
         sync_free: bool = False,
+        deterministic: bool = False,
     ) -> TokenDispatcher: ...
 
 
@@ -98,6 +99,10 @@ class DispatcherSpec:
     sync_free: bool = False
     """The backend has a sync-free mode (``make_dispatcher(..., sync_free=True)``): receive buffers of a
     worst-case size, so a layer issues no host sync at all; the factory takes ``sync_free``."""
+    deterministic: bool = False
+    """The backend returns received rows in arrival order unless asked for source order (rank, then token)
+    with ``make_dispatcher(..., deterministic=True)``, which its factory takes; the other backends always
+    return them in source order."""
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -172,6 +177,7 @@ def make_dispatcher(
     comm_sms: int = DEFAULT_COMM_SMS,
     local_world_size: int | None = None,
     sync_free: bool = False,
+    deterministic: bool = False,
 ) -> TokenDispatcher:
     """Build the registered dispatcher ``kind`` over the expert-parallel ``group`` (``local`` ignores it).
 
@@ -179,7 +185,10 @@ def make_dispatcher(
     the SM budget of the communication kernels; ``local_world_size`` the ranks per node (None: torchrun's
     ``LOCAL_WORLD_SIZE``, else every rank on one node). ``sync_free`` asks for the backend's sync-free mode
     (worst-case receive buffers, no host sync in a layer; :attr:`DispatcherSpec.sync_free` says which have
-    one). A launch the backend cannot run raises ValueError before the backend builds anything.
+    one). ``deterministic`` asks for received rows in source order (rank, then token), so runs repeat bit for
+    bit, from a backend whose order otherwise follows arrival (:attr:`DispatcherSpec.deterministic`); the
+    others give that order always. A launch the backend cannot run raises ValueError before the backend builds
+    anything.
     """
     spec = DISPATCHERS.lookup(kind)
     if sync_free and not spec.sync_free:
@@ -197,6 +206,7 @@ def make_dispatcher(
     )
     if problems := spec.violations(launch):
         raise ValueError(f"the {kind!r} dispatcher cannot run this launch: {'; '.join(problems)}")
-    if sync_free:
-        return spec.factory(num_experts, group, hidden_size=hidden_size, dtype=dtype, comm_sms=comm_sms, sync_free=True)
-    return spec.factory(num_experts, group, hidden_size=hidden_size, dtype=dtype, comm_sms=comm_sms)
+    modes = {"sync_free": True} if sync_free else {}  # asked only of backends that take them
+    if deterministic and spec.deterministic:
+        modes["deterministic"] = True
+    return spec.factory(num_experts, group, hidden_size=hidden_size, dtype=dtype, comm_sms=comm_sms, **modes)

@@ -32,8 +32,9 @@ As strict as V2 where V2 fails: its Python asserts as AssertionError, ``EP_HOST_
 error. Checked: bf16 rows, contiguous 2-D inputs, ``topk_idx_t`` (int64) indices, fp32 weights, at most
 ``num_max_tokens_per_rank`` tokens, ``num_sms > 0`` (and at most the device's), the buffer size, experts
 (<= 2048, <= 256 per rank, divisible by ranks), top-k <= 32, no expert twice in a token, hidden % 256 for
-combine. ``destroy()`` needs ``explicitly_destroy=True`` and is a barrier with every rank. The fp8 tuple,
-expanded layout, bias and Engram/PP/AGRS paths are not emulated (asserted off).
+combine, and (``check_torch_deterministic``, utils/envs.py) not torch's deterministic algorithms together
+with ``fill_uninitialized_memory``. ``destroy()`` needs ``explicitly_destroy=True`` and is a barrier with
+every rank. The fp8 tuple, expanded layout, bias and Engram/PP/AGRS paths are not emulated (asserted off).
 """
 
 from __future__ import annotations
@@ -245,6 +246,14 @@ class ElasticBuffer:
         if self.runtime is None:  # elastic.py:377: the runtime is gone, its methods with it
             raise AttributeError(f"'NoneType' object has no attribute '{method}'")
 
+    @staticmethod
+    def _check_torch_deterministic() -> None:
+        """utils/envs.py ``check_torch_deterministic``, the first line of dispatch and combine: with both on,
+        ``torch.empty`` launches a fill kernel that may overlap the communication stream."""
+        assert not (
+            torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
+        )
+
     def _prologue(self, previous_event, allocate_on_comm_stream: bool, num_sms: int) -> None:
         _host_assert(num_sms > 0, "num_sms > 0")
         _host_assert(num_sms <= _NUM_DEVICE_SMS, "num_sms <= jit::device_runtime->get_num_sms()")
@@ -302,6 +311,7 @@ class ElasticBuffer:
         assert not isinstance(x, tuple), "the emulation has no FP8 path"
         assert not do_expand and cumulative_local_expert_recv_stats is None, "not emulated"
         self._alive("dispatch")
+        self._check_torch_deterministic()
         # elastic.py:926-961, the Python half.
         num_topk = (handle.topk_idx if topk_idx is None else topk_idx).shape[1]
         num_sms = self.get_theoretical_num_sms(num_experts, num_topk) if num_sms == 0 else num_sms
@@ -448,6 +458,7 @@ class ElasticBuffer:
     ):
         assert bias is None, "not emulated"
         self._alive("combine")
+        self._check_torch_deterministic()
         num_sms = handle.num_sms if num_sms == 0 else num_sms
         # buffer.hpp:1197-1256.
         self._prologue(previous_event, allocate_on_comm_stream, num_sms)

@@ -1,7 +1,8 @@
 """The ``deepep-v2`` dispatcher over the DeepEP V2 emulation (tests/moe/fake_deep_ep_v2.py), on 2 gloo ranks.
 
-Its round trips in bf16 equal ``alltoall``'s bit for bit (rows, sums, weight gradients), in the host-synced
-and the sync-free (worst-case allocation) modes; V2's limits are refused up front, by the registry's rules,
+Deterministic (rows in source order), its round trips in bf16 equal ``alltoall``'s bit for bit (rows, sums,
+weight gradients), in the host-synced and the sync-free (worst-case allocation) modes; by default rows come
+in arrival order and the sums are still ``alltoall``'s; V2's limits are refused up front, by the registry's rules,
 and by the emulation as V2 refuses them; a missing or unusable ``deep_ep`` names the install steps.
 """
 
@@ -16,7 +17,9 @@ import torch.distributed as dist
 from moe.dispatch import DEEPEP_V2_INSTALL_HINT, DISPATCHERS, AllToAllDispatcher, Launch, make_dispatcher
 from moe.dispatch.deepep_common import import_deep_ep
 from moe.dispatch.deepep_v2 import DeepEPV2Dispatcher, nvlink_domain_problem
+from moe.parallel import ParallelConfig, build_stages, init_layout
 from tests.distributed import run_ranks
+from tests.moe.helpers import tiny_config
 from tests.moe.test_dispatch import NUM_EXPERTS, TOP_K, _check_dispatcher, _routing
 
 HIDDEN = 256  # V2's combine kernels take hidden % 256 == 0
@@ -30,6 +33,8 @@ def _use_fake() -> None:
 
 
 def _make(**kw) -> DeepEPV2Dispatcher:
+    """A deterministic one unless ``deterministic=False``: the oracles compare rows by position."""
+    kw.setdefault("deterministic", True)
     return make_dispatcher("deepep-v2", NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=BF16, **kw)
 
 
@@ -42,7 +47,9 @@ def _sync_free_equals_synced(rank: int, case: str) -> None:
     idx_TK = _routing(case, rank, num_tokens)
     synced, free = (
         _make(),
-        DeepEPV2Dispatcher(NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, max_tokens_per_rank=8, sync_free=True),
+        DeepEPV2Dispatcher(
+            NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, max_tokens_per_rank=8, sync_free=True, deterministic=True
+        ),
     )
     routes = synced.plan(idx_TK), free.plan(idx_TK)
     want, got = (d.dispatch(r, x_TD, w_TK).wait() for d, r in zip((synced, free), routes, strict=True))
@@ -60,8 +67,43 @@ def _sync_free_equals_synced(rank: int, case: str) -> None:
         d.close()
 
 
+def _arrival_order(rank: int, world: int) -> None:
+    """Not deterministic (the default): rows in arrival order, each with its own expert ids and weights, so
+    combine and both backward directions give ``alltoall``'s results; the rows are ``alltoall``'s permuted."""
+    gen = torch.Generator().manual_seed(rank)
+    x_TD = torch.randn(5, HIDDEN, generator=gen).to(BF16)
+    w_TK = torch.rand(5, TOP_K, generator=gen) + 0.1
+    idx_TK = _routing("random", rank, 5)
+    e_local = NUM_EXPERTS // world
+    v2 = _make(deterministic=False)
+    results = []
+    for d in (AllToAllDispatcher(NUM_EXPERTS), v2):
+        route = d.plan(idx_TK)
+        got = d.dispatch(route, x_TD, w_TK).wait()
+        used_RK = got.local_idx_RK >= 0
+        scale_R1 = (got.weights_RK * (got.local_idx_RK + rank * e_local + 1) * used_RK).sum(1, keepdim=True)
+        y_TD = d.combine(route, (got.x_RD * scale_R1).to(BF16)).wait()
+        grads = d.dispatch_backward(route, got.x_RD * (rank + 1), got.weights_RK * used_RK * (rank + 1)).wait()
+        results.append((got, (y_TD, *grads), d.combine_backward(route, 2 * x_TD).wait()))
+    (want, want_sums, want_grad_R), (got, got_sums, got_grad_R) = results
+    assert v2.buffer.deterministic is False
+    assert all(torch.equal(g, w) for g, w in zip(got_sums, want_sums, strict=True)), rank
+    # Source order is the order of the tokens' global ids (EPHandle.recv_src_metadata[:, 0]).
+    source_R = route.handle.recv_src_metadata[:, 0].long().argsort()
+    assert not torch.equal(source_R, torch.arange(len(source_R)))  # they came in another order
+    assert torch.equal(got.x_RD[source_R], want.x_RD) and torch.equal(got.local_idx_RK[source_R], want.local_idx_RK)
+    assert torch.equal(got_grad_R[source_R], want_grad_R)
+    v2.close()
+
+
 def _round_trips(rank: int, world: int) -> list[str]:
     _use_fake()
+    _arrival_order(rank, world)
+    # --deterministic-dispatch reaches the dispatcher the trainer builds.
+    layout = init_layout(ParallelConfig(ep=world, dispatcher="deepep-v2", deterministic_dispatch=True))
+    stages = build_stages(tiny_config(hidden_size=HIDDEN), layout, dtype=BF16)
+    assert all(stage.dispatcher.deterministic is True for stage in stages)
+    stages[0].dispatcher.close()
     calls = []
     for case in ("random", "skewed"):
         want = _check_dispatcher(AllToAllDispatcher(NUM_EXPERTS), rank, world, case, BF16, HIDDEN)
@@ -219,6 +261,10 @@ def _emulation_refusals(rank: int, world: int) -> None:
         dispatch(previous_event=ep.ElasticBuffer.capture())
     with pytest.raises(AssertionError, match="Cannot do CPU sync with cached handle"):
         buf.dispatch(x, handle=handle, num_sms=4, do_cpu_sync=True)
+    torch.use_deterministic_algorithms(True)  # with fill_uninitialized_memory (torch's default): V2 asserts
+    with pytest.raises(AssertionError):
+        dispatch()
+    torch.use_deterministic_algorithms(False)
     implicit = ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=4, hidden=HIDDEN)
     with pytest.raises(AssertionError):
         implicit.destroy()  # needs explicitly_destroy=True

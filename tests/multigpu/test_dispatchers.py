@@ -82,7 +82,8 @@ class _OnDevice:
 def _round_trips(rank: int, world: int, kind: str) -> int:
     nccl = dist.get_backend() == "nccl"  # gloo only when this function is tried on CPU ranks
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    inner = make_dispatcher(kind, NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=BF16)
+    # deterministic: rows in source order, which the oracle compares by position (deepep-v2 sorts them).
+    inner = make_dispatcher(kind, NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=BF16, deterministic=True)
     dispatcher = _OnDevice(inner, device)
     for case in ("random", "skewed"):
         _check_dispatcher(dispatcher, rank, world, case, BF16, HIDDEN)
@@ -104,7 +105,9 @@ def test_rows_move_exactly(kind: str, world: int):
 def _ep_step(rank: int, world: int, kind: str):
     cfg = _config()
     layout = init_layout(ParallelConfig(pp=1, ep=world, dispatcher=kind), device_type="cuda")
-    dispatcher = make_dispatcher(kind, cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size, dtype=BF16)
+    dispatcher = make_dispatcher(
+        kind, cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size, dtype=BF16, deterministic=True
+    )
     stage = MoEStage(
         cfg, range(cfg.num_layers), first=True, last=True, dispatcher=dispatcher, comm_sms=DEFAULT_COMM_SMS
     )
