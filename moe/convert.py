@@ -18,7 +18,8 @@ The direction follows SRC: a directory with config.json is a Hugging Face checkp
 One process, never the whole model in memory. Nothing is read to plan: shapes come from a meta-device model of
 the config. At peak it holds
 - ours -> HF: one shard being written (<= ``--max-shard-size``) and the checkpoint entries it is made from (a
-  partial DCP load per shard: the dense tensors and expert rows of that shard);
+  partial DCP load per shard: the dense tensors and expert rows of that shard, each whole; DCP assembles an
+  entry saved under ZeRO-1 from its chunks of rows, one in each file of the ranks that held them);
 - HF -> ours: one DCP file (entries are made when DCP writes them, into files of at most 1 GiB; an entry is one
   dense tensor or one expert's matrices, read as safetensors slices) and one block built without weights to
   read its fresh buffers (one expert, uninitialised).
@@ -142,7 +143,7 @@ def ours_to_hf(src: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_byt
         raise ConvertError(f"error: {exc}") from None
 
     def make(needed: list) -> dict[str, torch.Tensor]:
-        # One partial DCP load per shard: only these entries are read (each at its offset in the files).
+        # One partial DCP load per shard: only these entries are read (each chunk at its offset in its file).
         want = {}
         for p in needed:
             shape, dt = shapes[p.key]
