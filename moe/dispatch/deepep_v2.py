@@ -331,6 +331,7 @@ register_dispatcher(
         rules=deepep_v2_rules,
         package="deep_ep",
         install_hint=DEEPEP_V2_INSTALL_HINT,
+        sync_free=True,
         deterministic=True,
     )
 )

@@ -119,6 +119,12 @@ def _round_trips(rank: int, world: int) -> list[str]:
             v2.plan(_routing(case, rank, 1))
         calls.append(",".join(buffer.calls))
         _sync_free_equals_synced(rank, case)
+    # The registry's entry has the sync-free mode too (--sync-free --dispatcher deepep-v2): worst-case rows.
+    free = _make(sync_free=True)
+    route = free.plan(_routing("random", rank, 3))
+    got = free.dispatch(route, torch.ones(3, HIDDEN, dtype=BF16), torch.rand(3, TOP_K)).wait()
+    assert free.sync_free and got.x_RD.shape[0] == 3 * world  # max_tokens_per_rank x ranks, whatever arrived
+    free.close()
     # Refused before any ElasticBuffer exists.
     with pytest.raises(
         ValueError, match=r"'deepep-v2' dispatcher cannot run.*rows in torch.bfloat16 \(got torch.float32"
