@@ -7,7 +7,8 @@ wrapper that moves its CPU tensors to the rank's GPU and back; and a one-process
 replica with its share of the batch, as in ``tests.moe.test_ep``).
 
 ``deepep`` needs DeepEP built (docs/gpu.md); ``deepep-v2`` needs its backend registered and DeepEP 2.x. A
-test whose backend is missing skips and says what is missing.
+test whose backend is missing, or whose ``import deep_ep`` fails (a library it links not found, V2's NCCL
+check), skips and says what is missing: the import error's first line.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from moe import MoEModel, MoEStage, lm_loss
-from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, Dispatched, Pending, make_dispatcher
+from moe.dispatch import DEEPEP_V2_INSTALL_HINT, DEFAULT_COMM_SMS, DISPATCHERS, Dispatched, Pending, make_dispatcher
+from moe.dispatch import deepep as deepep_v1
+from moe.dispatch.deepep_common import import_deep_ep
 from moe.grad_sync import reduce_gradients
 from moe.parallel import ParallelConfig, init_layout
 from tests.distributed import run_ranks
@@ -36,12 +39,27 @@ def _config():
     return tiny_config(hidden_size=HIDDEN)
 
 
+IMPORTS = {
+    "deepep": deepep_v1.import_deep_ep,
+    "deepep-v2": lambda: import_deep_ep(DEEPEP_V2_INSTALL_HINT, needs="ElasticBuffer"),
+}
+"""How each backend imports its package (and checks the API it calls), as it does when it is built."""
+
+
 def _skip_unless_available(kind: str) -> None:
-    """Skip (in the parent, before any rank starts) when ``kind`` cannot be built on this machine."""
+    """Skip (in the parent, before any rank starts) when ``kind`` cannot be built on this machine: not
+    registered, a need missing, or its package present but failing to import."""
     if kind not in DISPATCHERS:
         pytest.skip(f"dispatcher {kind!r} is not registered (registered: {', '.join(DISPATCHERS)})")
     if missing := DISPATCHERS[kind].check(device="cuda"):
         pytest.skip(f"dispatcher {kind!r} cannot be built here: {'; '.join(missing)}")
+    if kind in IMPORTS:
+        try:
+            IMPORTS[kind]()
+        except Exception as exc:  # a broken install fails in many ways (ImportError, OSError, an assert)
+            cause = exc.__cause__ or exc  # the backend wraps the import's own error in its install hint
+            first = (str(cause).strip().splitlines() or [""])[0]
+            pytest.skip(f"dispatcher {kind!r}: 'import deep_ep' fails here: {type(cause).__name__}: {first}")
 
 
 class _OnDevice:
