@@ -120,11 +120,17 @@ def test_rows_move_exactly(kind: str, world: int):
     assert run_ranks(_round_trips, world_size=world, args=(kind,), timeout=300, backend="nccl") == list(range(world))
 
 
-def _ep_step(rank: int, world: int, kind: str):
+def _ep_step(rank: int, world: int, kind: str, sync_free: bool):
     cfg = _config()
     layout = init_layout(ParallelConfig(pp=1, ep=world, dispatcher=kind), device_type="cuda")
     dispatcher = make_dispatcher(
-        kind, cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size, dtype=BF16, deterministic=True
+        kind,
+        cfg.num_experts,
+        layout.ep_group,
+        hidden_size=cfg.hidden_size,
+        dtype=BF16,
+        sync_free=sync_free,
+        deterministic=True,
     )
     stage = MoEStage(
         cfg, range(cfg.num_layers), first=True, last=True, dispatcher=dispatcher, comm_sms=DEFAULT_COMM_SMS
@@ -146,11 +152,19 @@ def _ep_step(rank: int, world: int, kind: str):
     return (mean_loss / world).item(), grads, experts
 
 
+def _all_local_gpus() -> int:
+    """The expert-parallel size that spans this machine: its GPUs, rounded down to a size DeepEP's intranode
+    kernels take (2, 4 or 8)."""
+    return max(n for n in (2, 4, 8) if n <= torch.cuda.device_count())
+
+
 @pytest.mark.multigpu(gpus=2)
+@pytest.mark.parametrize("sync_free", [False, True], ids=["synced", "sync-free"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_ep_step_matches_local(kind: str):
+def test_ep_step_matches_local(kind: str, sync_free: bool):
+    """ep = every local GPU (up to 8), in the host-synced and the sync-free mode."""
     _skip_unless_available(kind)
-    world = 2
+    world = _all_local_gpus()
     cfg = _config()
     ids, labels = batch(cfg, 2 * world, 16)
     # The oracle: the whole batch in one process on one GPU, all experts local (MoEModel's local dispatcher).
@@ -158,7 +172,8 @@ def test_ep_step_matches_local(kind: str):
     ref_loss = lm_loss(model(ids.cuda()), labels.cuda())
     ref_loss.backward()
     want = {n: p.grad.float().cpu() for n, p in model.named_parameters()}
-    for loss, grads, experts in run_ranks(_ep_step, world_size=world, args=(kind,), timeout=300, backend="nccl"):
+    results = run_ranks(_ep_step, world_size=world, args=(kind, sync_free), timeout=300, backend="nccl")
+    for loss, grads, experts in results:
         # bf16 everywhere: sums run in other orders on ep ranks, so bf16-level agreement, not equality.
         assert loss == pytest.approx(ref_loss.item(), rel=2e-2)
         assert grads.keys() == want.keys()
