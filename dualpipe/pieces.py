@@ -56,10 +56,15 @@ class Compute:
     inputs: tuple[str, ...] | str
     outputs: tuple[str, ...] | str
     recompute: bool | None = None
+    no_grad: tuple[str, ...] | str = ()
+    """Floating-point inputs that get no gradient from this piece by design (read for their value only). Every
+    other floating-point input must get one: a backward that leaves it without raises, naming the block, the
+    piece and the input."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", _names(self.inputs))
         object.__setattr__(self, "outputs", _names(self.outputs))
+        object.__setattr__(self, "no_grad", _names(self.no_grad))
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,9 @@ class Comm:
     *output_grads)`` starts the gradient's transfer and returns a ``Pending`` of one gradient (or None) per
     input. ``prepare(ctx, *inputs)``, when given, is called as soon as the inputs exist and may return a
     ``Pending`` that ``forward`` needs finished first (e.g. a row-count exchange): the runtime then starts
-    ``forward`` one compute piece of the other micro-batch later, so that wait is hidden. ``communicates``
+    ``forward`` one compute piece of the other micro-batch later, so that wait is hidden. ``no_grad``: inputs
+    whose gradient ``backward`` gives as None by design; every other floating-point input must get a tensor
+    of its shape and dtype, or the step raises naming the block, the piece and the input. ``communicates``
     False (nothing to send, e.g. one rank) records no events. ``stream``: the CUDA stream the transfer runs
     on, when the backend exposes one (DeepEP's ``Buffer.get_comm_stream()``); its ``wait`` events are
     recorded there (:func:`dualpipe.events.record_edge`). None (NCCL collectives: the process group's
@@ -85,10 +92,12 @@ class Comm:
     prepare_name: str = "counts"
     communicates: bool = True
     stream: Any = None
+    no_grad: tuple[str, ...] | str = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", _names(self.inputs))
         object.__setattr__(self, "outputs", _names(self.outputs))
+        object.__setattr__(self, "no_grad", _names(self.no_grad))
 
 
 Piece = Compute | Comm
@@ -127,6 +136,9 @@ class Pieces:
                 if name not in defined:
                     raise ValueError(f"{where}: piece {piece.name!r} reads {name!r} before any piece produces it")
                 consumers[name].append(i)
+            stray = [n for n in piece.no_grad if n not in piece.inputs]
+            if stray:
+                raise ValueError(f"{where}: piece {piece.name!r} declares no_grad={stray}, which it does not read")
             for name in piece.outputs:
                 if name in defined:
                     raise ValueError(f"{where}: piece {piece.name!r} produces {name!r} again (assign each once)")
@@ -207,6 +219,7 @@ class BlockRun:
         self._leaves: dict[int, tuple[Any, ...]] = {}  # compute index -> its input leaves
         self._outs: dict[int, tuple[Any, ...]] = {}  # compute index -> its outputs (graph roots)
         self._stores: dict[int, GradStore] = {}  # compute index -> held-back weight gradients
+        self._needs: dict[int, tuple[tuple[torch.Size, torch.dtype] | None, ...]] = {}  # piece -> inputs' grads
         self.started: set[int] = set()
         self.done: set[int] = set()
         # backward
@@ -268,6 +281,8 @@ class BlockRun:
             prepared.wait()
             self._edge(piece, piece.prepare_name, "fwd", "wait")
         inputs = [self._plain(n) for n in piece.inputs]  # may wait an earlier transfer: before our start edge
+        if self.grad:
+            self._needs[i] = self._wanted(piece, inputs)
         self.started.add(i)
         self._edge(piece, piece.name, "fwd", "start")
         pending = piece.forward(self.ctx, *inputs)
@@ -282,6 +297,36 @@ class BlockRun:
         self._edge(piece, piece.name, "fwd", "wait")
         self.values.update(zip(piece.outputs, result))
         self.done.add(i)
+
+    @staticmethod
+    def _wanted(piece: Piece, values: Sequence[Any]) -> tuple[tuple[torch.Size, torch.dtype] | None, ...]:
+        """(shape, dtype) of the gradient each input must get back, None where it needs none."""
+        return tuple(
+            (v.shape, v.dtype) if _wants_grad(v) and name not in piece.no_grad else None
+            for name, v in zip(piece.inputs, values)
+        )
+
+    def _check_grad(self, i: int, name: str, grad: Any) -> None:
+        """One line naming the block, the piece and the input when ``grad`` is not the gradient it needs."""
+        piece = self.decl.pieces[i]
+        need = self._needs[i][piece.inputs.index(name)]
+        if need is None:
+            return
+        kind = type(piece).__name__
+        where = f"block {self.decl.layer}: {kind} {piece.name!r}"
+        shape, dtype = need
+        if grad is None:
+            raise RuntimeError(
+                f"{where} gave no gradient for its input {name!r} ({tuple(shape)}, {dtype}); a floating-point input "
+                f"that needs none is declared {kind}(..., no_grad=({name!r},))"
+            )
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(f"{where} gave a {type(grad).__name__} as the gradient of {name!r}, not a tensor")
+        if grad.shape != shape or grad.dtype != dtype:
+            raise RuntimeError(
+                f"{where} gave a gradient of {tuple(grad.shape)}, {grad.dtype} for its input {name!r}, which is "
+                f"{tuple(shape)}, {dtype}"
+            )
 
     def _plain(self, name: str) -> Any:
         v = self.value(name)
@@ -306,6 +351,7 @@ class BlockRun:
             outs = self._run(i, leaves, self.grad and not recompute)
         if self.grad:
             self._leaves[i] = leaves
+            self._needs[i] = self._wanted(piece, leaves)
             if not recompute:
                 self._outs[i] = outs
         self.values.update(zip(piece.outputs, outs))
@@ -408,6 +454,7 @@ class BlockRun:
         self._edge(piece, piece.name, "bwd", "wait")
         self.bwd_done.add(i)
         for name, g in zip(piece.inputs, result):
+            self._check_grad(i, name, g)
             self._give(name, g)
 
     def compute_dx(self, i: int, record: bool = True) -> None:
@@ -443,7 +490,9 @@ class BlockRun:
                 store.flush()
                 self._stores[i] = store
         for name, leaf in zip(piece.inputs, leaves):
-            self._give(name, leaf.grad if isinstance(leaf, torch.Tensor) else None)
+            grad = leaf.grad if isinstance(leaf, torch.Tensor) else None
+            self._check_grad(i, name, grad)
+            self._give(name, grad)
         self.bwd_done.add(i)
 
     def compute_dw(self, i: int, record: bool = True) -> None:

@@ -157,7 +157,10 @@ class Block(nn.Module):
                     communicates=communicates,
                     stream=lambda: dispatcher.comm_stream,
                 ),
-                Compute("mlp", self._mlp_moe, ("x_recv", "w_recv", "z"), ("y_recv", *shared)),
+                # z feeds only the shared experts: without them it gets no gradient here (the dispatch gives one)
+                Compute(
+                    "mlp", self._mlp_moe, ("x_recv", "w_recv", "z"), ("y_recv", *shared), no_grad=() if shared else "z"
+                ),
                 Comm(
                     "combine",
                     self._combine,

@@ -144,6 +144,7 @@ def _prefixed(piece, prefix: str, depth: int, renames: dict[str, str]):
         return renames.get(n, prefix + n)
 
     fields = {"name": prefix + piece.name, "inputs": tuple(map(name, piece.inputs))}
+    fields["no_grad"] = tuple(map(name, piece.no_grad))
     fields["outputs"] = tuple(map(name, piece.outputs))
     if isinstance(piece, Compute):
         fields["fn"] = _in_depth(depth, piece.fn)
