@@ -57,7 +57,10 @@ def _ep_step(
     _use_fake_deep_ep(kind)
     cfg = tiny_config(**(cfg_changes or {}))
     layout = init_layout(ParallelConfig(pp=1, ep=world, dispatcher=kind))
-    dispatcher = make_dispatcher(kind, cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size, dtype=dtype)
+    # deterministic: deepep-v2's rows in source order, so its gradients equal alltoall's bit for bit
+    dispatcher = make_dispatcher(
+        kind, cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size, dtype=dtype, deterministic=True
+    )
     stage = MoEStage(cfg, range(cfg.num_layers), first=True, last=True, dispatcher=dispatcher, recompute=recompute)
     stage.reset_parameters(SEED)
     if skewed:
@@ -273,7 +276,9 @@ def _moe_reports(
     _use_fake_deep_ep(kind)
     cfg = tiny_config(**(cfg_changes or {}))
     group = torch.distributed.group.WORLD
-    dispatcher = make_dispatcher(kind, cfg.num_experts, group, hidden_size=cfg.hidden_size, dtype=dtype)
+    dispatcher = make_dispatcher(
+        kind, cfg.num_experts, group, hidden_size=cfg.hidden_size, dtype=dtype, deterministic=True
+    )
 
     def stage(layers: range, first: bool, last: bool) -> MoEStage:
         s = MoEStage(cfg, layers, first=first, last=last, dispatcher=dispatcher, recompute=recompute)
