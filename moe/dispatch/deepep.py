@@ -3,11 +3,13 @@
 Legend for shape suffixes: T local tokens, R received rows, K top-k slots, D hidden, E global experts.
 
 DeepEP launches its kernels on its own communication stream on ``Buffer.num_sms`` SMs. Each call here
-passes ``previous_event`` (the compute stream's progress, captured with ``Buffer.capture()``) so the comm
-stream starts only after the producer of its input, and ``async_finish=True`` so the compute stream goes
-on; ``Pending.wait()`` calls ``event.current_stream_wait()`` where the result is consumed. Backward reuses
-the forward handle: the gradient of dispatch is a ``combine`` (which also sums the routing-weight
-gradients), the gradient of combine is a cached-mode ``dispatch``.
+passes ``previous_event``, the compute stream's progress captured with ``Buffer.capture()`` once the call's
+inputs are in place (after the copies that make them contiguous and fp32), because the comm stream then waits
+for that event only (csrc/deep_ep.cpp ``stream_wait(comm_stream, previous_event)``): an older event, such as
+the layout's, would let dispatch read tokens the compute stream has not written yet. ``async_finish=True``
+lets the compute stream go on; ``Pending.wait()`` calls ``event.current_stream_wait()`` where the result is
+consumed. Backward reuses the forward handle: the gradient of dispatch is a ``combine`` (which also sums the
+routing-weight gradients), the gradient of combine is a cached-mode ``dispatch``.
 
 Real DeepEP wants bf16 rows (or an fp8 tuple); run the model in bf16 on the cluster. :func:`deepep_rules`
 states DeepEP's limits on a launch so that ``make_dispatcher`` refuses one before a ``Buffer`` exists.
@@ -161,7 +163,6 @@ class _DeepEPRoute(Route):
     num_tokens_per_rdma_rank: torch.Tensor | None
     num_tokens_per_expert: torch.Tensor
     is_token_in_rank: torch.Tensor
-    layout_event: Any
     defers_dispatch: bool = True
     """Non-cached dispatch busy-waits on the host for the received counts, unless ``num_worst_tokens`` is set."""
     handle: Any = None
@@ -222,37 +223,37 @@ class DeepEPDispatcher(TokenDispatcher):
             buffer, self.buffer = self.buffer, None
             buffer.destroy()
 
-    def _launch_kwargs(self, device: torch.device) -> dict[str, Any]:
-        # CUDA: order the comm stream after the compute stream's work so far and allocate results there.
-        # Elsewhere (the in-test emulation on gloo) there is no stream to capture.
-        if device.type == "cuda":
-            return {"previous_event": self._buffer_cls.capture(), "async_finish": True, "allocate_on_comm_stream": True}
-        return {"previous_event": None, "async_finish": True, "allocate_on_comm_stream": False}
+    def _launch_kwargs(self) -> dict[str, Any]:
+        """Order the comm stream after the compute stream's work so far (call it once the inputs are made)
+        and allocate the results there. The same on CUDA and over the in-test emulation."""
+        return {"previous_event": self._buffer_cls.capture(), "async_finish": True, "allocate_on_comm_stream": True}
 
     def plan(self, topk_idx_TK: torch.Tensor) -> Route:
         topk_idx_TK = as_topk_idx(topk_idx_TK)
-        per_rank, per_rdma_rank, per_expert, in_rank, event = self.buffer.get_dispatch_layout(
-            topk_idx_TK, self.num_experts, **self._launch_kwargs(topk_idx_TK.device)
+        # The layout's event is not kept: the layout runs on the comm stream, before dispatch on that stream.
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
+            topk_idx_TK, self.num_experts, **self._launch_kwargs()
         )
         return _DeepEPRoute(
-            topk_idx_TK, per_rank, per_rdma_rank, per_expert, in_rank, event, defers_dispatch=not self.sync_free
+            topk_idx_TK, per_rank, per_rdma_rank, per_expert, in_rank, defers_dispatch=not self.sync_free
         )
 
     def dispatch(self, route: Route, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending[Dispatched]:
         assert isinstance(route, _DeepEPRoute)
-        kwargs = self._launch_kwargs(x_TD.device)
-        if x_TD.device.type == "cuda":
-            kwargs["previous_event"] = route.layout_event
+        x_TD, weights_TK = x_TD.contiguous(), as_topk_weights(topk_weights_TK)
+        # Captured now: the tokens and weights may come from compute issued after plan (and from the copies
+        # just above); the comm stream waits for nothing newer than this event.
+        kwargs = self._launch_kwargs()
         if self.sync_free:
             kwargs["num_worst_tokens"] = self.ep_size * x_TD.shape[0]
         recv_x, recv_idx, recv_w, _, handle, event = self.buffer.dispatch(
-            x_TD.contiguous(),
+            x_TD,
             num_tokens_per_rank=route.num_tokens_per_rank,
             num_tokens_per_rdma_rank=route.num_tokens_per_rdma_rank,
             is_token_in_rank=route.is_token_in_rank,
             num_tokens_per_expert=route.num_tokens_per_expert,
             topk_idx=route.topk_idx_TK,
-            topk_weights=as_topk_weights(topk_weights_TK),
+            topk_weights=weights_TK,
             **kwargs,
         )
         route.handle = handle
@@ -265,7 +266,8 @@ class DeepEPDispatcher(TokenDispatcher):
 
     def combine(self, route: Route, y_RD: torch.Tensor) -> Pending[torch.Tensor]:
         assert isinstance(route, _DeepEPRoute)
-        combined_x, _, event = self.buffer.combine(y_RD.contiguous(), route.handle, **self._launch_kwargs(y_RD.device))
+        # Arguments are evaluated in order: the event is captured after the copy that makes y contiguous.
+        combined_x, _, event = self.buffer.combine(y_RD.contiguous(), route.handle, **self._launch_kwargs())
 
         def finish() -> torch.Tensor:
             event.current_stream_wait()
@@ -281,7 +283,7 @@ class DeepEPDispatcher(TokenDispatcher):
             grad_x_RD.contiguous(),
             route.handle,
             topk_weights=as_topk_weights(grad_weights_RK),
-            **self._launch_kwargs(grad_x_RD.device),
+            **self._launch_kwargs(),
         )
 
         def finish() -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,7 +295,7 @@ class DeepEPDispatcher(TokenDispatcher):
     def combine_backward(self, route: Route, grad_y_TD: torch.Tensor) -> Pending[torch.Tensor]:
         assert isinstance(route, _DeepEPRoute)
         grad_y_RD, _, _, _, _, event = self.buffer.dispatch(
-            grad_y_TD.contiguous(), handle=route.handle, **self._launch_kwargs(grad_y_TD.device)
+            grad_y_TD.contiguous(), handle=route.handle, **self._launch_kwargs()
         )
 
         def finish() -> torch.Tensor:

@@ -29,17 +29,28 @@ intranode rows of whole 32-byte pairs up to 16,368 bytes. A host check fails as 
 does (a RuntimeError, "Assertion exception"), a kernel's ``EP_DEVICE_ASSERT`` as a CUDA error would, and the
 Python-level asserts of ``deep_ep/buffers/legacy.py`` as AssertionError. ``destroy()`` exists with
 ``explicitly_destroy=True`` only, as in DeepEP, and may run once.
+
+Stream order (opt-in, ``with StreamOrder():``): on CUDA a launch given ``previous_event`` runs on DeepEP's
+comm stream after that event and nothing else (csrc/deep_ep.cpp ``stream_wait(comm_stream,
+previous_event)``; without one, after the compute stream as it is at the launch). Under :class:`StreamOrder`
+every torch op outside the Buffer is a step of the compute stream and stamps the tensors it creates;
+``Buffer.capture()`` records the step reached, and an event a launch returns the step that launch waited for.
+A launch reading an input created after the step its ``previous_event`` stands for would read it before the
+compute stream writes it: a race DeepEP does not see, raised here.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "StreamOrder"]
 
 # csrc/kernels/legacy/intranode.cu ``dispatch``: half a row and an 8-byte mbarrier fit a warp's 8192-byte TMA
 # buffer, and rows are whole pairs of int4.
@@ -80,12 +91,69 @@ class Config:
         return 0 if num_ranks <= 8 else self.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
 
 
-class EventHandle:
-    """Stands for a CUDA event on the comm stream: the pending gloo works plus what finishes the outputs."""
+class StreamOrder(TorchFunctionMode):
+    """The compute stream's order, while active (see the module docstring): ``step`` counts the torch ops run
+    outside the Buffer, and each tensor such an op creates records the step that wrote it."""
 
-    def __init__(self, works: list[dist.Work] | None = None, finish: Callable[[], None] | None = None) -> None:
+    active: StreamOrder | None = None
+    """The order in force (one at a time): Buffer launches check their inputs against it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0
+        self.paused = False
+
+    def __enter__(self) -> StreamOrder:
+        assert StreamOrder.active is None, "one StreamOrder at a time"
+        StreamOrder.active = self
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        StreamOrder.active = None
+        super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            self.step += 1
+            given = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and id(t) not in given:  # an op returning its input writes nothing
+                    t._written_at = self.step
+        return out
+
+    @staticmethod
+    def now() -> int | None:
+        return None if StreamOrder.active is None else StreamOrder.active.step
+
+
+def _on_comm_stream(method: Callable) -> Callable:
+    """A Buffer entry point: its own ops run on the comm stream, not as steps of the compute stream."""
+
+    @functools.wraps(method)
+    def launch(*args, **kwargs):
+        order = StreamOrder.active
+        if order is None or order.paused:
+            return method(*args, **kwargs)
+        order.paused = True
+        try:
+            return method(*args, **kwargs)
+        finally:
+            order.paused = False
+
+    return launch
+
+
+class EventHandle:
+    """Stands for a CUDA event on the comm stream: the pending gloo works plus what finishes the outputs.
+    ``step``: the compute stream's step it orders after (:class:`StreamOrder`; None: not known)."""
+
+    def __init__(
+        self, works: list[dist.Work] | None = None, finish: Callable[[], None] | None = None, step: int | None = None
+    ) -> None:
         self._works = works or []
         self._finish = finish
+        self.step = step
 
     def current_stream_wait(self) -> None:
         for w in self._works:
@@ -144,6 +212,7 @@ class Buffer:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.calls: list[str] = []  # for tests: which entry points ran, in order
+        self.launches: list[tuple[bool, bool]] = []  # for tests: (previous_event given, allocate_on_comm_stream)
 
     def destroy(self) -> None:
         """DeepEP: a device sync and a barrier with the NVLink peers, then the memory is released."""
@@ -160,7 +229,8 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        return EventOverlap(EventHandle())
+        """An event on the current (compute) stream: the work issued so far."""
+        return EventOverlap(EventHandle(step=StreamOrder.now()))
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -186,24 +256,41 @@ class Buffer:
         if num_sms <= 0:
             raise RuntimeError("CUDA error: invalid configuration argument (a kernel launched on 0 SMs)")
 
-    @staticmethod
-    def _check_launch(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+    def _check_launch(
+        self, previous_event, async_finish: bool, allocate_on_comm_stream: bool, **inputs: torch.Tensor | None
+    ) -> int | None:
+        """DeepEP's launch checks; returns the compute step the launch runs after (:class:`StreamOrder`)."""
         if allocate_on_comm_stream:
             assert previous_event is not None and async_finish
+        self.launches.append((previous_event is not None, allocate_on_comm_stream))
+        after = StreamOrder.now()  # no event: the comm stream waits for the compute stream as it is now
         if previous_event is not None:
+            after = None if previous_event.event is None else previous_event.event.step
             previous_event.current_stream_wait()
+        if after is not None:
+            for name, t in inputs.items():
+                written = getattr(t, "_written_at", None)
+                if written is not None and written > after:
+                    raise RuntimeError(
+                        f"race: {name} is written at step {written} of the compute stream, after the event this "
+                        f"launch waits for (step {after}): on CUDA the comm stream would read it before it is written"
+                    )
+        return after
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> dist.Work:
         return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.group, async_op=True)
 
-    def _finish(self, works: list[dist.Work], finish: Callable[[], None] | None, async_finish: bool) -> EventOverlap:
-        handle = EventHandle(works, finish)
+    def _finish(
+        self, works: list[dist.Work], finish: Callable[[], None] | None, async_finish: bool, after: int | None
+    ) -> EventOverlap:
+        handle = EventHandle(works, finish, step=after)
         if async_finish:
             return EventOverlap(handle)
         handle.current_stream_wait()
         return EventOverlap(None)
 
     # ---- layout --------------------------------------------------------------------------------------
+    @_on_comm_stream
     def get_dispatch_layout(
         self,
         topk_idx: torch.Tensor,
@@ -217,7 +304,7 @@ class Buffer:
         _host_assert(topk_idx.is_contiguous(), "buffer.hpp", "topk_idx.is_contiguous()")
         _host_assert(topk_idx.dtype == torch.int64, "buffer.hpp", "topk_idx dtype is topk_idx_t (int64)")
         assert num_experts % self.group_size == 0
-        self._check_launch(previous_event, async_finish, allocate_on_comm_stream)
+        after = self._check_launch(previous_event, async_finish, allocate_on_comm_stream, topk_idx=topk_idx)
         self.calls.append("get_dispatch_layout")
         num_tokens = topk_idx.shape[0]
         per_rank_experts = num_experts // self.group_size
@@ -227,10 +314,11 @@ class Buffer:
         rows, cols = valid.nonzero(as_tuple=True)
         is_token_in_rank[rows, topk_idx[rows, cols] // per_rank_experts] = True
         num_tokens_per_rank = is_token_in_rank.sum(0).to(torch.int32)
-        event = EventOverlap(EventHandle()) if async_finish else EventOverlap(None)
+        event = EventOverlap(EventHandle(step=after)) if async_finish else EventOverlap(None)
         return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
 
     # ---- dispatch ------------------------------------------------------------------------------------
+    @_on_comm_stream
     def dispatch(
         self,
         x,
@@ -262,7 +350,9 @@ class Buffer:
             "intranode::dispatch",
             "hidden_int4 % 2 == 0 and half_hidden_bytes + sizeof(uint64_t) <= kNumTMABytesPerWarp",
         )
-        self._check_launch(previous_event, async_finish, allocate_on_comm_stream)
+        after = self._check_launch(
+            previous_event, async_finish, allocate_on_comm_stream, x=x, topk_idx=topk_idx, topk_weights=topk_weights
+        )
         w = self.group_size
         if handle is not None:
             assert topk_idx is None and topk_weights is None
@@ -272,7 +362,7 @@ class Buffer:
             recv_x = x.new_full((recv_src_idx.shape[0], x.shape[1]), float("nan"))
             out = recv_x[: sum(recv_counts)]
             works = [self._a2a(out, x.index_select(0, send_token_idx), recv_counts, send_counts)]
-            return recv_x, None, None, None, None, self._finish(works, None, async_finish)
+            return recv_x, None, None, None, None, self._finish(works, None, async_finish, after)
 
         assert num_tokens_per_rank is not None and is_token_in_rank is not None
         assert num_tokens_per_expert is not None and topk_idx is not None and topk_idx.dtype == torch.int64
@@ -326,10 +416,11 @@ class Buffer:
         recv_topk_weights = torch.full((num_rows, k), nan, dtype=torch.float32)
         works.append(self._a2a(recv_topk_weights[:num_recv], send_w, recv_counts, send_counts))
         handle = (send_counts, recv_counts, None, recv_src_idx, is_token_in_rank, send_token_idx)
-        event = self._finish(works, None, async_finish)
+        event = self._finish(works, None, async_finish, after)
         return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event
 
     # ---- combine -------------------------------------------------------------------------------------
+    @_on_comm_stream
     def combine(
         self,
         x: torch.Tensor,
@@ -348,7 +439,9 @@ class Buffer:
         if topk_weights is not None:
             _host_assert(topk_weights.is_contiguous(), "buffer.hpp", "topk_weights->is_contiguous()")
             _host_assert(topk_weights.dtype == torch.float32, "buffer.hpp", "topk_weights->scalar_type() == kFloat32")
-        self._check_launch(previous_event, async_finish, allocate_on_comm_stream)
+        after = self._check_launch(
+            previous_event, async_finish, allocate_on_comm_stream, x=x, topk_weights=topk_weights
+        )
         self.calls.append("combine")
         send_counts, recv_counts, _, recv_src_idx, is_token_in_rank, send_token_idx = handle
         _host_assert(x.shape[0] == recv_src_idx.shape[0], "buffer.hpp", "src_idx.size(0) == num_tokens")
@@ -371,4 +464,4 @@ class Buffer:
                 accw = torch.zeros(num_tokens, back_w.shape[1], dtype=torch.float32)
                 combined_w.copy_(accw.index_add_(0, send_token_idx, back_w.float()))
 
-        return combined_x, combined_w, self._finish(works, reduce, async_finish)
+        return combined_x, combined_w, self._finish(works, reduce, async_finish, after)
