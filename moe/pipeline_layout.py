@@ -27,7 +27,7 @@ import itertools
 import re
 from dataclasses import dataclass
 
-__all__ = ["AUTO", "Costs", "StagePlan", "balance", "expand", "plan_stages", "shift_to_last"]
+__all__ = ["AUTO", "Costs", "StagePlan", "balance", "expand", "fold", "plan_stages", "shift_to_last"]
 
 AUTO = "auto"
 """The layout that balances the stages' costs (the default; :func:`balance`)."""
@@ -149,7 +149,7 @@ def balance(costs: Costs, num_stages: int, mtp_layers: int = 0) -> str:
         i = cuts[j - 1][i]
         bounds.append(i)
     bounds.reverse()
-    return _fold(["".join(names[a:b]) for a, b in itertools.pairwise(bounds)])
+    return fold(["".join(names[a:b]) for a, b in itertools.pairwise(bounds)])
 
 
 def shift_to_last(text: str, layers: int) -> str | None:
@@ -161,10 +161,10 @@ def shift_to_last(text: str, layers: int) -> str | None:
     if len(stages) < 2 or first.count("t") <= layers or not first.endswith("t" * layers):
         return None
     stages[0], stages[-1] = first[: len(first) - layers], "t" * layers + stages[-1]
-    return _fold(stages)
+    return fold(stages)
 
 
-def _fold(stages: list[str]) -> str:
+def fold(stages: list[str]) -> str:
     """``|``-joined stages, each run of two or more equal stages before the last written ``(s|)*n``."""
     out, i = [], 0
     while i < len(stages) - 1:

@@ -103,8 +103,13 @@ class LayerCostModel:
         c = self.candidate
         return footprint(self.cfg, self.parallelism, self.workload, num_chunks=c.num_chunks, zero=self.zero)
 
-    def memory(self) -> Footprint:
-        return self._footprint
+    def memory(self, pp_rank: int | None = None) -> Footprint:
+        """The footprint of pipeline rank ``pp_rank`` (None: the fullest rank's)."""
+        if pp_rank is None:
+            return self._footprint
+        c = self.candidate
+        par, work = self.parallelism, self.workload
+        return footprint(self.cfg, par, work, num_chunks=c.num_chunks, zero=self.zero, pp_rank=pp_rank)
 
     def fits(self) -> bool:
         return self._footprint.fits(self.cluster.gpu)

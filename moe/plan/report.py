@@ -14,10 +14,11 @@ from typing import Any
 
 from dualpipe.schedule import SCHEDULES, schedule_spec
 from moe.config import MoEConfig
-from moe.pipeline_layout import AUTO, expand, shift_to_last
+from moe.pipeline_layout import AUTO, expand
 from moe.plan.costs import RECOMPUTE, TRAINER_DEFAULTS, MemoryOptions
-from moe.plan.footprint import HEADROOM, Footprint, footprint, layer_activations
+from moe.plan.footprint import HEADROOM, Footprint, layer_activations
 from moe.plan.hardware import Cluster
+from moe.plan.layouts import memory_descent, shifts
 from moe.plan.measured import MeasuredCosts
 from moe.plan.model import LayerCostModel
 from moe.plan.params import auto_layout, stage_plans
@@ -106,6 +107,10 @@ def evaluate(
     return _predict(_model(cfg, cluster, run, candidate, measured, options))
 
 
+DESCENTS = 3
+"""Leading candidates that still do not fit at any shift whose layout :func:`plan` refines for memory."""
+
+
 def plan(
     cfg: MoEConfig,
     cluster: Cluster,
@@ -152,10 +157,19 @@ def plan(
     rest = sorted((c for c in found if not models[c].fits()), key=lambda c: models[c].memory().total)
     timed = fitting + rest[: max(0, top - len(fitting))]
     ranked = rank_predictions([_predict(models[c]) for c in timed])
-    # The layout dimension, where it can change the answer: the leading candidates with lighter first stages.
-    variants = [v for p in ranked[:top] for v in layout_variants(cfg, p.candidate)]
+
+    # The layout dimension, where it can change the answer (moe.plan.layouts): the leading candidates with
+    # lighter first stages, and for the first few that still do not fit, layers moved off their fullest rank.
+    def model(c: Candidate) -> LayerCostModel:
+        if c not in models:
+            models[c] = _model(cfg, cluster, run, c, measured, options)
+        return models[c]
+
+    variants = [v for p in ranked[:top] for v in shifts(cfg, p.candidate)]
+    misses = [p.candidate for p in ranked[:top] if not p.fits][:DESCENTS]
+    variants += [d for c in misses if (d := memory_descent(cfg, c, model)) != c and d not in variants]
     for v in variants:
-        models[v] = _model(cfg, cluster, run, v, measured, options)
+        model(v)
     more = [_predict(models[v]) for v in variants if models[v].fits() or not fitting]
     fits = len(fitting) + sum(models[v].fits() for v in variants)
     best: dict[Candidate, Prediction] = {}  # each candidate once, at its best layout
@@ -163,22 +177,6 @@ def plan(
         best.setdefault(dataclasses.replace(p.candidate, pipeline_layout=AUTO), p)
     misfit = (rest[0], models[rest[0]].memory().total) if rest else None
     return Plan(list(best.values()), len(found) + len(variants), fits, misfit)
-
-
-LAYOUT_SHIFTS = (1, 2, 3)
-"""Layers the planner moves from the first stage of ``auto``'s layout to the last one
-(:func:`moe.pipeline_layout.shift_to_last`): ``auto`` balances compute, while the first stage keeps the most
-micro-batches in flight and bidirectional schedules run it beside the last."""
-
-
-def layout_variants(cfg: MoEConfig, c: Candidate) -> list[Candidate]:
-    """``c`` under ``auto``'s layout with each of :data:`LAYOUT_SHIFTS` layers moved off its first stage (none
-    for a candidate with a layout of its own)."""
-    if c.pipeline_layout != AUTO:
-        return []
-    base = auto_layout(cfg, c.pp, c.schedule)
-    shifted = (shift_to_last(base, k) for k in LAYOUT_SHIFTS)
-    return [dataclasses.replace(c, pipeline_layout=text) for text in shifted if text is not None]
 
 
 def _row(p: Prediction) -> list[str]:
@@ -308,6 +306,8 @@ def v3_side_by_side(
     formula = (layout.pp / 2 - 1) * (times.FB + times.B - 3 * times.W)
     plain = evaluate(cfg, cluster, run, dataclasses.replace(cand, recompute="none"), measured)
     auto_memory = tried[auto].memory()
+    least = min(tried, key=lambda v: tried[v].memory().total)  # the least memory of the layouts tried
+    least_memory = tried[least].memory()
     hbm = V3_REPORT["hbm_gb"] * 1e9
     m = p.memory
     # What one MoE layer keeps per micro-batch at these options, largest first: where the gap to the report is.
@@ -330,14 +330,22 @@ def v3_side_by_side(
             "pipeline_layout": cand.pipeline_layout,
             "auto_layout": auto_layout(cfg, layout.pp, layout.schedule),
             "auto": auto_memory.total / GIB,
+            "least": {
+                "pipeline_layout": least.pipeline_layout,
+                "planner": least_memory.total / GIB,
+                "pp_rank": least_memory.pp_rank,
+                "fits": tried[least].fits(),
+                "within_hbm": least_memory.total <= hbm,
+                "layouts_tried": len(tried),
+            },
             "per_rank": _per_rank(model),
             "peak_live_modules": m.peak_modules,
             "moe_layer_mib": sum(kept.values()) / 2**20,
             "moe_layer_largest_mib": largest,
             "without_options": plain.memory.total / GIB,
             "note": f"the report: fits in {V3_REPORT['hbm_gb']} GB with these options; ours: the fullest rank, "
-            f"which fits when it leaves {HEADROOM_NOTE}; at the planner's layout (auto's, or with layers moved off "
-            "its first stage: moe.plan.report.LAYOUT_SHIFTS), auto's beside it",
+            f"which fits when it leaves {HEADROOM_NOTE}; at the planner's layout (auto's, or another that "
+            "moe.plan.layouts tries), auto's beside it",
         },
         "memory_gib_layout": _layout_memory(laid, hbm),
         "tokens_per_s_per_gpu": {
@@ -373,9 +381,18 @@ def _best_layout(
     measured: MeasuredCosts | None,
     options: MemoryOptions,
 ) -> tuple[Prediction, dict[Candidate, LayerCostModel]]:
-    """``c`` at the planner's layout (auto's, or with layers moved off its first stage, as :func:`plan`
-    searches): the best prediction and every model tried."""
-    tried = {v: _model(cfg, cluster, run, v, measured, options) for v in [c, *layout_variants(cfg, c)]}
+    """``c`` at the planner's layout (auto's, or another of :mod:`moe.plan.layouts`, as :func:`plan` searches):
+    the best prediction and every model tried."""
+    tried = {v: _model(cfg, cluster, run, v, measured, options) for v in [c, *shifts(cfg, c)]}
+    if not any(m.fits() for m in tried.values()):
+        least = min(tried, key=lambda v: tried[v].memory().total)
+
+        def model(v: Candidate) -> LayerCostModel:
+            if v not in tried:
+                tried[v] = _model(cfg, cluster, run, v, measured, options)
+            return tried[v]
+
+        memory_descent(cfg, least, model)
     return rank_predictions([_predict(m) for m in tried.values()])[0], tried
 
 
@@ -417,10 +434,9 @@ def _by_kind(m: Footprint) -> dict[str, float]:
 
 def _per_rank(model: LayerCostModel) -> list[dict[str, float]]:
     """Every pipeline rank's footprint (GiB by kind and total) under the model's candidate and layout."""
-    c = model.candidate
     out = []
-    for r in range(c.pp):
-        m = footprint(model.cfg, model.parallelism, model.workload, num_chunks=c.num_chunks, zero=model.zero, pp_rank=r)
+    for r in range(model.candidate.pp):
+        m = model.memory(r)
         out.append({**_by_kind(m), "total": m.total / GIB})
     return out
 
@@ -481,6 +497,9 @@ def v3_comparison(
          f"{mem['without_options']:.0f} without the options",
          f"fits in {V3_REPORT['hbm_gb']} GB ({mem['report']:.1f} GiB)"],
         [f"memory per GPU (GiB), layout auto = {mem['auto_layout']}", f"{mem['auto']:.1f}", ""],
+        [f"memory per GPU (GiB), the least of {mem['least']['layouts_tried']} layouts tried",
+         f"{mem['least']['planner']:.1f} ({_fit_words(mem['least'])}, rank {mem['least']['pp_rank']}) at "
+         f"{mem['least']['pipeline_layout']}", ""],
         [f"memory per GPU (GiB), layout {lay['pipeline_layout']}",
          lay["note"] if lay["planner"] is None else
          f"{lay['planner']:.1f} ({_fit_words(lay)}, rank {lay['pp_rank']}); Megatron-Core's V3 example at 16 stages",

@@ -4,19 +4,23 @@ in one line, the pre-flight estimate following the trainer's layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from moe.config import PRESETS
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages
-from moe.pipeline_layout import Costs, balance, expand, shift_to_last
+from moe.pipeline_layout import Costs, balance, expand, fold, shift_to_last
 from moe.plan.cli import main
 from moe.plan.costs import Parallelism, Workload
 from moe.plan.footprint import footprint
-from moe.plan.params import auto_layout, rank_params, rank_stages
+from moe.plan.layouts import memory_descent, shifts
+from moe.plan.params import auto_layout, rank_params, rank_stages, stage_plans
+from moe.plan.search import Candidate
 from moe.train import config_from_args
 from moe.train.preflight import memory_estimate
 
@@ -153,3 +157,47 @@ def test_preflight_estimate_follows_the_trainers_layout() -> None:
     laid, _ = config_from_args([*argv, "--pipeline-layout", "Etttt|L"], world=2)
     assert laid.parallel.pipeline_layout == "Etttt|L"
     assert memory_estimate(laid) > memory_estimate(even)  # rank 0 holds all four layers and the embedding
+
+
+class _Counted:
+    """A stand-in for the planner's cost model: a rank holds one GiB per layer of its stages and fits in
+    ``limit`` GiB."""
+
+    def __init__(self, cfg, c, limit: float) -> None:
+        self.cfg, self.c, self.limit = cfg, c, limit
+
+    def memory(self, pp_rank: int | None = None):
+        per_rank = [
+            sum(len(sp.layers) for _, sp in rank_stages(self.cfg, self.c.pp, self.c.schedule, r, pipeline_layout=lay))
+            for r in range(self.c.pp)
+            for lay in [self.c.pipeline_layout]
+        ]
+        r = max(range(len(per_rank)), key=per_rank.__getitem__) if pp_rank is None else pp_rank
+        return SimpleNamespace(total=per_rank[r] * 2**30, pp_rank=r)
+
+    def fits(self) -> bool:
+        return self.memory().total <= self.limit * 2**30
+
+
+@pytest.mark.parametrize(("schedule", "limit"), [("1f1b", 3), ("dualpipe", 4)])
+def test_memory_descent_moves_layers_off_the_fullest_rank(schedule: str, limit: float) -> None:
+    """From a lopsided layout, layers move from the fullest rank's stages to the emptiest's until the fullest
+    fits; the layout stays valid (the same layers, E first, L last). Where nothing fits, it stops where no move
+    helps."""
+    cfg = PRESETS["tiny"].replace(num_layers=8)
+    c = Candidate(schedule, 4, 1, 1, 8, 0, "none", "Ettttt|t|t|tL")  # 1F1B: 5, 1, 1, 1; DualPipe: 6, 2, 2, 6
+    got = memory_descent(cfg, c, lambda c: _Counted(cfg, c, limit))
+    assert got != c and _Counted(cfg, got, limit).fits(), got.pipeline_layout
+    assert stage_plans(cfg, 4, schedule, None, got.pipeline_layout)  # a layout the trainer takes
+    stuck = memory_descent(cfg, c, lambda c: _Counted(cfg, c, 0))  # nothing fits: it stops at the best it found
+    assert _Counted(cfg, stuck, 0).memory().total <= _Counted(cfg, got, limit).memory().total
+
+
+def test_shifts_lighten_autos_first_stage() -> None:
+    cfg = PRESETS["deepseek-v3"]
+    c = Candidate("dualpipe", 16, 128, 64, 120, 20, "selective")
+    got = [v.pipeline_layout for v in shifts(cfg, c)]
+    assert auto_layout(cfg, 16, "dualpipe") == "Ettttt|(tttt|)*14mL"
+    assert got == ["Etttt|(tttt|)*14tmL", "Ettt|(tttt|)*14ttmL", "Ett|(tttt|)*14tttmL"]
+    assert got[1] == fold(expand("Et*3|(t*4|)*14t*2mL").split("|"))  # Megatron-Core's example at 16 stages
+    assert shifts(cfg, dataclasses.replace(c, pipeline_layout=got[0])) == []  # a layout of its own is kept
