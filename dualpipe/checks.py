@@ -155,11 +155,13 @@ def check_matching(schedule: Schedule) -> None:
             )
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Group:
     rank: int
     keys: list[MessageKey]
+    index: int = -1  # position among its rank's groups, once issued
     done: bool = False
+    unmatched: int = 0  # async: messages whose other end is not issued yet
 
 
 def simulate_progress(schedule: Schedule, model: str = "async") -> None:
@@ -170,81 +172,75 @@ def simulate_progress(schedule: Schedule, model: str = "async") -> None:
     if model not in ("async", "grouped"):
         raise ValueError(f"unknown communication model {model!r}")
     n = len(schedule.ranks)
-    # Split each rank's list into (group, compute) steps.
-    steps: list[list[tuple[_Group | None, Action]]] = []
+    # Split each rank's list into (group, compute, the messages the compute consumes) steps.
+    steps: list[list[tuple[_Group | None, Action, list[MessageKey]]]] = []
     for rank, actions in enumerate(schedule.ranks):
-        seq: list[tuple[_Group | None, Action]] = []
+        seq: list[tuple[_Group | None, Action, list[MessageKey]]] = []
         pending: list[MessageKey] = []
         for a in actions:
             if a.op.is_comm:
                 pending.append(message_key(schedule, rank, a))
             else:
-                seq.append((_Group(rank, pending) if pending else None, a))
+                seq.append((_Group(rank, pending) if pending else None, a, needed_receives(schedule, rank, a)))
                 pending = []
         if pending:
-            seq.append((_Group(rank, pending), Action(Op.W, chunk=-2)))  # trailing sends: a no-op marker
+            seq.append((_Group(rank, pending), Action(Op.W, chunk=-2), []))  # trailing sends: a no-op marker
         steps.append(seq)
 
     pos = [0] * n  # index of the next step per rank
     issued: list[list[_Group]] = [[] for _ in range(n)]  # groups issued, in order
-    group_of: dict[tuple[MessageKey, int], _Group] = {}
+    finished = [0] * n  # grouped: groups finish in issue order, so the first `finished` ones are done
+    group_of: dict[tuple[MessageKey, int], _Group] = {}  # (message, 0 sender / 1 receiver side) -> its group
     completed_keys: set[MessageKey] = set()
 
-    def running(g: _Group) -> bool:
-        # grouped: a group runs once every earlier group of its rank has finished
-        for other in issued[g.rank]:
-            if other is g:
-                return True
-            if not other.done:
-                return False
-        return False
+    def issue(g: _Group) -> None:
+        g.index = len(issued[g.rank])
+        issued[g.rank].append(g)
+        for key in g.keys:
+            side = 0 if key.src == g.rank else 1
+            group_of[(key, side)] = g
+            if model == "async":  # every operation on its own: a message completes once both ends are posted
+                other = group_of.get((key, 1 - side))
+                if other is None:
+                    g.unmatched += 1
+                else:
+                    completed_keys.add(key)
+                    other.unmatched -= 1
+                    other.done = other.unmatched == 0
+        g.done = model == "async" and g.unmatched == 0
+
+    def reached(g: _Group) -> bool:  # grouped: a group runs once every earlier group of its rank finished
+        return g.index <= finished[g.rank]
 
     def try_complete_groups() -> bool:
-        progress = False
         if model == "async":
-            # every operation on its own: a receive completes once its send has been posted
-            for rank_groups in issued:
-                for g in rank_groups:
-                    for key in g.keys:
-                        if key[4] == g.rank and key not in completed_keys and (key, 0) in group_of:
-                            completed_keys.add(key)
-                            progress = True
-                    if not g.done and all((k, 1 - (k[3] == g.rank)) in group_of for k in g.keys):
-                        g.done = True
-            return progress
-        for rank_groups in issued:
-            for g in rank_groups:
-                if g.done:
+            return False  # messages complete as their ends are issued
+        progress = False
+        changed = True
+        while changed:
+            changed = False
+            for rank in range(n):
+                if finished[rank] == len(issued[rank]):
                     continue
-                ok = True
-                for key in g.keys:
-                    side = 0 if key[3] == g.rank else 1
-                    partner = group_of.get((key, 1 - side))
-                    if partner is None:
-                        ok = False
-                        break
-                    if not (running(g) and running(partner)):
-                        ok = False
-                        break
-                if ok:
+                g = issued[rank][finished[rank]]
+                partners = [group_of.get((key, 1 if key.src == rank else 0)) for key in g.keys]
+                if all(p is not None and reached(p) for p in partners):
                     g.done = True
-                    completed_keys.update(k for k in g.keys if k[4] == g.rank)
-                    progress = True
+                    finished[rank] += 1
+                    completed_keys.update(k for k in g.keys if k.dst == rank)
+                    progress = changed = True
         return progress
 
     while True:
         progress = False
         for rank in range(n):
             while pos[rank] < len(steps[rank]):
-                group, compute = steps[rank][pos[rank]]
-                if group is not None and group not in issued[rank]:
-                    issued[rank].append(group)
-                    for key in group.keys:
-                        side = 0 if key[3] == rank else 1
-                        group_of[(key, side)] = group
+                group, _, needed = steps[rank][pos[rank]]
+                if group is not None and group.index < 0:
+                    issue(group)
                     progress = True
                     try_complete_groups()
-                if any(k not in completed_keys for k in needed_receives(schedule, rank, compute)):
+                if any(k not in completed_keys for k in needed):
                     break
                 pos[rank] += 1
                 progress = True
