@@ -2,6 +2,7 @@
 (a stage declared as compute and communication pieces gets ``overlapped_forward_backward``)."""
 
 from dualpipe import generators as _generators  # noqa: F401 (registers the built-in schedules, first)
+from dualpipe import generators_v as _generators_v  # noqa: F401 (then the zero-bubble V family)
 from dualpipe.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
 from dualpipe.executor import PIPELINES, DualPipe, DualPipeV, OneFOneB, Pipeline, ZeroBubble1P
 from dualpipe.grads import sum_mirrored_grads

@@ -35,13 +35,20 @@ reproduces each one (``latency = 0``; "bubble" is a rank's idle time within one 
 - Interleaved 1F1B with ``v`` modules per rank (Megatron-LM's virtual stages), ``(PP-1)(F+B)/v`` on every
   rank, ``F`` and ``B`` the costs of a full stage (a module costs ``F/v`` and ``B/v``): any costs (its
   backwards are full, so ``W`` plays no part), chunks a multiple of PP.
+- ZBV with ``PP`` ranks and ``m`` micro-batches (the zero-bubble papers' table, as a share of the step),
+  ``(PP-1) / (PP-1 + 6m)``: this ``bubble_fraction``, exactly, with ``F = B-W = W`` (the papers' equal costs;
+  ``F&B = F + B``) and chunks >= 2 x ranks. The two are one definition here: every rank is busy ``6m F``
+  (F, I and W of its two modules per micro-batch), so ``bubble_fraction = 1 - 6m F / makespan``, and the
+  table's figure is a makespan of ``(6m + PP-1) F``: only the last rank's wait for the first forward.
+  V-Half and V-Min are greedy, with no closed form (about ``2 PP`` and ``4 PP`` idle ``F`` per rank).
 
 
 Activations (chunks >= PP): 1F1B and ZB1P peak at ``PP`` on rank 0 (``PP-r`` on rank r); DualPipe at
 ``PP+1`` on its middle ranks and ``PP`` elsewhere; DualPipeV at ``2 x ranks + 1`` modules on its last rank
 (``PP+1`` with PP its stage count, ``ranks + 1/2`` in stages) and ``2 x ranks`` elsewhere; interleaved 1F1B
-at ``PP + (PP-1)/v`` stages on rank 0 (chunks >= 2 PP). Parameter copies: 2 for DualPipe (every stage held
-twice), 1 otherwise.
+at ``PP + (PP-1)/v`` stages on rank 0 (chunks >= 2 PP); ZBV at ``PP`` stages (1F1B's), V-Half within
+``PP/2 + 1`` and V-Min within ``ceil((PP+4)/3)`` on every rank (PP = ranks; a V module is half a stage).
+Parameter copies: 2 for DualPipe (every stage held twice), 1 otherwise.
 
 Sends are timed where the schedule issues them, right after the compute before them. That is the producing
 compute everywhere except at the turn (DualPipe's middle ranks, DualPipeV's last rank), where the reference

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,13 @@ def test_published_bubbles_without_communication(pp: int) -> None:
     # interleaved 1F1B, v = 2 virtual stages per rank: Megatron's (PP-1)(F+B)/v, PP + (PP-1)/v activations
     assert rows["interleaved-1f1b"].bubble == pytest.approx((pp - 1) * (f + b) / 2)
     assert rows["interleaved-1f1b"].peak_activations == pp + (pp - 1) / 2
+    # the zero-bubble V family (a module is half a stage, so here F = I = W per module pass): ZBV idles only the
+    # last rank's wait for the first forward, pp - 1 module forwards, half of ZB1P's bubble at its memory;
+    # V-Half and V-Min give bubble back for a half and about a third of that memory
+    assert rows["zbv"].bubble == pytest.approx((pp - 1) * f / 2)
+    assert rows["zbv"].peak_activations == pp and rows["zbv"].parameter_copies == 1
+    assert rows["v-half"].peak_activations <= pp / 2 + 1 and rows["v-min"].peak_activations <= math.ceil((pp + 4) / 3)
+    assert rows["zbv"].bubble < rows["v-half"].bubble < rows["v-min"].bubble
 
 
 def test_hidden_communication_shortens_the_dualpipe_family() -> None:

@@ -148,6 +148,9 @@ def test_held_activations_match_the_simulator() -> None:
         Case("1f1b", world + 2, return_outputs=True),
         Case("zb1p", world + 2),
         Case("interleaved-1f1b", 2 * world, modules=2),
+        Case("zbv", 4 * world, overlap=True),
+        Case("v-half", 2 * world + 1),
+        Case("v-min", 3 * world, overlap=True, return_outputs=True),
     ]
     results = run_ranks(_run_cases, world, args=(cases,), timeout=120)
     # the published figures, for one case each: DualPipe PP+1 on the middle ranks, 1F1B PP - r on rank r
@@ -157,3 +160,6 @@ def test_held_activations_match_the_simulator() -> None:
     # warm-up's world-1-r forwards at most, not every micro-batch of the step (gloo reports a send complete
     # only once it is waited on, so without those proofs all world+2 would stay until the step's end).
     assert [r[5]["held"] for r in results] == [world - 1 - r for r in range(world)]
+    # the V family's memory levels, per rank in modules (two per full-rank micro-batch): zbv 1F1B's 2 x world,
+    # v-half and v-min their building blocks' (world + 2 and 2 x ceil((world + 4) / 3))
+    assert [max(r[i]["peak"] for r in results) for i in (8, 9, 10)] == [2 * world, world + 2, 4]

@@ -1,0 +1,89 @@
+"""The zero-bubble V family (zbv, v-half, v-min) through the simulator: the published bubble and memory.
+
+Costs are the zero-bubble papers' ``F = I = W`` (``--F 1 --B 2 --W 1``: a full backward is I + W).
+``peak_activation_stages`` counts 1F1B stages for one micro-batch, i.e. a rank's layers for one micro-batch
+(a V module holds half of them): the bounds below, in full-rank micro-batches, apply to it as is.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dualpipe.generators_v import _v_block
+from dualpipe.schedule import Op, build_schedule
+from dualpipe.simulate import Costs, main, simulate
+
+V_FAMILY = ("zbv", "v-half", "v-min")
+SHAPES = [(p, m) for p in (4, 8, 16) for m in (2 * p, 4 * p)]
+EQUAL = Costs(F=1, B=2, W=1)
+
+
+@pytest.mark.parametrize(("p", "m"), SHAPES)
+def test_zbv_bubble_is_the_published_figure(p: int, m: int, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(f"--schedule zbv --ranks {p} --chunks {m} --F 1 --B 2 --W 1 --json".split()) == 0
+    out = json.loads(capsys.readouterr().out)
+    # simulate's bubble (every rank's idle time over ranks x makespan) and the table's are one figure here:
+    # every rank is busy 6m (F, I and W of two modules per micro-batch; a pair costs F + B), so the bubble is
+    # 1 - 6m / makespan, and the table's (p-1) / (p-1+6m) is a makespan of 6m + p-1: the last rank's wait for
+    # the first forward, and nothing else.
+    assert out["busy"] == [6 * m] * p
+    assert out["bubble_fraction"] == pytest.approx(sum(out["idle"]) / (p * out["makespan"]), rel=1e-12)
+    assert out["bubble_fraction"] == pytest.approx(1 - 6 * m / out["makespan"], rel=1e-12)
+    assert out["bubble_fraction"] == pytest.approx((p - 1) / (p - 1 + 6 * m), rel=1e-12)
+    assert max(out["peak_activation_stages"]) <= p + 1
+
+
+@pytest.mark.parametrize(("p", "m"), SHAPES)
+def test_activation_memory_per_rank(p: int, m: int) -> None:
+    bounds = {"zbv": p + 1, "v-half": p / 2 + 2, "v-min": p / 3 + 2}  # full-rank micro-batches
+    peaks, idles = {}, {}
+    for name, bound in bounds.items():
+        r = simulate(build_schedule(name, p, m), EQUAL)
+        assert r.peak_activation_stages == tuple(n / 2 for n in r.peak_activations)  # a module: half a stage
+        assert max(r.peak_activation_stages) <= bound, (name, r.peak_activation_stages)
+        assert r.parameter_copies == 1
+        peaks[name], idles[name] = max(r.peak_activation_stages), max(r.idle)
+    # memory bought back costs bubble, in the table's order
+    assert peaks["v-min"] < peaks["v-half"] < peaks["zbv"]
+    assert idles["zbv"] < idles["v-half"] < idles["v-min"]
+
+
+@pytest.mark.parametrize("name", V_FAMILY)
+def test_the_bubble_is_only_fill_and_drain(name: str) -> None:
+    # The steady state runs every rank without a gap: more micro-batches leave every rank's idle time alone.
+    for p in (3, 4, 8):
+        idle = [simulate(build_schedule(name, p, m), EQUAL).idle for m in (2 * p, 3 * p + 1, 4 * p)]
+        assert idle[0] == idle[1] == idle[2], (p, idle)
+
+
+def test_zbv_bounds_its_deferred_weight_gradients() -> None:
+    # W fills the waits, but a rank never queues more than 3N-2 of them (each keeps its layer inputs alive).
+    for p in (2, 4, 8):
+        for m in (2 * p, 4 * p, 6 * p):
+            for actions in build_schedule("zbv", p, m).ranks:
+                queued = peak = 0
+                for a in actions:
+                    queued += (a.op is Op.I) - (a.op is Op.W)
+                    peak = max(peak, queued)
+                assert peak <= 3 * p - 2
+
+
+def test_pairs_are_made_where_they_cost_nothing() -> None:
+    # zbv pairs a forward with a backward where the three slots of F, I and W run back to back and nobody
+    # waits for what the pair sends later; the published bubble holds with them (see the test above).
+    s = build_schedule("zbv", 4, 16)
+    pairs = [a for actions in s.ranks for a in actions if a.op is Op.FB]
+    assert pairs and all(a.chunk != a.b_chunk for a in pairs)
+    assert simulate(s, EQUAL).makespan == 6 * 16 + 3
+    overlapped = simulate(s, Costs(F=1, B=2, W=1, FB=2.5))  # a pair that hides work ends earlier
+    assert overlapped.makespan <= 6 * 16 + 3 and sum(overlapped.busy) < sum(simulate(s, EQUAL).busy)
+
+
+@pytest.mark.parametrize("memory", ["half", "min"])
+def test_building_blocks_repeat_without_collisions(memory: str) -> None:
+    # Every rank's four passes of a micro-batch fall on distinct slots of the 6-slot period, at any size.
+    for n in range(1, 65):
+        for slots in _v_block(n, memory):
+            assert len({s % 6 for s in slots}) == 4
