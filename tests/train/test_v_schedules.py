@@ -1,10 +1,11 @@
 """The zero-bubble V family (zbv, v-half, v-min) through training: the single-process losses, step by step.
 
 One spawn of 4 gloo ranks trains every (schedule, layout, overlap) in turn, at pp=4 (ep=1) and at pp=2 x ep=2
-(dp=2, experts sharded: the overlapped pairs hide all-to-alls), overlap on and off, each over the same global
-batch (24 sequences a step) as one process running it as 12 micro-batches. The seed, the data and the model
-do not depend on the layout, so every run must give that process's losses. The deferred weight gradients (I
-and W) run in every one; the overlap hook runs once per pair the schedule made, per pipeline and step.
+(dp=2, experts sharded: the overlapped pairs hide all-to-alls; every sub-stage recomputed in backward),
+overlap on and off, each over the same global batch (24 sequences a step) as one process running it as 12
+micro-batches. The seed, the data and the model do not depend on the layout, so every run must give that
+process's losses. The deferred weight gradients (I and W) run in every one; the overlap hook runs once per
+pair the schedule made, per pipeline and step.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tests.train.test_trainer import COMMON
 
 V_FAMILY = ("zbv", "v-half", "v-min")
 STEPS = 2
-LAYOUTS = {"pp4": ("4", "1", 12), "pp2-ep2": ("2", "2", 6)}  # pp, ep, micro-batches per pipeline
+LAYOUTS = {"pp4": ("4", "1", 12, "none"), "pp2-ep2": ("2", "2", 6, "full")}  # pp, ep, micro-batches, recompute
 BASE = [*COMMON, "--layers", "8", "--seq-len", "16", "--steps", str(STEPS)]  # a repeated flag: the last wins
 
 
@@ -54,11 +55,12 @@ def _pairs(schedule: str, pp: int, chunks: int) -> int:
 def test_v_family_trains_like_one_process(tmp_path: Path) -> None:
     runs = []
     for schedule in V_FAMILY:
-        for layout, (pp, ep, chunks) in LAYOUTS.items():
+        for layout, (pp, ep, chunks, recompute) in LAYOUTS.items():
             # without a pair (v-half at these shapes, v-min at pp=2) overlap on runs the very same actions as off
             for overlap in ("--overlap", "--no-overlap") if _pairs(schedule, int(pp), chunks) else ("--overlap",):
                 name = f"{schedule} {layout} {overlap}"
                 flags = ["--schedule", schedule, "--pp", pp, "--ep", ep, "--num-chunks", str(chunks), overlap]
+                flags += ["--recompute", recompute]
                 runs.append((name, [*BASE, *flags, "--metrics-file", str(tmp_path / f"{len(runs)}.jsonl")]))
     one_run = [*BASE, "--schedule", "1f1b", "--pp", "1", "--ep", "1", "--num-chunks", "12"]
     one_run += ["--metrics-file", str(tmp_path / "one.jsonl")]
@@ -72,7 +74,7 @@ def test_v_family_trains_like_one_process(tmp_path: Path) -> None:
         schedule, layout, overlap = name.split()
         losses = per_rank[0][name][0]
         assert losses == pytest.approx(reference, rel=2e-5), name
-        pp, ep, chunks = LAYOUTS[layout]
+        pp, _, chunks, _ = LAYOUTS[layout]
         pipelines = 4 // int(pp)  # dp replicas, each its own pipeline
         expected = _pairs(schedule, int(pp), chunks) * pipelines * STEPS if overlap == "--overlap" else 0
         assert sum(r[name][1] for r in per_rank) == expected, name
