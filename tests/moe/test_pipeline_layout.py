@@ -87,3 +87,16 @@ def test_mtp_on_a_stage_of_its_own_trains_like_one_process(tmp_path: Path) -> No
         for a, b in zip(one, piped, strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=2e-5), name
             assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=2e-5), name
+
+
+def test_the_embedding_and_the_head_on_stages_of_their_own_train_like_one_process(tmp_path: Path) -> None:
+    """``E|tt|tt|L``: the first stage only looks the tokens up, the last only runs the head and the loss (no
+    block on either), under DualPipeV with overlap at pp=2: the single process's losses."""
+    from tests.train.test_trainer import train
+
+    args = ["--seq-len", "16", "--steps", "2"]
+    one = train(1, tmp_path, "one", *args, "--schedule", "1f1b", "--num-chunks", "4")
+    own = ["--pp", "2", "--schedule", "dualpipev", "--overlap", "--num-chunks", "4", "--pipeline-layout", "E|tt|tt|L"]
+    piped = train(2, tmp_path, "own", *args, *own)
+    for a, b in zip(one, piped, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5)
