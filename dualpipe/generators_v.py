@@ -9,8 +9,8 @@ pass, N ranks and m micro-batches, in full-rank micro-batches (a module holds ha
 
     schedule   peak activations per rank        bubble (idle / step)
     zbv        N, as 1F1B                       (N-1) / (N-1 + 6m): only the first forward's fill
-    v-half     (N+2)/2                          about 2N slots of one pass per rank (no closed form)
-    v-min      ceil((N+4)/3), about N/3         about 4N slots of one pass per rank
+    v-half     at most N/2 + 1                  about 2N passes' time per rank (no closed form)
+    v-min      at most ceil((N+4)/3), ~N/3      about 4N passes' time per rank
 
 All three are planned for the whole pipeline at once in unit slots (one per module pass, the papers'
 ``F = I = W``); each rank's order is then emitted with its communication (:func:`_emit`). The executor and
@@ -35,9 +35,12 @@ full ``B`` (the ``W`` folds into it): the same three slots with ``F&B = F + B``.
 halves made only when it ends, so it is made only where that is still no later than each consumer starts:
 the bubble and every other pass stay where they were, and the peak activation count cannot grow (a pair
 adds one module and frees one). With a real overlap (``F&B < F + B``) the pair ends earlier. These schedules
-keep every message's consumer close behind it (a zero bubble leaves no slack), so they pair little: a few
-pairs per step for ``zbv`` at m >= 2N+2, mostly none for ``v-half`` and ``v-min``. They are the schedules
-to pick when memory, not hiding communication, is the limit.
+keep every message's consumer close behind it (a zero bubble leaves no slack), so they pair little: ``zbv``
+one pair per micro-batch past 3N - 1 (m - 3N + 1 a step), ``v-half`` and ``v-min`` next to none. They are
+the schedules to pick when memory, not hiding communication, is the limit.
+
+Communication is placed by :func:`_emit`, not by :class:`dualpipe.authoring.Emitter` (which sends right
+after the producing compute): a plan decides when each message is needed, and the sends follow that.
 """
 
 from __future__ import annotations
@@ -104,34 +107,37 @@ def _list_schedule(n: int, m: int, cap: int, backlog: int) -> Plan:
         for r in range(n):
             stages = (_stage(n, r, 0), _stage(n, r, 1))
             live = [len(f_end[s]) - len(i_end[s]) for s in stages]
-            best: tuple[int, int, int, Op, int] | None = (-1, 0, 0, Op.W, -1) if queued_w[r] >= backlog else None
+            ready: list[tuple[tuple[int, int, int], Action]] = []  # (priority: I first, oldest, second leg first)
             for module, s in enumerate(stages):
                 k = len(i_end[s])
                 src = f_end[s] if s == last else i_end[s + 1]
                 if k < len(f_end[s]) and k < len(src) and src[k] <= t:
-                    best = min(best or (9, 0, 0, Op.I, 0), (0, k, -s, Op.I, module))
+                    ready.append(((0, k, -s), Action(Op.I, module, k)))
                 k = len(f_end[s])
                 room = sum(live) < cap and (module == 1 or live[0] < cap - 1)
                 if k < m and room and (s == 0 or (k < len(f_end[s - 1]) and f_end[s - 1][k] <= t)):
-                    best = min(best or (9, 0, 0, Op.F, 0), (1, k, -s, Op.F, module))
-            if best is None and queued_w[r]:
-                best = (2, 0, 0, Op.W, -1)
-            if best is None:
-                continue
-            _, k, neg_s, op, module = best
-            if op is Op.W:
+                    ready.append(((1, k, -s), Action(Op.F, module, k)))
+            if queued_w[r] and (queued_w[r] >= backlog or not ready):
                 queued_w[r] -= 1
                 orders[r].append(Action(Op.W))
+            elif ready:
+                a = min(ready, key=_key)[1]
+                (f_end if a.op is Op.F else i_end)[_stage(n, r, a.module)].append(t + 1)
+                queued_w[r] += a.op is Op.I
+                orders[r].append(a)
             else:
-                (f_end if op is Op.F else i_end)[-neg_s].append(t + 1)
-                queued_w[r] += op is Op.I
-                orders[r].append(Action(op, module, k))
+                continue
             remaining -= 1
             progressed = True
         if not progressed:  # every pass takes one slot: nothing started now, nothing ever will
             raise AssertionError(f"V list schedule stuck at slot {t} (N={n}, m={m})")  # a bug
         t += 1
     return tuple(tuple(o) for o in orders)
+
+
+def _key(entry: tuple[tuple[int, int, int], Action]) -> tuple[int, int, int]:
+    """Sort (key, action) entries by their key only."""
+    return entry[0]
 
 
 # -- v-half, v-min: the controllable-memory building block ----------------------------------------------
@@ -318,14 +324,10 @@ def _emit(layout: Layout, plan: Plan, starts: list[list[int]]) -> Plan:
     for r, order in enumerate(plan):
         actions: list[Action] = []
         for i, a in enumerate(order):
-            actions += [send for _, send in sorted(sends[r][i], key=_due)] + recvs[r][i]  # to one peer: its order
+            actions += [send for _, send in sorted(sends[r][i], key=_key)] + recvs[r][i]  # to one peer: its order
             actions.append(a)
-        out.append(tuple(actions + [send for _, send in sorted(sends[r][-1], key=_due)]))
+        out.append(tuple(actions + [send for _, send in sorted(sends[r][-1], key=_key)]))
     return tuple(out)
-
-
-def _due(entry: tuple[tuple[int, int, int], Action]) -> tuple[int, int, int]:
-    return entry[0]
 
 
 # -- the registry entries ---------------------------------------------------------------------------------
