@@ -409,6 +409,17 @@ class OverlapStage(nn.Module):
     as multi-token prediction's) sets this: the pipeline then calls ``stage(x, *labels)`` and the labels
     reach every piece as ``ctx.side``."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # class S(MyStage, OverlapStage): MyStage.forward would run instead of the pieces, and the overlapped
+        # hook would later find no pending stage forward. Say so where the class is written.
+        super().__init_subclass__(**kwargs)
+        owner = next(c for c in cls.__mro__ if "forward" in vars(c))
+        if not issubclass(owner, OverlapStage):
+            raise TypeError(
+                f"class {cls.__name__}: {owner.__name__}.forward comes before OverlapStage.forward in its bases and "
+                f"would bypass the pieces; put OverlapStage first: class {cls.__name__}(OverlapStage, {owner.__name__})"
+            )
+
     def pieces(self) -> Sequence[Pieces]:
         """The stage's blocks in forward order (built per micro-batch; cheap)."""
         raise NotImplementedError(f"{type(self).__name__} must implement pieces()")

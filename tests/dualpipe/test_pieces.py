@@ -286,6 +286,25 @@ def test_stage_declaration_errors(blocks: Callable[[], Any], error: type, match:
         _Declared(blocks)(_floats(0))
 
 
+def test_a_user_class_first_in_the_bases_is_named_where_the_class_is_written() -> None:
+    class MyStage(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    with pytest.raises(
+        TypeError, match=r"class S: MyStage.forward comes before OverlapStage.forward .* put OverlapStage"
+    ):
+
+        class S(MyStage, OverlapStage):
+            pass
+
+    class T(OverlapStage, MyStage):  # the right order
+        def pieces(self) -> list[Pieces]:
+            return [_block()]
+
+    assert T()(_floats(0)).shape == _floats(0).shape
+
+
 def test_stage_call_errors() -> None:
     stage = _Declared(lambda: [_block()])
     with pytest.raises(ValueError, match=r"_Declared: a stage built from pieces takes one input, got 2"):
