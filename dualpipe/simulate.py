@@ -60,13 +60,14 @@ Run ``python -m dualpipe.simulate --help`` for the command line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
-from dualpipe.checks import DeadlockError, message_key, needed_receives
+from dualpipe.checks import DeadlockError, MessageKey, message_key, needed_receives
 from dualpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, Action, Op, Schedule, build_schedule
 
 __all__ = ["Costs", "SimResult", "Span", "main", "render_png", "simulate"]
@@ -99,7 +100,11 @@ class Costs:
 
     def of(self, action: Action) -> float:
         """Cost of one compute action."""
-        return {Op.F: self.F, Op.B: self.B, Op.I: self.B - self.W, Op.W: self.W, Op.FB: self.FB}[action.op]
+        return self.table()[action.op]
+
+    def table(self) -> dict[Op, float]:
+        """Cost of each compute op."""
+        return {Op.F: self.F, Op.B: self.B, Op.I: self.B - self.W, Op.W: self.W, Op.FB: self.FB}
 
 
 class Span(NamedTuple):
@@ -146,6 +151,24 @@ def _stage_fraction(schedule: Schedule) -> float:
     return schedule.layout.num_ranks / len(schedule.layout.paths[0])
 
 
+@functools.lru_cache(maxsize=64)
+def _messages(schedule: Schedule) -> tuple[tuple[tuple[MessageKey | None, tuple[MessageKey, ...] | None], ...], ...]:
+    """Per rank and action: (the message a send sends, None), (None, the messages a compute consumes), or
+    (None, None) for a receive; computed once per schedule (the planner times one schedule many times)."""
+    out = []
+    for rank, actions in enumerate(schedule.ranks):
+        row: list[tuple[MessageKey | None, tuple[MessageKey, ...] | None]] = []
+        for a in actions:
+            if a.op in (Op.SEND_F, Op.SEND_B):
+                row.append((message_key(schedule, rank, a), None))
+            elif a.op.is_compute:
+                row.append((None, tuple(needed_receives(schedule, rank, a))))
+            else:
+                row.append((None, None))
+        out.append(tuple(row))
+    return tuple(out)
+
+
 def _timelines(
     schedule: Schedule, costs: Costs, durations: Sequence[Sequence[float]] | None, ready: Sequence[float] | None
 ) -> list[list[Span]]:
@@ -156,19 +179,21 @@ def _timelines(
     clock = [0.0] * n if ready is None else [float(t) for t in ready]
     arrival: dict[tuple, float] = {}
     spans: list[list[Span]] = [[] for _ in range(n)]
+    cost = costs.table()
+    messages = _messages(schedule)
     while any(pos[r] < len(schedule.ranks[r]) for r in range(n)):
         progress = False
         for rank, actions in enumerate(schedule.ranks):
             while pos[rank] < len(actions):
                 a = actions[pos[rank]]
-                if a.op in (Op.SEND_F, Op.SEND_B):
-                    arrival[message_key(schedule, rank, a)] = clock[rank] + costs.latency
-                elif a.op.is_compute:
-                    keys = needed_receives(schedule, rank, a)
+                sent, keys = messages[rank][pos[rank]]
+                if sent is not None:
+                    arrival[sent] = clock[rank] + costs.latency
+                elif keys is not None:
                     if any(k not in arrival for k in keys):
                         break  # its input is not sent yet: let the other ranks catch up
                     start = max([clock[rank], *(arrival[k] for k in keys)])
-                    clock[rank] = start + (costs.of(a) if durations is None else durations[rank][done[rank]])
+                    clock[rank] = start + (cost[a.op] if durations is None else durations[rank][done[rank]])
                     done[rank] += 1
                     spans[rank].append(Span(start, clock[rank], str(a), a.op.value))
                 pos[rank] += 1  # receives take no rank time in the async model
@@ -179,10 +204,14 @@ def _timelines(
     return spans
 
 
+_LIVE = {Op.F: 1, Op.B: -1, Op.I: -1}
+"""Modules an action adds to the live activations (``FB`` adds one and frees one)."""
+
+
 def _peak_activations(actions: Sequence[Action]) -> int:
     live = peak = 0
     for a in actions:
-        live += {Op.F: 1, Op.B: -1, Op.I: -1}.get(a.op, 0)
+        live += _LIVE.get(a.op, 0)
         peak = max(peak, live)
     return peak
 
