@@ -307,9 +307,10 @@ def _emit(layout: Layout, plan: Plan, starts: list[list[int]]) -> Plan:
             for half, (op, s, k) in enumerate(_passes(n, r, a)):
                 module = a.b_module if half else a.module
                 source = layout.prev(r, module) if op is Op.F else layout.next(r, module)
-                if source is not None and source[0] != r:
+                made_by = _input_of(op, s, k, n)
+                if source is not None and source[0] != r and made_by is not None:
                     recvs[r][i].append(Action(Op.RECV_F if op is Op.F else Op.RECV_B, module, k, peer=source[0]))
-                    consumer[_input_of(op, s, k, n)] = (starts[r][i], i, half)  # type: ignore[index]
+                    consumer[made_by] = (starts[r][i], i, half)
     sends: list[list[list[tuple[tuple[int, int, int], Action]]]] = [[[] for _ in range(len(o) + 1)] for o in plan]
     for r, order in enumerate(plan):
         for a in order:
@@ -355,20 +356,21 @@ def _v_layout(num_ranks: int, modules_per_rank: int) -> Layout:
     return Layout.v_shape(num_ranks)
 
 
-for _name, _title, _class, _summary in (
-    ("zbv", "ZBV", "ZeroBubbleV", "ZB-V: V-shaped zero bubble at 1F1B's activation memory, weight gradients deferred"),
-    ("v-half", "V-Half", "VHalf", "V-Half: controllable-memory V schedule, half of 1F1B's activation memory"),
-    ("v-min", "V-Min", "VMin", "V-Min: controllable-memory V schedule, about a third of 1F1B's activation memory"),
-):
+def _register(name: str, title: str, class_name: str, summary: str) -> None:
     register_schedule(
         ScheduleSpec(
-            name=_name,
-            title=_title,
-            class_name=_class,
-            summary=_summary,
-            generate=_generator(_name),
+            name=name,
+            title=title,
+            class_name=class_name,
+            summary=summary,
+            generate=_generator(name),
             layout=_v_layout,
             modules_per_rank=2,
             overlaps=True,
         )
     )
+
+
+_register("zbv", "ZBV", "ZeroBubbleV", "ZB-V: V-shaped zero bubble at 1F1B's activation memory, deferred W")
+_register("v-half", "V-Half", "VHalf", "V-Half: controllable-memory V schedule, half of 1F1B's activation memory")
+_register("v-min", "V-Min", "VMin", "V-Min: controllable-memory V schedule, a third of 1F1B's activation memory")
