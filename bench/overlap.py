@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from bench.overlap_costs import calibration_costs
 from bench.overlap_report import breakdown, collect, cpu_floor, loss_check, rows_json, summarise, table, targets
 from bench.overlap_run import CALIBRATION_MODE, MODES, WorkerOptions
 
@@ -183,8 +184,7 @@ def _calibration(rank_files: list[dict]) -> dict | None:
 def _write_costs(
     args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict], cluster: dict | None, device: str
 ) -> Path:
-    """The calibration's sub-stage medians in the planner's costs format (:mod:`bench.overlap_calibrate`)."""
-    from bench.overlap_calibrate import calibration_costs
+    """The calibration's sub-stage medians in the planner's costs format (:mod:`bench.overlap_costs`)."""
     from bench.overlap_run import model_config
     from moe.plan.measured import save_costs
 

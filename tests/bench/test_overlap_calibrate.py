@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from bench.overlap_calibrate import Setup, link_rates, rate_bytes_per_s, report, run, substage_seconds
+from bench.overlap_calibrate import Setup, report, run
+from bench.overlap_costs import link_rates, rate_bytes_per_s, substage_seconds
 from bench.overlap_stats import parse_events
 from moe.plan.measured import load_costs
 
@@ -127,3 +128,22 @@ def test_calibrate_on_loopback_writes_compute_only(tmp_path, capsys):
                                 "head_F", "head_B"}  # fmt: skip
     assert costs.internode_bytes_per_s is None and costs.act_bytes == 4 and costs.tokens == 32
     assert costs.config.hidden_size == 32 and costs.ep == 2 and costs.gpus_per_node == 2
+
+
+def test_the_benchmark_and_the_calibration_import_in_one_direction() -> None:
+    """The calibration runs the benchmark; the benchmark writes costs through bench.overlap_costs, never through
+    the calibration (they used to import each other)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "bench"
+
+    def imports(name: str) -> set[str]:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        found |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        return found
+
+    assert not {"bench.overlap_calibrate", "bench.overlap_calibrate.calibration_costs"} & imports("overlap")
+    assert "bench.overlap_costs" in imports("overlap") and "bench.overlap" in imports("overlap_calibrate")
+    assert not {"bench.overlap", "bench.overlap_calibrate"} & imports("overlap_costs")

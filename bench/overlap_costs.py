@@ -1,0 +1,207 @@
+"""One MoE layer's measured sub-stage seconds, from the overlap benchmark's recorded events, in the planner's
+costs format (:func:`calibration_costs`): what ``bench.overlap --calibrate`` writes and
+:mod:`bench.overlap_calibrate` checks the planner with.
+
+Sub-stages. The calibration runs DualPipeV without overlap, so every all-to-all is waited for (the one
+exception below) and each chunk's host time splits into compute and waiting. Within each lone chunk (or
+each half of a pair run one after the other) the window is cut where the rank is blocked on an
+all-to-all; each remaining piece is compute, and its time goes to the recorded compute spans inside it in
+proportion to their lengths: host work between spans (issuing an all-to-all, autograd glue, the loss) is
+compute the step pays, so it belongs to the sub-stage it sits with. The spans map onto the planner's fields
+as :data:`SPAN_FIELDS` says; the residual add after a combine is counted into ``attn_F`` (it runs on the
+way to the next attention, before the next dispatch, where the planner puts attention). All-to-alls cost the
+time the rank waits for them: the forward dispatch (the row-count exchange, then the rows), the backward
+dispatch (issued after the MLP's input gradient; the weight gradient computes under it, counted once as
+compute, as the planner's backward puts it before the dispatch), forward and backward combine. ``dispatch``
+and ``combine`` are the means over both directions (the planner takes one time for both).
+
+Statistics: per timed step, each field's mean over its instances (layers x micro-batches x ranks): a step
+is a sum of many sub-stages and the mean is what the sum costs per term (a median would drop the instances
+the operating system descheduled, which the step pays); then the median over steps, which one disturbed
+step does not move.
+
+Link rates (:func:`link_rates`): inter-node is the ``tbf`` rate of a node's link shared by the ranks on it
+(the planner counts bandwidth per GPU). The intra-node path is loopback, unshaped and not measured, so no
+intra-node rate is written, and dispatch and combine are written only where no all-to-all byte stays inside
+a node: one ep rank per node, as the emulated cluster's layouts place them (``gpus_per_node`` = 1 in the
+file: ranks of one expert-parallel group per node, what the planner's all-to-all needs). On loopback (no
+``--cluster``) every byte is intra-node: only compute is written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import statistics
+from collections.abc import Iterable, Sequence
+
+from bench.overlap_stats import RankSteps
+from moe.config import MoEConfig
+from moe.plan.measured import MeasuredCosts
+
+__all__ = ["SPAN_FIELDS", "calibration_costs", "link_rates", "rate_bytes_per_s", "substage_seconds"]
+
+
+SPAN_FIELDS = {
+    ("attn", "fwd"): "attn_F",
+    ("attn.dx", "bwd"): "attn_dX",
+    ("attn.dw", "bwd"): "attn_dW",
+    ("mlp", "fwd"): "mlp_F",
+    ("mlp.dx", "bwd"): "mlp_dX",
+    ("mlp.dw", "bwd"): "mlp_dW",
+    ("embed", "fwd"): "embed_F",
+    ("embed", "bwd"): "embed_B",
+    ("head", "fwd"): "head_F",
+    ("head", "bwd"): "head_B",
+}
+"""Recorded compute span (name, direction) -> the planner's field (:data:`moe.plan.costs.COMPUTE_FIELDS`)."""
+
+_UNITS = {  # tc(8): SI multiples; "bit" units are bits per second, "bps" units bytes per second
+    "bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
+    "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12,
+}  # fmt: skip
+
+
+def rate_bytes_per_s(rate: str) -> float:
+    """A tc rate (``"400mbit"``, ``"50mbps"``, ``"1gbit"``) in bytes per second."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", rate)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a tc rate: {rate!r} (e.g. 400mbit, 50mbps; units {sorted(_UNITS)})")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _chunk_windows(r: RankSteps) -> list[tuple[float, float]]:
+    """The innermost compute actions: a lone chunk, either half of a pair that runs them one after the
+    other (recorded nested in the pair), or an overlapped pair (nothing nested): the windows whose host
+    time the sub-stages account for."""
+    halves = [a for a in r.actions if a.op in ("F", "B", "I")]
+    pairs = [a for a in r.actions if a.op == "FB" and not any(a.start <= h.start and h.end <= a.end for h in halves)]
+    return [(a.start, a.end) for a in halves + pairs]
+
+
+def _segment_time(r: RankSteps, window: tuple[float, float]) -> list[tuple[list, float]]:
+    """The window cut where the rank is blocked on an all-to-all: each remaining piece (less
+    pipeline-message waits) with the compute spans inside it. Host work between recorded spans (issuing
+    an all-to-all, autograd glue, the loss) is compute on the way to the next all-to-all; compute that
+    runs while an all-to-all is in flight (a backward issues its dispatch after the MLP's input gradient
+    and computes the weight gradient under it) is compute too."""
+    t0, t1 = window
+    cuts = sorted((c.blocked_from, c.wait) for c in r.comm if t0 <= c.start and c.wait <= t1)
+    pieces, at = [], t0
+    for a, b in [*cuts, (t1, t1)]:
+        if a > at:
+            pieces.append((at, a))
+        at = max(at, b)
+    out = []
+    for a, b in pieces:
+        spans = [c for c in r.compute if a <= c.start and c.end <= b]
+        out.append((spans, b - a - r.waited(a, b)))
+    return out
+
+
+def _step_fields(ranks: Iterable[RankSteps]) -> tuple[dict[str, float], dict[str, int], dict[str, tuple[float, int]]]:
+    """One step's totals: seconds per field, how many instances (micro-batch x layer) of each, and per
+    all-to-all kind (``name.direction``) its seconds blocked on and count."""
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    comm: dict[str, tuple[float, int]] = {}
+    for r in ranks:
+        for window in _chunk_windows(r):
+            for spans, seconds in _segment_time(r, window):
+                recorded = sum(c.end - c.start for c in spans)
+                for c in spans:
+                    key = (
+                        "attn_F"
+                        if (c.name, c.direction) == ("residual", "fwd")
+                        else SPAN_FIELDS.get((c.name, c.direction))
+                    )
+                    if key is None or recorded <= 0:
+                        continue
+                    total[key] = total.get(key, 0.0) + seconds * (c.end - c.start) / recorded
+                    if (c.name, c.direction) != ("residual", "fwd"):
+                        count[key] = count.get(key, 0) + 1
+        for c in r.comm:
+            kind = f"{c.name}.{c.direction}"
+            t, n = comm.get(kind, (0.0, 0))
+            comm[kind] = (t + c.exposed, n + 1)
+    return total, count, comm
+
+
+def substage_seconds(steps: Iterable[Iterable[RankSteps]]) -> dict[str, float]:
+    """One layer's sub-stage seconds for one micro-batch (see the module docstring), from the spans of
+    blocking (non-overlapped) steps, each step's ranks together; a kind nobody recorded is left out.
+
+    Per step, each field is its mean over the step's instances: the step is a sum of many sub-stages, and
+    the mean is what a sum costs per term (a median would drop the descheduled instances a shared machine
+    has, and those are paid); then the median over steps, which a disturbed step does not move."""
+    per_step: dict[str, list[float]] = {}
+    for ranks in steps:
+        total, count, comm = _step_fields(ranks)
+        for key, seconds in total.items():
+            if count.get(key):
+                per_step.setdefault(key, []).append(seconds / count[key])
+        # A transfer's duration is what a lone forward waits for it (the row-count exchange included): the
+        # forward computes nothing while it flies. A lone backward runs the MLP's dW under its dispatch, so
+        # its wait is less than the transfer; the planner's two-stream model puts that dW there itself.
+        d_t = sum(comm.get(k, (0.0, 0))[0] for k in ("counts.fwd", "dispatch.fwd"))
+        d_n = comm.get("dispatch.fwd", (0.0, 0))[1]
+        c_t, c_n = comm.get("combine.fwd", (0.0, 0))
+        if d_n:
+            per_step.setdefault("dispatch", []).append(d_t / d_n)
+        if c_n:
+            per_step.setdefault("combine", []).append(c_t / c_n)
+    return {k: _median(v) for k, v in per_step.items() if v}
+
+
+def link_rates(rate: str | None, ranks_per_node: int, ep: int) -> float | None:
+    """Inter-node bytes per second per rank (the node link's ``tbf`` rate over its ranks), or None where the
+    measured all-to-alls cannot be described: no shaped link (loopback), or ep ranks sharing a node (their
+    bytes would cross the unshaped, unmeasured loopback)."""
+    if rate is None or ep < 2:
+        return None
+    return rate_bytes_per_s(rate) / ranks_per_node
+
+
+def calibration_costs(
+    steps: Iterable[Iterable[RankSteps]],
+    *,
+    cfg: MoEConfig,
+    seq_len: int,
+    micro_batch: int,
+    ep: int,
+    ranks_per_node: int,
+    ep_ranks_per_node: int,
+    act_bytes: int,
+    device: str,
+    rate: str | None,
+    source: str = "bench.overlap --calibrate",
+) -> MeasuredCosts:
+    """The planner's costs file for one calibration run. ``ranks_per_node``: ranks sharing one node's link;
+    ``ep_ranks_per_node``: ranks of one expert-parallel group on one node (1 on the emulated cluster's
+    layouts); ``rate``: the tbf rate, None on loopback."""
+    measured = substage_seconds(steps)
+    internode = link_rates(rate, ranks_per_node, ep) if ep_ranks_per_node == 1 else None
+    if internode is None:
+        measured = {k: v for k, v in measured.items() if k not in ("dispatch", "combine")}
+    return MeasuredCosts(
+        config=cfg,
+        seq_len=seq_len,
+        tokens=seq_len * micro_batch,
+        moe=measured,
+        device=device,
+        source=source,
+        date=datetime.date.today().isoformat(),
+        act_bytes=act_bytes,
+        ep=ep,
+        gpus_per_node=ep_ranks_per_node,
+        comm_sms=0,
+        recompute=False,
+        internode_bytes_per_s=internode,
+    )
+
+
+# ------------------------------------------------------------------------- the planner against the benchmark
