@@ -133,16 +133,14 @@ def test_calibrate_on_loopback_writes_compute_only(tmp_path, capsys):
 def test_the_benchmark_and_the_calibration_import_in_one_direction() -> None:
     """The calibration runs the benchmark; the benchmark writes costs through bench.overlap_costs, never through
     the calibration (they used to import each other)."""
-    import ast
     import pathlib
+
+    from tests.imports import imports as imports_of
 
     root = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
     def imports(name: str) -> set[str]:
-        tree = ast.parse((root / f"{name}.py").read_text())
-        found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        found |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-        return found
+        return imports_of(root / f"{name}.py")
 
     assert not {"bench.overlap_calibrate", "bench.overlap_calibrate.calibration_costs"} & imports("overlap")
     assert "bench.overlap_costs" in imports("overlap") and "bench.overlap" in imports("overlap_calibrate")

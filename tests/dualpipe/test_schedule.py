@@ -260,17 +260,13 @@ def test_a_schedule_is_one_generator_and_one_registry_entry() -> None:
 
 
 def test_generators_build_on_the_schedule_module_never_the_reverse() -> None:
-    import ast
-
     import dualpipe
+    from tests.imports import imports as imports_of
 
     root = Path(dualpipe.__file__).parent
 
     def imports(name: str) -> set[str]:
-        tree = ast.parse((root / f"{name}.py").read_text())
-        found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        found |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-        return found
+        return imports_of(root / f"{name}.py")
 
     assert not {"dualpipe.generators", "dualpipe.authoring"} & imports("schedule")
     assert "dualpipe.schedule" in imports("authoring") and "dualpipe.authoring" in imports("generators")
