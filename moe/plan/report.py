@@ -8,7 +8,7 @@ and the DeepSeek-V3 report set beside our numbers.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,24 @@ def _model(
     return LayerCostModel(
         cfg, cluster, c, run.seq_len, run.micro_batch, run.tokens_per_step, measured=measured, memory_options=options
     )
+
+
+def _sizer(
+    cfg: MoEConfig,
+    cluster: Cluster,
+    run: RunShape,
+    measured: MeasuredCosts | None,
+    options: MemoryOptions,
+    cache: dict[Candidate, LayerCostModel],
+) -> Callable[[Candidate], LayerCostModel]:
+    """A candidate's cost model, built once into ``cache`` (what :func:`moe.plan.layouts.memory_descent` asks)."""
+
+    def model(c: Candidate) -> LayerCostModel:
+        if c not in cache:
+            cache[c] = _model(cfg, cluster, run, c, measured, options)
+        return cache[c]
+
+    return model
 
 
 def _predict(model: LayerCostModel) -> Prediction:
@@ -152,7 +170,10 @@ def plan(
             f"no layout runs a global batch of {run.global_batch} x {run.micro_batch}-sequence micro-batches on "
             f"{cluster.num_gpus} GPUs: make --global-batch a multiple of --micro-batch x (GPUs / pp) for some pp"
         )
-    models = {c: _model(cfg, cluster, run, c, measured, options) for c in found}
+    models: dict[Candidate, LayerCostModel] = {}
+    model = _sizer(cfg, cluster, run, measured, options, models)
+    for c in found:
+        model(c)
     fitting = [c for c in found if models[c].fits()]
     rest = sorted((c for c in found if not models[c].fits()), key=lambda c: models[c].memory().total)
     timed = fitting + rest[: max(0, top - len(fitting))]
@@ -160,11 +181,6 @@ def plan(
 
     # The layout dimension, where it can change the answer (moe.plan.layouts): the leading candidates with
     # lighter first stages, and for the first few that still do not fit, layers moved off their fullest rank.
-    def model(c: Candidate) -> LayerCostModel:
-        if c not in models:
-            models[c] = _model(cfg, cluster, run, c, measured, options)
-        return models[c]
-
     variants = [v for p in ranked[:top] for v in shifts(cfg, p.candidate)]
     misses = [p.candidate for p in ranked[:top] if not p.fits][:DESCENTS]
     variants += [d for c in misses if (d := memory_descent(cfg, c, model)) != c and d not in variants]
@@ -383,16 +399,12 @@ def _best_layout(
 ) -> tuple[Prediction, dict[Candidate, LayerCostModel]]:
     """``c`` at the planner's layout (auto's, or another of :mod:`moe.plan.layouts`, as :func:`plan` searches):
     the best prediction and every model tried."""
-    tried = {v: _model(cfg, cluster, run, v, measured, options) for v in [c, *shifts(cfg, c)]}
-    if not any(m.fits() for m in tried.values()):
-        least = min(tried, key=lambda v: tried[v].memory().total)
-
-        def model(v: Candidate) -> LayerCostModel:
-            if v not in tried:
-                tried[v] = _model(cfg, cluster, run, v, measured, options)
-            return tried[v]
-
-        memory_descent(cfg, least, model)
+    tried: dict[Candidate, LayerCostModel] = {}
+    model = _sizer(cfg, cluster, run, measured, options, tried)
+    for v in [c, *shifts(cfg, c)]:
+        model(v)
+    if not any(m.fits() for m in tried.values()):  # every layout the descent sizes lands in tried
+        memory_descent(cfg, min(tried, key=lambda v: tried[v].memory().total), model)
     return rank_predictions([_predict(m) for m in tried.values()])[0], tried
 
 
