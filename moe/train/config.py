@@ -211,6 +211,19 @@ class TrainingConfig:
     """Compute dtype; ``bfloat16`` keeps fp32 master weights, gradient accumulation and optimizer state."""
     master_weights: bool = True
     """With bfloat16: fp32 master weights and gradients (False: pure bf16)."""
+    fp8: bool = False
+    """FP8 GEMMs as DeepSeek-V3 trains (:mod:`kernels.fp8`): every linear of attention, the dense MLPs and the
+    experts quantize their operands online to E4M3 in 1x128 tiles (activations, gradients) and 128x128 blocks
+    (weights) and accumulate in fp32; outputs, master weights and optimizer state keep their dtypes. The
+    embedding, head, norms, router and the attention core stay in ``dtype``. Turns on ``fp8_dispatch``."""
+    fp8_dispatch: bool | None = None
+    """Dispatch tokens in FP8: the dispatch-direction all-to-alls (forward dispatch and the combine's gradient)
+    carry E4M3 values and one float32 scale per 128, about half the bytes of bf16; the combine stays in
+    ``dtype``. None: on exactly when ``fp8`` is."""
+    fp8_activations: bool = False
+    """With ``fp8``: keep the inputs the FP8 GEMMs save for backward in FP8 (plus their scales) instead of
+    ``dtype``, as DeepSeek-V3 keeps the MoE up-projection inputs: less activation memory, one more rounding in
+    the weight gradients."""
     val_every: int = 20
     """Held-out loss every N steps (0: never)."""
     val_batches: int = 2
@@ -229,6 +242,12 @@ class TrainingConfig:
         _require(self.dtype in DTYPES, "training.dtype", self.dtype, f"choose one of {DTYPES}")
         _require(self.val_every >= 0, "training.val_every", self.val_every, "must be >= 0 (0: never)")
         _require(self.seed >= 0, "training.seed", self.seed, "must be >= 0")
+        _require(self.fp8 or not self.fp8_activations, "training.fp8_activations", True, "needs training.fp8")
+
+    @property
+    def dispatch_fp8(self) -> bool:
+        """Whether the dispatch-direction all-to-alls move FP8 (``fp8_dispatch``, defaulting to ``fp8``)."""
+        return self.fp8 if self.fp8_dispatch is None else self.fp8_dispatch
 
 
 @dataclass(kw_only=True, slots=True)
