@@ -12,7 +12,8 @@ The variable is read on every call, so tests and benchmarks can flip it without 
 tensor that decides is the call's first tensor argument. Triton modules are imported on first use only:
 ``import kernels`` works without Triton.
 
-There is one function here per op in :mod:`kernels.registry`, named like it and with its reference's
+There is one function here per op in :mod:`kernels.registry`, named like it and with its reference's (in
+:mod:`kernels.reference`, or :mod:`kernels.reference_fp8` for the FP8 ops)
 signature and docstring (``help(kernels.ops.swiglu)``); none is written out by hand. They are not
 differentiable; :mod:`kernels.functional` wraps them in autograd Functions.
 """
@@ -27,8 +28,8 @@ from typing import Any
 
 import torch
 
-# Importing the reference registers every op (and its signature); the Triton modules wait for first use.
-from kernels import reference, registry  # noqa: F401
+# Importing the references registers every op (and its signature); the Triton modules wait for first use.
+from kernels import reference, reference_fp8, registry  # noqa: F401
 
 ENV_VAR = "DUALPIPE_KERNELS"
 _CHOICES = ("auto", "triton", "torch")

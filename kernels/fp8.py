@@ -1,0 +1,130 @@
+"""FP8 training GEMMs: the three GEMMs of a linear layer and of the expert MLP, composed from the FP8 ops.
+
+Legend for shape suffixes: T tokens (leading dimensions flattened), K input features, N output features,
+M expert-sorted rows, E experts.
+
+:mod:`kernels.reference_fp8` specifies the numerics (DeepSeek-V3's recipe); this module decides what is
+quantized how for each GEMM of training, through the backend switch :mod:`kernels.ops`:
+
+=========  ==================================  =====================================
+GEMM       operands                            result
+=========  ==================================  =====================================
+forward    x in 1x128 tiles, W in 128x128      y in the input's dtype
+dgrad      dy in 1x128 tiles, W (transposed)   dx in dy's dtype
+wgrad      dy and x in 128x1 tiles             dW in float32 (weight gradients add
+                                               up in float32)
+=========  ==================================  =====================================
+
+Weights are quantized from the master copy's compute-dtype weight on every call (forward and input gradient
+quantize the same tensor the same way, so they agree bit for bit). :class:`Quantized` is an FP8 tensor with
+its scales: what :class:`FP8Recipe` ``save_fp8`` keeps for backward instead of the input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kernels import ops
+from kernels.reference_fp8 import TILE
+
+__all__ = [
+    "FP8Recipe",
+    "Quantized",
+    "grouped_dgrad",
+    "grouped_forward",
+    "grouped_wgrad",
+    "linear_dgrad",
+    "linear_forward",
+    "linear_wgrad",
+    "quantize_rows",
+]
+
+_WEIGHT_BLOCK = (TILE, TILE)
+
+
+@dataclass(frozen=True, slots=True)
+class FP8Recipe:
+    """How a layer runs its GEMMs in FP8 (a layer without a recipe runs them in its dtype)."""
+
+    save_fp8: bool = False
+    """Keep the GEMM inputs saved for backward in FP8 with their 1x128 scales (about half the bytes of bf16),
+    dequantized for the weight gradient, which quantizes them again in 128x1 tiles: one more rounding."""
+
+
+class Quantized(NamedTuple):
+    """An FP8 tensor in 1x128 tiles along its last dimension and its float32 scales."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return ops.dequantize_fp8(self.q, self.scale, out_dtype=dtype)
+
+
+def quantize_rows(x_TK: torch.Tensor) -> Quantized:
+    """``x`` as 2-D rows in 1x128 tiles (leading dimensions flattened)."""
+    return Quantized(*ops.quantize_fp8(x_TK.reshape(-1, x_TK.shape[-1])))
+
+
+def linear_forward(x: torch.Tensor, w_NK: torch.Tensor) -> tuple[torch.Tensor, Quantized]:
+    """``x @ W^T`` with FP8 operands -> (y ``[..., N]`` in x's dtype, x quantized in 1x128 tiles)."""
+    xq = quantize_rows(x)
+    y_TN = ops.fp8_gemm(xq.q, xq.scale, *ops.quantize_fp8(w_NK, _WEIGHT_BLOCK), out_dtype=x.dtype)
+    return y_TN.view(*x.shape[:-1], w_NK.shape[0]), xq
+
+
+def linear_dgrad(dy: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """Input gradient ``dy @ W`` with FP8 operands -> ``[..., K]`` in dy's dtype."""
+    dyq = quantize_rows(dy)
+    wq_NK, w_scale = ops.quantize_fp8(w_NK, _WEIGHT_BLOCK)
+    dx_TK = ops.fp8_gemm(dyq.q, dyq.scale, wq_NK.t(), w_scale.t(), out_dtype=dy.dtype)
+    return dx_TK.view(*dy.shape[:-1], w_NK.shape[1])
+
+
+def linear_wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Weight gradient ``dy^T @ x`` over all tokens, operands in 128x1 tiles -> ``[N, K]`` float32."""
+    a = ops.quantize_fp8_columns(dy.reshape(-1, dy.shape[-1]))
+    b = ops.quantize_fp8_columns(x.reshape(-1, x.shape[-1]))
+    return ops.fp8_gemm_wgrad(*a, *b)
+
+
+def grouped_forward(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
+) -> tuple[torch.Tensor, Quantized]:
+    """FP8 :func:`kernels.ops.grouped_gemm` -> (y ``[M, N]`` in x's dtype, x quantized in 1x128 tiles)."""
+    xq = quantize_rows(x_MK)
+    wq, w_scale = ops.quantize_fp8(w_EKN, _WEIGHT_BLOCK)
+    y_MN = ops.fp8_grouped_gemm(
+        xq.q, xq.scale, wq, w_scale, tokens_per_expert_E, out_dtype=x_MK.dtype, comm_sms=comm_sms
+    )
+    return y_MN, xq
+
+
+def grouped_dgrad(
+    dy_MN: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
+) -> torch.Tensor:
+    """FP8 :func:`kernels.ops.grouped_gemm_dgrad`: ``dx[rows of e] = dy[rows of e] @ w[e]^T`` -> ``[M, K]``."""
+    dyq = quantize_rows(dy_MN)
+    wq, w_scale = ops.quantize_fp8(w_EKN, _WEIGHT_BLOCK)
+    return ops.fp8_grouped_gemm(
+        dyq.q,
+        dyq.scale,
+        wq.transpose(1, 2),
+        w_scale.transpose(1, 2),
+        tokens_per_expert_E,
+        out_dtype=dy_MN.dtype,
+        comm_sms=comm_sms,
+    )
+
+
+def grouped_wgrad(
+    x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
+) -> torch.Tensor:
+    """FP8 :func:`kernels.ops.grouped_gemm_wgrad`: ``dw[e] = x[rows of e]^T @ dy[rows of e]`` -> ``[E, K, N]``
+    float32, the operands in 128x1 tiles that restart at every expert."""
+    a = ops.quantize_fp8_columns(x_MK, tokens_per_expert_E)
+    b = ops.quantize_fp8_columns(dy_MN, tokens_per_expert_E)
+    return ops.fp8_gemm_wgrad(*a, *b, tokens_per_expert_E, comm_sms=comm_sms)
