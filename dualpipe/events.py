@@ -13,19 +13,36 @@ stream=)``): on the compute stream it would mark when compute reached the wait, 
 finished. A stream runs in issue order, so that stamp is the end of the last transfer issued on the stream
 before the wait: a later transfer started in between (the other micro-batch's) stretches the span.
 The ``start`` edge stays on the current stream: the transfer cannot begin before its input is ready there.
+
+A compute piece that runs but has nothing to compute (the dW of a piece whose layers handed no
+weight-gradient closures over: autograd computed those gradients in its dX) still records its span, closed
+by an ``empty`` edge instead of ``end``, so a timeline shows it and :func:`hidden_fraction` does not count
+it as work.
+
+Hidden communication, the one metric (:func:`hidden_fraction`), per rank::
+
+    |union(communication intervals) ∩ union(intervals of compute that did work)| / |union(communication intervals)|
+
+A communication's interval runs from its ``start`` to its ``wait`` edge; compute is every ``begin``..``end``
+span of a sub-stage (direction ``fwd`` or ``bwd``) of either micro-batch. Spans closed by ``empty`` are not
+work, and spans of other directions that a caller records in the same recorder (the overlap benchmark's
+pipeline actions and steps, which contain the waits) are not compute. On CPU the intervals are host time
+(the compute thread's; the transfer runs in the backend's thread); on CUDA they are the events on both
+streams, resolved on the GPU's clock.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Event", "EventRecorder", "Recorder", "hidden_communications", "record_edge", "record_span"]
+__all__ = ["Event", "EventRecorder", "HiddenFraction", "Recorder", "hidden_fraction", "record_edge", "record_span"]
 
 
 class Recorder(Protocol):
@@ -46,7 +63,7 @@ class Event:
     layer: int
     """Global layer index (-1 for embedding and head)."""
     edge: str
-    """``begin``/``end`` (compute) or ``start``/``wait`` (communication)."""
+    """``begin``/``end`` (compute; ``empty`` ends a span that did no work) or ``start``/``wait`` (communication)."""
     stamp: Any
     """float seconds (CPU) or a recorded ``torch.cuda.Event``."""
 
@@ -88,14 +105,15 @@ class EventRecorder:
 
 
 @contextlib.contextmanager
-def record_span(recorder: Recorder | None, name: str, direction: str, layer: int) -> Iterator[None]:
-    """Record ``begin``/``end`` around a compute sub-stage (no-op without a recorder)."""
+def record_span(recorder: Recorder | None, name: str, direction: str, layer: int, work: bool = True) -> Iterator[None]:
+    """Record ``begin``/``end`` around a compute sub-stage (no-op without a recorder). ``work=False``: the
+    piece has nothing to compute; its span ends with ``empty``, which :func:`hidden_fraction` does not count."""
     if recorder is None:
         yield
         return
     recorder.record(name, direction, layer, "begin")
     yield
-    recorder.record(name, direction, layer, "end")
+    recorder.record(name, direction, layer, "end" if work else "empty")
 
 
 def record_edge(
@@ -111,15 +129,116 @@ def record_edge(
         recorder.record(name, direction, layer, edge, stream=stream)  # type: ignore[call-arg]
 
 
-def hidden_communications(order: Sequence[tuple[str, str, int, str]]) -> int:
-    """How many communications (start..wait spans) had a compute of the other direction end inside them:
-    the ones an overlapped pair hid. ``order`` is :meth:`EventRecorder.order` (or any such tuples)."""
-    hidden, opened = 0, {}
-    for i, (name, direction, layer, edge) in enumerate(order):
-        if edge == "start":
-            opened[(name, direction, layer)] = i
+# ------------------------------------------------------------------------------------------ hidden fraction
+
+COMPUTE_DIRECTIONS = ("fwd", "bwd")
+"""Directions of the sub-stage spans that count as compute; a recorder may hold other spans (containers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HiddenFraction:
+    """How much communication time ran under compute that did work (:func:`hidden_fraction`). ``a + b`` (or
+    ``sum(parts, HiddenFraction())``) pools ranks or steps: seconds and counts add, so the pooled fraction
+    weighs each part by its communication time."""
+
+    comm_s: float = 0.0
+    """|union of the communication intervals|, seconds."""
+    hidden_s: float = 0.0
+    """Of which under the union of working compute intervals, seconds."""
+    count: int = 0
+    """Communications (start..wait spans)."""
+    covered: int = 0
+    """Of which any part ran under working compute (what the order of the events shows)."""
+    kinds: dict[str, HiddenFraction] = field(default_factory=dict)
+    """The same per kind, ``"<name>.<direction>"`` (``dispatch.fwd``, ``combine.bwd``, ...), first seen first;
+    each kind's union is its own, so the kinds need not add up to the total where kinds overlap in time."""
+
+    @property
+    def fraction(self) -> float:
+        """``hidden_s / comm_s``; NaN without communication."""
+        return self.hidden_s / self.comm_s if self.comm_s > 0 else math.nan
+
+    def __add__(self, other: HiddenFraction) -> HiddenFraction:
+        kinds = dict(self.kinds)
+        for kind, h in other.kinds.items():
+            kinds[kind] = kinds[kind] + h if kind in kinds else h
+        return HiddenFraction(
+            self.comm_s + other.comm_s,
+            self.hidden_s + other.hidden_s,
+            self.count + other.count,
+            self.covered + other.covered,
+            kinds,
+        )
+
+
+def hidden_fraction(source: EventRecorder | Iterable[Event | Sequence[Any]]) -> HiddenFraction:
+    """The hidden communication of one rank: ``|union(comm) ∩ union(working compute)| / |union(comm)|``
+    overall and per kind (the module docstring gives the rule).
+
+    ``source``: an :class:`EventRecorder` (CPU or CUDA), its ``events``, or rows ``(name, direction, layer,
+    edge, time)`` in program order, ``time`` in seconds or a recorded ``torch.cuda.Event`` (resolved against
+    the first row's). A ``wait`` without its ``start``, or an ``end`` without its ``begin``, is an error.
+    """
+    comm: dict[str, list[tuple[float, float]]] = {}
+    work: list[tuple[float, float]] = []
+    started: dict[tuple[str, str, int], list[float]] = {}
+    begun: dict[tuple[str, str, int], list[float]] = {}
+    for name, direction, layer, edge, t in _rows(source):
+        key = (name, direction, layer)
+        if edge in ("start", "begin"):
+            (started if edge == "start" else begun).setdefault(key, []).append(t)
         elif edge == "wait":
-            start = opened.pop((name, direction, layer))
-            other = "bwd" if direction == "fwd" else "fwd"
-            hidden += any(e == "end" and d == other for _, d, _, e in order[start:i])
-    return hidden
+            if not started.get(key):
+                raise ValueError(f"hidden_fraction: {name}.{direction} (layer {layer}) was waited without a start")
+            comm.setdefault(f"{name}.{direction}", []).append((started[key].pop(0), t))
+        elif edge in ("end", "empty"):
+            if not begun.get(key):
+                raise ValueError(f"hidden_fraction: {name}.{direction} (layer {layer}) ended without a begin")
+            t0 = begun[key].pop()
+            if edge == "end" and direction in COMPUTE_DIRECTIONS:
+                work.append((t0, t))
+    worked = _union(work)
+    kinds = {kind: _hidden(spans, worked) for kind, spans in comm.items()}
+    total = _hidden([s for spans in comm.values() for s in spans], worked)
+    return HiddenFraction(total.comm_s, total.hidden_s, total.count, total.covered, kinds)
+
+
+def _rows(source: Any) -> list[tuple[str, str, int, str, float]]:
+    """``(name, direction, layer, edge, seconds)`` of ``source`` (see :func:`hidden_fraction`)."""
+    if isinstance(source, EventRecorder):
+        source = source.events
+    rows = [(e.name, e.direction, e.layer, e.edge, e.stamp) if isinstance(e, Event) else tuple(e[:5]) for e in source]
+    if rows and not isinstance(rows[0][4], (int, float)):  # CUDA events: milliseconds from the first one
+        first = rows[0][4]
+        torch.cuda.synchronize()
+        return [(*r[:4], first.elapsed_time(r[4]) * 1e-3) for r in rows]
+    return rows
+
+
+def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted intervals covering ``spans`` (empty ones dropped)."""
+    merged: list[list[float]] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two disjoint, sorted interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _hidden(spans: list[tuple[float, float]], worked: list[tuple[float, float]]) -> HiddenFraction:
+    union = _union(spans)
+    covered = sum(_overlap([s], worked) > 0 for s in spans)
+    return HiddenFraction(sum(b - a for a, b in union), _overlap(union, worked), len(spans), covered)

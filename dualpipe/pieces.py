@@ -218,7 +218,7 @@ class BlockRun:
         self._prepared: dict[int, Pending[Any] | None] = {}  # comm index -> its prepare exchange, if any
         self._leaves: dict[int, tuple[Any, ...]] = {}  # compute index -> its input leaves
         self._outs: dict[int, tuple[Any, ...]] = {}  # compute index -> its outputs (graph roots)
-        self._stores: dict[int, GradStore] = {}  # compute index -> held-back weight gradients
+        self._stores: dict[int, GradStore | None] = {}  # compute index -> held-back weight gradients (None: none)
         self._needs: dict[int, tuple[tuple[torch.Size, torch.dtype] | None, ...]] = {}  # piece -> inputs' grads
         self.started: set[int] = set()
         self.done: set[int] = set()
@@ -237,8 +237,8 @@ class BlockRun:
                 stream = stream()
             record_edge(self.recorder, name, direction, self.decl.layer, edge, stream=stream)
 
-    def span(self, name: str, direction: str) -> contextlib.AbstractContextManager[None]:
-        return record_span(self.recorder, name, direction, self.decl.layer)
+    def span(self, name: str, direction: str, work: bool = True) -> contextlib.AbstractContextManager[None]:
+        return record_span(self.recorder, name, direction, self.decl.layer, work)
 
     # ---- forward -----------------------------------------------------------------------------------------
     def begin(self, x: Any) -> None:
@@ -487,8 +487,9 @@ class BlockRun:
                 store = GradStore()
                 with store.activate(enabled=True):
                     run_backward(roots, grads)
+                # None: the layers handed over no closures (autograd did their weight gradients in dX)
+                self._stores[i] = None if store.is_empty() else store
                 store.flush()
-                self._stores[i] = store
         for name, leaf in zip(piece.inputs, leaves):
             grad = leaf.grad if isinstance(leaf, torch.Tensor) else None
             self._check_grad(i, name, grad)
@@ -496,9 +497,12 @@ class BlockRun:
         self.bwd_done.add(i)
 
     def compute_dw(self, i: int, record: bool = True) -> None:
-        store = self._stores.pop(i, None)
-        if store is None:
+        if i not in self._stores:
             return
+        store = self._stores.pop(i)
         piece = self.decl.pieces[i]
-        with self.span(f"{piece.name}.dw", "bwd") if record else contextlib.nullcontext(), torch.no_grad():
-            store.pop()
+        # with nothing to run the span still shows in a timeline, marked as no work (dualpipe.events)
+        span = self.span(f"{piece.name}.dw", "bwd", work=store is not None) if record else contextlib.nullcontext()
+        with span, torch.no_grad():
+            if store is not None:
+                store.pop()

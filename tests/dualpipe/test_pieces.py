@@ -511,7 +511,8 @@ def test_a_prepare_that_returns_none_starts_the_transfer_at_once() -> None:
 
 def test_local_communications_record_no_events() -> None:
     net, log = _overlapped_hook(communicates=False, prepare=True)
-    assert {e[3] for e in log.events} == {"begin", "end"}
+    # compute spans only; attn's dW has no work (wa's gradient comes with dX), so its span ends "empty"
+    assert {e[3] for e in log.events} == {"begin", "end", "empty"}
     assert net.pendings and all(p.finished for p in net.pendings)
 
 

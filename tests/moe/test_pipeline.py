@@ -15,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from dualpipe import DualPipe, DualPipeV, ZeroBubble1P
-from dualpipe.events import hidden_communications
+from dualpipe.events import HiddenFraction, hidden_fraction
 from moe import EventRecorder, lm_loss
 from moe.config import preset
 from moe.grad_sync import reduce_gradients
@@ -70,7 +70,7 @@ def _pipeline_step(rank: int, world: int, schedule: str, recompute: bool | str, 
     grads = {n: p.grad.numpy().copy() for m in stages for n, p in m.named_parameters()}
     experts = list(stages[0].dispatcher.local_experts)
     losses = None if loss is None else loss.detach().numpy().copy()
-    return layout.pp_rank, layout.ep_rank, losses, grads, experts, hidden_communications(recorder.order())
+    return layout.pp_rank, layout.ep_rank, losses, grads, experts, hidden_fraction(recorder)
 
 
 @pytest.mark.parametrize(
@@ -98,10 +98,15 @@ def test_pp2_ep2_matches_single_process(schedule: str, recompute: bool | str, ov
     ref_losses, ref_grads, _ = single_process_grads(cfg, micro)
     results = run_ranks(_pipeline_step, world_size=PP * EP, args=(schedule, recompute, overlap, arch), timeout=180)
 
-    # With overlap the executor handed paired chunks to MoEStage.overlapped_forward_backward, which hid
-    # all-to-alls behind the other micro-batch's compute; without, nothing overlaps.
-    hidden = sum(r[-1] for r in results)
-    assert hidden > 0 if overlap else hidden == 0
+    # With overlap the executor handed paired chunks to MoEStage.overlapped_forward_backward, which ran the
+    # forward micro-batch's all-to-alls under the other one's compute. Without, a forward transfer is waited
+    # before the next compute; only a full backward's dispatch gradient runs under work (its own mlp dW).
+    hidden = sum((r[-1] for r in results), HiddenFraction())
+    under_work = {kind for kind, h in hidden.kinds.items() if h.covered}
+    if overlap:
+        assert hidden.fraction > 0 and {"dispatch.fwd", "combine.fwd"} <= under_work, hidden.kinds
+    else:
+        assert hidden.count > 0 and under_work <= {"dispatch.bwd"}, hidden.kinds
     seen: dict[int, set[str]] = {e: set() for e in range(EP)}
     for pp_rank, ep_rank, losses, grads, experts, _ in results:
         if losses is not None:
