@@ -12,8 +12,12 @@ Two answers, printed last:
 
 1. *Does communication-stream work run under compute-stream kernels?* The pair runs under the torch
    profiler; the Chrome trace is saved, and its kernel events (``"cat": "kernel"``, each with its stream)
-   are split into NCCL kernels (names starting ``nccl``) and the rest. The answer is the NCCL kernel time
-   that lies inside the union of compute kernel intervals, over all NCCL kernel time.
+   are split into NCCL kernels (names starting ``nccl``) and the rest. The answer is the union of NCCL
+   kernel intervals that lies inside the union of compute kernel intervals, over that union: the rule of
+   :func:`dualpipe.events.hidden_fraction` at kernel level. That metric itself, from the recorder's CUDA
+   events on both streams (each all-to-all from its start to its wait edge, under the compute sub-stages
+   that did work), is printed per kind for the overlapped pair alone, pooled over the ``--reps`` pairs
+   (with one rank the dispatcher moves nothing between ranks and no transfer is recorded: no answer).
 2. *Host overhead per sub-stage*: every recorded edge gets both a host clock reading and (on CUDA) an
    event on the stream. For each compute sub-stage (attn, mlp, attn.dx, ...) the host milliseconds spent
    between its begin and end (issuing kernels, and any host sync inside) are set against the GPU
@@ -38,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dualpipe.events import HiddenFraction, hidden_fraction
 from kernels.warmup import KernelShapes, warm_up
 from moe import MoEStage, lm_loss, next_token_batch
 from moe.config import PRESETS, preset
@@ -59,6 +64,12 @@ class HostDeviceRecorder:
             event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
         self.events.append((name, direction, layer, edge, time.perf_counter(), event))
+
+    def hidden(self, window: slice = slice(None)) -> HiddenFraction:
+        """:func:`dualpipe.events.hidden_fraction` of the events in ``window``: from the CUDA events on both
+        streams on CUDA, from the host clock elsewhere."""
+        gpu = self.device.type == "cuda"
+        return hidden_fraction([(n, d, lay, e, ev if gpu else host) for n, d, lay, e, host, ev in self.events[window]])
 
     def spans(self) -> list[tuple[str, float, float]]:
         """(sub-stage, host ms, GPU ms) of every compute span (begin/end); GPU ms is NaN off CUDA."""
@@ -96,18 +107,25 @@ def comm_under_compute(trace: dict) -> dict:
     comm = [e for e in kernels if e.get("name", "").lower().startswith("nccl")]
     compute = [e for e in kernels if not e.get("name", "").lower().startswith("nccl")]
     busy = _merge([(e["ts"], e["ts"] + e["dur"]) for e in compute])
-    hidden = 0.0
-    for e in comm:
-        start, end = e["ts"], e["ts"] + e["dur"]
-        hidden += sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
+    comm_union = _merge([(e["ts"], e["ts"] + e["dur"]) for e in comm])
+    hidden = sum(max(0.0, min(end, b) - max(start, a)) for start, end in comm_union for a, b in busy)
     return {
-        "comm_us": sum(e["dur"] for e in comm),
+        "comm_us": sum(b - a for a, b in comm_union),
         "hidden_us": hidden,
         "compute_us": sum(b - a for a, b in busy),
         "comm_streams": sorted({e.get("args", {}).get("stream") for e in comm}, key=str),
         "compute_streams": sorted({e.get("args", {}).get("stream") for e in compute}, key=str),
         "comm_kernels": len(comm),
     }
+
+
+def _hidden_json(h: HiddenFraction, device: torch.device) -> dict:
+    def one(x: HiddenFraction) -> dict:
+        return {"fraction": x.fraction, "comm_ms": x.comm_s * 1e3, "hidden_ms": x.hidden_s * 1e3,
+                "count": x.count, "covered": x.covered}  # fmt: skip
+
+    clock = "cuda events" if device.type == "cuda" else "host"
+    return {**one(h), "clock": clock, "kinds": {k: one(x) for k, x in h.kinds.items()}}
 
 
 def _one_rank_group(device: torch.device) -> None:
@@ -146,14 +164,20 @@ def _stage(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     return cfg, stage.to(device=device, dtype=dtype)
 
 
-def _pair(stage: MoEStage, cfg, args, device: torch.device, seed: int) -> None:
-    """Forward of micro-batch A, then one overlapped pair: B's forward with A's backward; then B's backward."""
+def _pair(stage: MoEStage, cfg, args, device: torch.device, seed: int) -> slice:
+    """Forward of micro-batch A, then one overlapped pair: B's forward with A's backward; then B's backward.
+    Returns the slice of the stage recorder's events that the pair recorded (every transfer of the pair is
+    started and waited inside it)."""
     (ids_a, lab_a), (ids_b, lab_b) = (
         (t.to(device) for t in next_token_batch(cfg, args.micro_batch, args.seq_len, seed=seed + i)) for i in (0, 1)
     )
+    recorded = stage.recorder.events if stage.recorder is not None else []
     loss_a = lm_loss(stage(ids_a), lab_a)
+    first = len(recorded)
     _, loss_b = MoEStage.overlapped_forward_backward(stage, [ids_b], lm_loss, [lab_b], stage, loss_a, None, None)
+    window = slice(first, len(recorded))
     loss_b.backward()
+    return window
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,13 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     overlap = comm_under_compute(json.loads(trace_path.read_text()))
 
     per_stage: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    hidden = HiddenFraction()
     for rep in range(args.reps):
         recorder = HostDeviceRecorder(device)
         stage.recorder = recorder
-        _pair(stage, cfg, args, device, seed=100 + rep)
+        window = _pair(stage, cfg, args, device, seed=100 + rep)
         stage.recorder = None
         for sub, host_ms, gpu_ms in recorder.spans():
             per_stage[sub].append((host_ms, gpu_ms))
+        hidden += recorder.hidden(window)
     table = {
         sub: {
             "host_ms": statistics.median(h for h, _ in v),
@@ -210,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "trace": trace_path.name,
         "overlap": overlap,
+        "hidden": _hidden_json(hidden, device),
         "host_vs_gpu": table,
     }
     (out / f"overlap-summary-{name}-{stamp}.json").write_text(json.dumps(summary, indent=1))
@@ -228,6 +255,16 @@ def main(argv: list[str] | None = None) -> int:
             f"\ncomm under compute: {verdict}: {overlap['hidden_us']:.0f} of {overlap['comm_us']:.0f} us of NCCL "
             f"kernel time ({share:.0%}) ran while a compute kernel ran; NCCL streams {overlap['comm_streams']}, "
             f"compute streams {overlap['compute_streams']}"
+        )
+    clock = "CUDA events on both streams" if device.type == "cuda" else "host clock"
+    if hidden.count == 0:  # one rank: the dispatcher moves nothing between ranks, its pieces record no transfer
+        print(f"hidden fraction (dualpipe.events.hidden_fraction, {clock}): no all-to-all recorded: no answer")
+    else:
+        kinds = ", ".join(f"{k} {h.fraction:.2f}" for k, h in hidden.kinds.items())
+        print(
+            f"hidden fraction of the overlapped pair (dualpipe.events.hidden_fraction, {clock}, {args.reps} "
+            f"pairs): {hidden.fraction:.2f} ({hidden.hidden_s * 1e3:.3f} of {hidden.comm_s * 1e3:.3f} ms); "
+            f"by kind: {kinds}"
         )
     print(f"trace: {trace_path}")
     dist.destroy_process_group()

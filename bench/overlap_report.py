@@ -35,9 +35,11 @@ from bench.overlap_stats import (
     parse_events,
     peer_skews,
     predicted_bubble,
+    rank_hidden,
     replayed_bubble,
     step_window,
 )
+from dualpipe.events import HiddenFraction
 
 __all__ = [
     "KindExposure",
@@ -68,6 +70,7 @@ class KindExposure:
     in_flight_ms: float
     exposed_ms: float
     hidden: float
+    """The kind's hidden fraction (:func:`dualpipe.events.hidden_fraction`), pooled over ranks and steps."""
     share: float
     """Of the mode's exposed all-to-all time."""
     peer_wait_ms: float
@@ -100,6 +103,8 @@ class ModeRow:
     a2a_exposed_ms: float
     """Of which the rank was blocked waiting."""
     hidden: float
+    """All-to-all hidden fraction (:func:`dualpipe.events.hidden_fraction`: the union of the in-flight
+    intervals under the union of compute that did work, per rank, pooled over the ranks)."""
     cpu_use: float
     """CPU time of all ranks over (cores x step time): near 1, the machine, not the schedule, sets the pace."""
     hidden_in_pairs: float | None
@@ -202,11 +207,13 @@ def _exposure(steps: list[tuple[int, dict[int, RankSteps]]], pp: int) -> dict:
     rank-steps (means, so the kinds add up); the skews pooled over every all-to-all of those steps."""
     sums: dict[str, list[float]] = {}  # kind -> [count, in flight, exposed, peer wait], seconds
     skews: list[PeerSkew] = []
+    hidden = HiddenFraction()
     for _, ranks in steps:
         for kind, totals in comm_by_kind(list(ranks.values())).items():
             acc = sums.setdefault(kind, [0.0, 0.0, 0.0, 0.0])
             for i, v in enumerate(totals):
                 acc[i] += v
+        hidden = sum((rank_hidden(r) for r in ranks.values()), hidden)
         for group in zip(*_pipelines(ranks, pp)):
             skews += peer_skews(group)
     for s in skews:
@@ -220,7 +227,7 @@ def _exposure(steps: list[tuple[int, dict[int, RankSteps]]], pp: int) -> dict:
             count=sums[k][0] / rank_steps,
             in_flight_ms=sums[k][1] / rank_steps * 1e3,
             exposed_ms=sums[k][2] / rank_steps * 1e3,
-            hidden=1.0 - sums[k][2] / sums[k][1] if sums[k][1] > 0 else math.nan,
+            hidden=hidden.kinds[k].fraction,
             share=sums[k][2] / exposed if exposed > 0 else math.nan,
             peer_wait_ms=sums[k][3] / rank_steps * 1e3,
         )
@@ -423,7 +430,8 @@ def skew_table(rows: list[ModeRow]) -> str:
 def breakdown(rows: list[ModeRow]) -> str:
     """What exposes the all-to-all: the per-kind table and the peer-skew table, titled."""
     return (
-        "\nexposed all-to-all by kind (means per rank and timed step):\n\n"
+        "\nall-to-all by kind (means per rank and timed step; hidden: dualpipe.events.hidden_fraction per kind, "
+        "pooled over ranks and steps):\n\n"
         + kind_table(rows)
         + "\n\nexpert-parallel peer skew (every all-to-all of the timed steps, matched across its group):\n\n"
         + skew_table(rows)

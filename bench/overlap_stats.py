@@ -7,11 +7,14 @@ sends and receives between actions (direction ``"post"``) ``begin``/``end``, and
 ``begin``/``end``.
 
 All-to-all accounting. A communication is *in flight* from its ``start`` to its ``wait`` (recorded right
-after the wait returned). The rank is *blocked* in the wait from the previous event it recorded (the end of
-the compute before the wait) to the ``wait``; that is the exposed part. ``hidden = 1 - exposed / in
-flight``: a blocking all-to-all (waited right after it started) hides nothing; one whose wait returns at
-once after the other micro-batch's compute hides all of it. When compute outlasts the transfer the
-in-flight time is the compute's, and all of it counts as hidden, which it is.
+after the wait returned). The *hidden fraction* is the project's one metric,
+:func:`dualpipe.events.hidden_fraction`: per rank, the part of the union of the in-flight intervals that
+lies under the union of compute sub-stages that did work (a span closed by ``empty``, a dW with nothing to
+run, is none), over that union; pooled over ranks by adding the seconds. A blocking all-to-all hides
+nothing; one that the other micro-batch's compute outlasts hides all of it; time the rank spends on other
+host work while a transfer is in flight (issuing, bookkeeping, waiting for something else) hides nothing.
+The rank is *blocked* in the wait from the previous event it recorded (the end of the compute before the
+wait) to the ``wait``; that is the *exposed* part, which the breakdown by kind and peer splits.
 
 Where the exposed time comes from. Each all-to-all has a *kind*, its recorded name and direction
 (:data:`COMM_KINDS`): the forward and backward dispatch and combine, and ``counts.fwd``, the row-count
@@ -47,6 +50,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from dualpipe.events import HiddenFraction, hidden_fraction
 from dualpipe.schedule import Schedule, build_schedule
 from dualpipe.simulate import Costs, simulate
 
@@ -69,6 +73,7 @@ __all__ = [
     "parse_events",
     "peer_skews",
     "predicted_bubble",
+    "rank_hidden",
     "replayed_bubble",
 ]
 
@@ -82,6 +87,8 @@ class ComputeSpan:
     layer: int
     start: float
     end: float
+    work: bool = True
+    """False: the piece ran with nothing to compute (its span ended ``empty``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +198,8 @@ def parse_events(events: Iterable[Event]) -> RankSteps:
                 host[direction].append(HostSpan(name, open_spans.pop(key), t))
         elif edge == "begin":
             open_compute[key] = t
-        elif edge == "end":
-            compute.append(ComputeSpan(name, direction, layer, open_compute.pop(key), t))
+        elif edge in ("end", "empty"):
+            compute.append(ComputeSpan(name, direction, layer, open_compute.pop(key), t, work=edge == "end"))
         elif edge == "start":
             open_comm[key] = t
         elif edge == "wait":
@@ -202,8 +209,21 @@ def parse_events(events: Iterable[Event]) -> RankSteps:
     return RankSteps(begin, end, compute, comm, actions, host["p2p"], host["post"])
 
 
+def rank_hidden(r: RankSteps, within: str | None = None) -> HiddenFraction:
+    """:func:`dualpipe.events.hidden_fraction` of one rank's step. ``within="FB"``: only the all-to-alls
+    inside overlapped pairs (top-level F&B actions) count, under the same compute."""
+    rows: list[tuple] = []
+    for c in r.compute:
+        rows += [(c.name, c.direction, c.layer, "begin", c.start)]
+        rows += [(c.name, c.direction, c.layer, "end" if c.work else "empty", c.end)]
+    for c in r.comm if within is None else _inside(r, within):
+        rows += [(c.name, c.direction, c.layer, "start", c.start), (c.name, c.direction, c.layer, "wait", c.wait)]
+    return hidden_fraction(rows)
+
+
 def comm_totals(ranks: Sequence[RankSteps], within: str | None = None) -> tuple[float, float, float]:
-    """``(in flight, exposed, hidden fraction)`` summed over the ranks of one step (seconds).
+    """``(in flight, exposed, hidden fraction)`` over the ranks of one step: in-flight and exposed seconds
+    summed over the all-to-alls, the hidden fraction pooled over the ranks (:func:`rank_hidden`).
 
     ``within="FB"`` counts only the all-to-alls inside overlapped pairs (top-level F&B actions): what the
     overlap itself hides, without the schedule's unpaired warm-up and cool-down chunks.
@@ -211,8 +231,7 @@ def comm_totals(ranks: Sequence[RankSteps], within: str | None = None) -> tuple[
     comms = [c for r in ranks for c in (r.comm if within is None else _inside(r, within))]
     in_flight = sum(c.in_flight for c in comms)
     exposed = sum(c.exposed for c in comms)
-    hidden = 1.0 - exposed / in_flight if in_flight > 0 else math.nan
-    return in_flight, exposed, hidden
+    return in_flight, exposed, sum((rank_hidden(r, within) for r in ranks), HiddenFraction()).fraction
 
 
 def _inside(r: RankSteps, op: str) -> list[CommSpan]:
@@ -398,7 +417,10 @@ def chrome_trace(steps: Sequence[tuple[str, int, dict[int, RankSteps]]], names: 
         for rank, r in ranks.items():
             out.append(x(f"{mode} step {step}", rank, 0, r.begin, r.end, mode=mode))
             out += [x(a.label, rank, 0, a.start, a.end, op=a.op, mode=mode) for a in r.actions]
-            out += [x(f"{c.name}.{c.direction} L{c.layer}", rank, 0, c.start, c.end) for c in r.compute]
+            out += [
+                x(f"{c.name}.{c.direction} L{c.layer}{'' if c.work else ' (empty)'}", rank, 0, c.start, c.end)
+                for c in r.compute
+            ]
             out += [x(f"wait {w.label}", rank, 0, w.start, w.end, mode=mode) for w in r.waits]
             out += [x(p.label, rank, 0, p.start, p.end, mode=mode) for p in r.posts]
             for c in r.comm:

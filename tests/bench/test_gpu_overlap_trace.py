@@ -39,3 +39,20 @@ def test_host_recorder_pairs_begin_and_end_on_cpu():
     rec.record("dispatch", "fwd", 0, "wait")
     (span,) = rec.spans()
     assert span[0] == "attn" and span[1] >= 0 and span[2] != span[2]  # no GPU time off CUDA: NaN
+
+
+def test_host_recorder_feeds_the_one_hidden_metric():
+    rec = HostDeviceRecorder(torch.device("cpu"))
+    rec.record("combine", "bwd", 1, "start")
+    rec.record("attn", "fwd", 0, "begin")
+    sum(range(10_000))  # some host time under the transfer
+    rec.record("attn", "fwd", 0, "end")
+    rec.record("combine", "bwd", 1, "wait")
+    rec.record("dispatch", "fwd", 0, "start")
+    rec.record("mlp.dw", "bwd", 1, "begin")
+    rec.record("mlp.dw", "bwd", 1, "empty")  # a dW with nothing to run hides nothing
+    rec.record("dispatch", "fwd", 0, "wait")
+    h = rec.hidden()
+    assert (h.count, h.covered) == (2, 1) and 0 < h.fraction < 1
+    assert h.kinds["combine.bwd"].covered == 1 and h.kinds["dispatch.fwd"].hidden_s == 0
+    assert rec.hidden(slice(4, None)).kinds.keys() == {"dispatch.fwd"}  # a window of the events

@@ -27,8 +27,10 @@ from bench.overlap_stats import (
     op_of,
     parse_events,
     predicted_bubble,
+    rank_hidden,
     replayed_bubble,
 )
+from dualpipe.events import hidden_fraction
 from dualpipe.schedule import build_schedule
 from dualpipe.simulate import Costs, simulate
 
@@ -85,6 +87,25 @@ def test_blocking_all_to_all_hides_nothing_and_overlapped_hides_all():
     half.actions.append(ActionSpan("(F0.1&B1.0)", 0, 0.0, 2.0))
     assert comm_totals([blocking, half], within="FB") == (2.0, 1.0, 0.5)
     assert math.isnan(comm_totals([RankSteps(0, 1, [], [], [])])[2])
+
+
+def test_only_compute_that_did_work_hides_an_all_to_all():
+    # In flight 0..2 s: B's mlp dX (work), then a dW with nothing to run (closed "empty"); the wait returns at
+    # once. Not blocked at all, yet half of it ran under work: the hidden fraction is dualpipe.events' metric.
+    events = [
+        _ev("dispatch", "fwd", 0, "start", 0.0),
+        _ev("mlp.dx", "bwd", 1, "begin", 0.0),
+        _ev("mlp.dx", "bwd", 1, "end", 1.0),
+        _ev("mlp.dw", "bwd", 1, "begin", 1.0),
+        _ev("mlp.dw", "bwd", 1, "empty", 2.0),
+        _ev("dispatch", "fwd", 0, "wait", 2.0),
+    ]
+    r = parse_events(events)
+    assert [c.work for c in r.compute] == [True, False]
+    assert comm_totals([r]) == (2.0, 0.0, 0.5)
+    assert rank_hidden(r) == hidden_fraction(events)
+    names = [e["name"] for e in chrome_trace([("m", 0, {0: r})], {0: "rank 0"})["traceEvents"] if e["ph"] == "X"]
+    assert "mlp.dw.bwd L1 (empty)" in names
 
 
 def test_actions_nest_and_costs_count_each_level():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dualpipe.collectives import Pending
-from dualpipe.events import Event, EventRecorder, HiddenFraction, hidden_fraction
+from dualpipe.events import Event, EventRecorder, HiddenFraction, hidden_fraction, record_span
 from dualpipe.pieces import BlockRun, Comm, Compute, Pieces
 from dualpipe.weight_grad import WeightGradStore
 
@@ -137,3 +137,24 @@ def test_the_runtime_marks_a_dw_without_work_and_it_hides_nothing(deferred: bool
     assert [e.edge for e in rec.events if e.name == "f.dw"] == ["begin", "end" if deferred else "empty"]
     h = hidden_fraction(rec).kinds["send.bwd"]
     assert h.count == 1 and h.covered == deferred and (h.hidden_s > 0) == deferred
+
+
+@pytest.mark.gpu
+def test_cuda_events_on_two_streams():
+    # a transfer stands in as matmuls on a side stream, waited there; compute on the current stream under it
+    rec = EventRecorder("cuda")
+    side, a = torch.cuda.Stream(), torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    rec.record("send", "fwd", 0, "start")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(10):
+            a @ a
+    with record_span(rec, "mlp", "bwd", 1):
+        for _ in range(10):
+            a @ a
+    with record_span(rec, "mlp.dw", "bwd", 1, work=False):
+        pass
+    rec.record("send", "fwd", 0, "wait", stream=side)
+    h = hidden_fraction(rec)
+    assert h.count == h.covered == 1 and h.comm_s > 0 and 0 < h.fraction <= 1
