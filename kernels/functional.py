@@ -23,11 +23,11 @@ activations the experts keep anyway, so no [M, D] expert output is kept for back
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from kernels import ops
+from kernels import fp8, ops
 
 __all__ = [
     "WeightGradHook",
@@ -212,6 +212,21 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad += grad
 
 
+class _Gemms(NamedTuple):
+    """The three grouped GEMMs of the expert MLP in one precision (signatures of the bf16 ops)."""
+
+    forward: Callable[..., torch.Tensor]
+    dgrad: Callable[..., torch.Tensor]
+    wgrad: Callable[..., torch.Tensor]
+
+
+def _gemms(recipe: fp8.FP8Recipe | None) -> _Gemms:
+    # Looked up per call: a spy or wrapper that replaces a kernels.ops attribute replaces what runs.
+    if recipe is None:
+        return _Gemms(ops.grouped_gemm, ops.grouped_gemm_dgrad, ops.grouped_gemm_wgrad)
+    return _Gemms(lambda *a, **k: fp8.grouped_forward(*a, **k)[0], fp8.grouped_dgrad, fp8.grouped_wgrad)
+
+
 def experts_forward(
     x_MD: torch.Tensor,
     w_gate_up_EDF2: torch.Tensor,
@@ -220,16 +235,19 @@ def experts_forward(
     *,
     scale_M: torch.Tensor | None = None,
     comm_sms: int = 0,
+    fp8_recipe: fp8.FP8Recipe | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For the rows of expert e: y = (silu(x @ W_gate[e]) * (x @ W_up[e]) [* scale]) @ W_down[e].
 
     x: [M, D] sorted by expert, tokens_per_expert: [E] summing to M, w_gate_up: [E, D, 2F] (gate | up fused,
     so the first GEMM reads x once), w_down: [E, F, D]; scale: None or [M] per-row factors (the routing
     weights, :func:`row_weights`) applied to the SwiGLU output. Returns (y [M, D] in x.dtype, h [M, 2F]),
-    where h, the gate | up activations, is what the backward parts take.
+    where h, the gate | up activations, is what the backward parts take. fp8_recipe: run both GEMMs (and, in
+    the backward parts, all four) in FP8 (:mod:`kernels.fp8`); None: in x's dtype.
     """
-    h_MF2 = ops.grouped_gemm(x_MD, w_gate_up_EDF2, tokens_per_expert_E, comm_sms=comm_sms)
-    y_MD = ops.grouped_gemm(ops.swiglu(h_MF2, scale_M), w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
+    gemm = _gemms(fp8_recipe).forward
+    h_MF2 = gemm(x_MD, w_gate_up_EDF2, tokens_per_expert_E, comm_sms=comm_sms)
+    y_MD = gemm(ops.swiglu(h_MF2, scale_M), w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
     return y_MD, h_MF2
 
 
@@ -242,17 +260,19 @@ def experts_input_grad(
     *,
     scale_M: torch.Tensor | None = None,
     comm_sms: int = 0,
+    fp8_recipe: fp8.FP8Recipe | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Input gradients of :func:`experts_forward` -> (dx [M, D], dh [M, 2F], dscale [M] or None without a
     scale); dh goes on to the weight grads. dscale[m] = <dz[m], swiglu(h[m])> with dz the down projection's
     input gradient before the scale."""
-    dz_MF = ops.grouped_gemm_dgrad(dy_MD, w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
+    dgrad = _gemms(fp8_recipe).dgrad
+    dz_MF = dgrad(dy_MD, w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
     dscale_M = None
     if scale_M is None:
         dh_MF2 = ops.swiglu_backward(dz_MF, h_MF2)
     else:
         dh_MF2, dscale_M = ops.swiglu_scaled_backward(dz_MF, h_MF2, scale_M)
-    dx_MD = ops.grouped_gemm_dgrad(dh_MF2, w_gate_up_EDF2, tokens_per_expert_E, comm_sms=comm_sms)
+    dx_MD = dgrad(dh_MF2, w_gate_up_EDF2, tokens_per_expert_E, comm_sms=comm_sms)
     return dx_MD, dh_MF2, dscale_M
 
 
@@ -265,6 +285,7 @@ def experts_weight_grads(
     *,
     scale_M: torch.Tensor | None = None,
     comm_sms: int = 0,
+    fp8_recipe: fp8.FP8Recipe | None = None,
 ) -> Iterator[torch.Tensor]:
     """Weight gradients of :func:`experts_forward`: dw_down [E, F, D], then dw_gate_up [E, D, 2F].
 
@@ -272,44 +293,58 @@ def experts_weight_grads(
     the next holds one weight-sized temporary, not two. The (scaled) SwiGLU output is recomputed from h:
     cheaper than keeping a second [M, F] activation alive until the weight gradient runs.
     """
+    wgrad = _gemms(fp8_recipe).wgrad
     a_MF = ops.swiglu(h_MF2, scale_M)
-    yield ops.grouped_gemm_wgrad(a_MF, dy_MD, tokens_per_expert_E, comm_sms=comm_sms)
+    yield wgrad(a_MF, dy_MD, tokens_per_expert_E, comm_sms=comm_sms)
     del a_MF
-    yield ops.grouped_gemm_wgrad(x_MD, dh_MF2, tokens_per_expert_E, comm_sms=comm_sms)
+    yield wgrad(x_MD, dh_MF2, tokens_per_expert_E, comm_sms=comm_sms)
 
 
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M, comm_sms: int, defer):
+    def forward(ctx: Any, x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M, comm_sms, defer, recipe):
         y_MD, h_MF2 = experts_forward(
-            x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M=scale_M, comm_sms=comm_sms
+            x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M=scale_M, comm_sms=comm_sms, fp8_recipe=recipe
         )
+        # The input only feeds the weight gradient: with save_fp8 it waits there in FP8 (V3 keeps the MoE
+        # up-projection's input so).
+        kept = fp8.quantize_rows(x_MD) if recipe is not None and recipe.save_fp8 else (x_MD,)
         # Weights on ctx, not saved: the deferred closure accumulates into their ``.grad``, which needs the
         # parameter objects themselves (a saved tensor comes back as an alias under saved-tensors hooks).
-        ctx.save_for_backward(x_MD, h_MF2, tokens_per_expert_E, scale_M)
+        ctx.save_for_backward(h_MF2, tokens_per_expert_E, scale_M, *kept)
         ctx.weights = (w_gate_up_EDF2, w_down_EFD)
-        ctx.comm_sms, ctx.defer = comm_sms, defer
+        ctx.comm_sms, ctx.defer, ctx.recipe, ctx.x_dtype = comm_sms, defer, recipe, x_MD.dtype
         return y_MD
 
     @staticmethod
     def backward(ctx: Any, dy_MD):
-        x_MD, h_MF2, tokens_per_expert_E, scale_M = ctx.saved_tensors
+        h_MF2, tokens_per_expert_E, scale_M, *kept = ctx.saved_tensors
         w_gate_up_EDF2, w_down_EFD = ctx.weights
-        dy_MD, sms = dy_MD.contiguous(), ctx.comm_sms
+        dy_MD, sms, recipe = dy_MD.contiguous(), ctx.comm_sms, ctx.recipe
         dx_MD, dh_MF2, dscale_M = experts_input_grad(
-            dy_MD, h_MF2, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M=scale_M, comm_sms=sms
+            dy_MD,
+            h_MF2,
+            w_gate_up_EDF2,
+            w_down_EFD,
+            tokens_per_expert_E,
+            scale_M=scale_M,
+            comm_sms=sms,
+            fp8_recipe=recipe,
         )
         if not ctx.needs_input_grad[4]:
             dscale_M = None
         if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
-            return dx_MD, None, None, None, dscale_M, None, None
+            return dx_MD, None, None, None, dscale_M, None, None, None
 
         def weight_grads() -> Iterator[torch.Tensor]:
-            return experts_weight_grads(x_MD, h_MF2, dy_MD, dh_MF2, tokens_per_expert_E, scale_M=scale_M, comm_sms=sms)
+            x_MD = fp8.Quantized(*kept).dequantize(ctx.x_dtype) if len(kept) == 2 else kept[0]
+            return experts_weight_grads(
+                x_MD, h_MF2, dy_MD, dh_MF2, tokens_per_expert_E, scale_M=scale_M, comm_sms=sms, fp8_recipe=recipe
+            )
 
         if ctx.defer is None:
             dw_down_EFD, dw_gate_up_EDF2 = weight_grads()
-            return dx_MD, dw_gate_up_EDF2, dw_down_EFD, None, dscale_M, None, None
+            return dx_MD, dw_gate_up_EDF2, dw_down_EFD, None, dscale_M, None, None, None
 
         def accumulate_weight_grads() -> None:
             # It may run later with grad mode on: the saved tensors may require grad, the sums must not.
@@ -318,7 +353,7 @@ class _GroupedExperts(torch.autograd.Function):
                     accumulate_grad(w, dw)
 
         ctx.defer(accumulate_weight_grads)
-        return dx_MD, None, None, None, dscale_M, None, None
+        return dx_MD, None, None, None, dscale_M, None, None, None
 
 
 def grouped_experts(
@@ -330,6 +365,7 @@ def grouped_experts(
     scale_M: torch.Tensor | None = None,
     comm_sms: int = 0,
     defer_weight_grad: WeightGradHook | None = None,
+    fp8_recipe: fp8.FP8Recipe | None = None,
 ) -> torch.Tensor:
     """Differentiable expert MLP (:func:`experts_forward`): [M, D] rows sorted by expert -> [M, D].
 
@@ -340,10 +376,12 @@ def grouped_experts(
     defer_weight_grad: None, and the weights get their gradients from autograd like any input. Otherwise
     backward returns the input gradients only and hands this hook a closure that, when called, adds the
     weight gradients to ``w_gate_up.grad`` and ``w_down.grad`` (leaf weights) under ``torch.no_grad``.
+    fp8_recipe: None, or the FP8 recipe its four GEMMs follow (:mod:`kernels.fp8`); its ``save_fp8`` keeps x
+    in FP8 until the weight gradient.
     """
     if scale_M is not None and scale_M.shape != (x_MD.shape[0],):
         raise ValueError(f"grouped_experts: scale {tuple(scale_M.shape)} must be [M={x_MD.shape[0]}]")
     scale_M = None if scale_M is None else scale_M.contiguous()
     return _GroupedExperts.apply(
-        x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M, comm_sms, defer_weight_grad
+        x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M, comm_sms, defer_weight_grad, fp8_recipe
     )

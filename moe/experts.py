@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kernels import functional
+from kernels.fp8 import FP8Recipe
 from moe.layers import defer_wgrad
 
 __all__ = ["GroupedExperts"]
@@ -37,6 +38,8 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = num_local_experts
         self.w1 = nn.Parameter(torch.empty(num_local_experts, hidden, 2 * intermediate))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, intermediate, hidden))
+        self.fp8: FP8Recipe | None = None
+        """None, or the FP8 recipe of the four grouped GEMMs (:func:`moe.layers.use_fp8` sets it)."""
 
     def max_rows(self, received: int, top_k: int) -> int:
         """Most expert-sorted rows ``received`` rows can make: each row's K experts are distinct (the
@@ -84,6 +87,7 @@ class GroupedExperts(nn.Module):
             scale_M=functional.row_weights(weights_RK, row_id_M),
             comm_sms=comm_sms,
             defer_weight_grad=defer_wgrad,
+            fp8_recipe=self.fp8,
         )
         return functional.combine_rows(y_MD, row_id_M, *local_idx_RK.shape)
 

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dualpipe.weight_grad import WeightGradStore
+from kernels import fp8 as kernel_fp8
 from kernels import functional
+from kernels.fp8 import FP8Recipe
 from kernels.functional import accumulate_grad
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "recompute_granularity",
     "release",
     "selective_recompute",
+    "use_fp8",
 ]
 
 
@@ -66,38 +69,73 @@ def defer_wgrad(fn: Callable[[], None]) -> None:
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fp8: FP8Recipe | None) -> torch.Tensor:
         # The weight is kept on ctx, not saved: its backward accumulates into ``weight.grad``, which needs the
         # parameter object itself, and a saved tensor comes back as a new alias under saved-tensors hooks
         # (activation checkpointing, offloading, moe.memory's tracker).
-        ctx.save_for_backward(x)
-        ctx.weight = weight
-        return F.linear(x, weight)
+        ctx.weight, ctx.fp8, ctx.x_dtype = weight, fp8, x.dtype
+        if fp8 is None:
+            ctx.save_for_backward(x)
+            return F.linear(x, weight)
+        y, xq = kernel_fp8.linear_forward(x, weight)
+        ctx.save_for_backward(*(xq if fp8.save_fp8 else (x,)))
+        return y
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None]:
-        (x,) = ctx.saved_tensors
-        weight = ctx.weight
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        weight, fp8 = ctx.weight, ctx.fp8
+        saved = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ weight if fp8 is None else kernel_fp8.linear_dgrad(dy, weight)
         if ctx.needs_input_grad[1]:
             # The weight never gets an autograd gradient: the closure accumulates into .grad directly, so a
             # deferred closure and an immediate one leave the same result.
+            dtype = ctx.x_dtype
+
             def wgrad() -> None:
-                accumulate_grad(weight, dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+                if fp8 is None:
+                    (x,) = saved
+                    accumulate_grad(weight, dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+                    return
+                x = kernel_fp8.Quantized(*saved).dequantize(dtype) if fp8.save_fp8 else saved[0]
+                accumulate_grad(weight, kernel_fp8.linear_wgrad(dy, x))
 
             defer_wgrad(wgrad)
-        return dx, None
+        return dx, None, None
 
 
 class Linear(nn.Module):
-    """``y = x @ W^T`` (no bias) whose weight gradient can be deferred; W is ``[out, in]``."""
+    """``y = x @ W^T`` (no bias) whose weight gradient can be deferred; W is ``[out, in]``.
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    ``fp8``: None, or the recipe its three GEMMs follow in FP8 (:func:`use_fp8` sets it model-wide).
+    ``keep_precision``: a layer DeepSeek-V3 keeps out of FP8 (the output head, the router's gate):
+    :func:`use_fp8` leaves it alone.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, keep_precision: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.keep_precision = keep_precision
+        self.fp8: FP8Recipe | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearFn.apply(x, self.weight)
+        return _LinearFn.apply(x, self.weight, self.fp8)
+
+    def extra_repr(self) -> str:
+        out, inp = self.weight.shape
+        return f"in_features={inp}, out_features={out}" + (", fp8" if self.fp8 is not None else "")
+
+
+def use_fp8(model: nn.Module, recipe: FP8Recipe | None) -> nn.Module:
+    """Run the GEMMs of every layer of ``model`` that takes an ``fp8`` recipe (each :class:`Linear`, the routed
+    experts) in FP8 with ``recipe`` (None: back to the model's dtype), except the layers marked
+    ``keep_precision``. The DeepSeek-V3 report keeps the embedding, output head, router, norms and attention
+    core in higher precision: the first and the last two have no GEMM here, the head and router are marked."""
+    for module in model.modules():
+        if hasattr(module, "fp8") and not getattr(module, "keep_precision", False):
+            module.fp8 = recipe
+    return model
 
 
 class _Replay:

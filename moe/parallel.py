@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, schedule_spec
+from kernels.fp8 import FP8Recipe
 from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
 from moe.groups import group_timeout, new_groups, with_timeout
-from moe.layers import RECOMPUTE, recompute_granularity, selective_recompute
+from moe.layers import RECOMPUTE, recompute_granularity, selective_recompute, use_fp8
 from moe.pipeline_layout import AUTO, StagePlan, expand, plan_stages
 from moe.plan.params import layout_costs
 from moe.stage import MoEStage
@@ -413,6 +414,7 @@ def build_stages(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     piecewise: bool = True,
+    fp8: FP8Recipe | None = None,
 ) -> tuple[MoEStage, ...]:
     """The stage modules of this pipeline rank, in local module order, ready for the schedule's pipeline.
 
@@ -422,7 +424,8 @@ def build_stages(
     ``pp_rank`` of pp; interleaved 1F1B stages ``pp_rank + m * pp``.
     Weights come from :meth:`MoEStage.reset_parameters` (``seed``), so they equal :class:`MoEModel`'s.
     ``piecewise=False`` builds plain-graph stages (blocking all-to-all autograd nodes) for baselines that
-    schedule an ordinary graph.
+    schedule an ordinary graph. ``fp8``: the recipe every FP8-capable layer's GEMMs follow
+    (:func:`moe.layers.use_fp8`); None runs them in ``dtype``.
     """
     pc = layout.config
     pc.check_model(cfg)
@@ -455,6 +458,7 @@ def build_stages(
             mtp_layers=plans[sid].mtp,
         )
         selective_recompute(stage, pc.recompute == "selective")
+        use_fp8(stage, fp8)
         stage.reset_parameters(seed)
         stages.append(stage.to(device=device, dtype=dtype))
     tie_embeddings(stages)

@@ -56,7 +56,7 @@ class Router(nn.Module):
         self.aux_coef = cfg.seq_aux_loss_coef
         # Qwen3-MoE's balance loss, per layer, weighted so the layers' losses average (MoEConfig's docstring).
         self.lb_coef = cfg.router_aux_loss_coef / max(len(cfg.moe_layers), 1)
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, keep_precision=True)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
         self.last_load: torch.Tensor | None = None

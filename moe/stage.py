@@ -100,7 +100,7 @@ class MoEStage(OverlapStage):
         self.blocks.update({str(i): MTPBlock(cfg, i, dispatcher, comm_sms) for i in mtp})
         # MTP shares the final norm and the head too: a stage of its own (``m|L``) holds a copy of each
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if last or mtp else None
-        self.head = Linear(cfg.hidden_size, cfg.vocab_size) if last or mtp else None
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, keep_precision=True) if last or mtp else None
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from dualpipe import Pipeline
 from dualpipe.observer import ProfilerObserver
+from kernels.fp8 import FP8Recipe
 from kernels.warmup import KernelShapes, warm_up
 from moe.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from moe.data import DataError, open_data
@@ -122,8 +123,14 @@ class Trainer:
         """This rank's stages: from a Hugging Face checkpoint's weights when ``--model`` is one (each rank reads
         its own layers and experts), else initialised from ``training.seed``."""
         dtype = getattr(torch, self.config.training.dtype)
+        tr = self.config.training
         stages = build_stages(
-            self.model_config, self.layout, seed=self.config.training.seed, dtype=dtype, device=self.device
+            self.model_config,
+            self.layout,
+            seed=tr.seed,
+            dtype=dtype,
+            device=self.device,
+            fp8=FP8Recipe(save_fp8=tr.fp8_activations) if tr.fp8 else None,
         )
         if self.config.model.checkpoint is not None:
             from moe.hf import HFCheckpointError, load_hf_weights
@@ -134,7 +141,7 @@ class Trainer:
                 raise TrainingError(f"error: --model {self.config.model.checkpoint}: {exc}") from None
         # Triton compiles and autotunes at the real shapes now, on every rank alike, not inside the first
         # pipe.step while all-to-alls are in flight (a no-op off CUDA).
-        pc, tr = self.config.parallel, self.config.training
+        pc = self.config.parallel
         shapes = KernelShapes.from_config(
             self.model_config, tokens=tr.micro_batch_size * tr.seq_len, ep=pc.ep, dtype=dtype
         )

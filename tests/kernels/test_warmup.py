@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
-from kernels import reference, warmup
+from kernels import registry, warmup
 from kernels.warmup import KernelShapes, ShapeClass, int_class, shape_class, shape_classes
 from moe import MoEModel, lm_loss
 from moe.config import preset
@@ -19,13 +21,13 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[ShapeClass]:
     monkeypatch.setenv("DUALPIPE_KERNELS", "torch")
     calls: list[ShapeClass] = []
     for name in warmup.ops._OPS:
-        fn = getattr(reference, name)
+        fn = registry.implementation(name, "torch")
 
         def spy(*args, _name=name, _fn=fn, **kwargs):
             calls.append(shape_class(_name, *args, **kwargs))
             return _fn(*args, **kwargs)
 
-        monkeypatch.setattr(reference, name, spy)
+        monkeypatch.setattr(sys.modules[fn.__module__], name, spy)
     return calls
 
 
