@@ -14,40 +14,23 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import torch
-import torch.nn.functional as F
 
+from kernels import reference_fp8
+from kernels.reference_fp8 import FP8_MAX
 from moe.hf.keys import HFCheckpointError
 
 __all__ = ["FP8_MAX", "SCALE_SUFFIX", "Dequantized", "dequantize_blockwise", "quantize_blockwise"]
 
-FP8_MAX = 448.0
-"""The largest finite ``float8_e4m3fn`` value: a block's amax maps to it."""
 SCALE_SUFFIX = "_scale_inv"
 """A quantized tensor ``X``'s scales are the checkpoint's tensor ``X_scale_inv``."""
 _FP8 = (torch.float8_e4m3fn,)
 
 
-def _blocks(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
-    return -(-shape[-2] // block[0]), -(-shape[-1] // block[1])
-
-
-def _expand(scale_IJ: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
-    """Each block's scale over its ``bm x bn`` elements, cut to ``[rows, cols]`` (the edge blocks' partial size)."""
-    return scale_IJ.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
-
-
 def quantize_blockwise(w_MN: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w_fp8 [M, N] float8_e4m3fn, scale_inv [I, J] float32)`` with ``scale_inv`` = block amax / 448 (leading
-    dims, if any, are kept: one scale grid per matrix)."""
-    m, n = w_MN.shape[-2:]
-    i, j = _blocks(w_MN.shape, block)
-    w = F.pad(w_MN.float(), (0, j * block[1] - n, 0, i * block[0] - m))  # zeros do not change a block's amax
-    tiles = w.unflatten(-1, (j, block[1])).unflatten(-3, (i, block[0]))  # [..., I, bm, J, bn]
-    amax_IJ = tiles.abs().amax(dim=(-3, -1))
-    # An all-zero block keeps a tiny scale, so the division below stays finite (its values are 0 either way).
-    scale_IJ = amax_IJ.clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
-    q = (w_MN.float() / _expand(scale_IJ, m, n, block)).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(torch.float8_e4m3fn), scale_IJ
+    dims, if any, are kept: one scale grid per matrix): :func:`kernels.reference_fp8.quantize_fp8`, the
+    quantizer FP8 training uses."""
+    return reference_fp8.quantize_fp8(w_MN, block)
 
 
 def dequantize_blockwise(
@@ -56,13 +39,13 @@ def dequantize_blockwise(
     """``w_fp8.float() * scale_inv`` broadcast over each block: float32 ``[M, N]``. A scale grid of the wrong
     shape is a :class:`HFCheckpointError` naming ``name``."""
     m, n = w_fp8_MN.shape[-2:]
-    want = (*w_fp8_MN.shape[:-2], *_blocks(w_fp8_MN.shape, block))
+    want = (*w_fp8_MN.shape[:-2], -(-m // block[0]), -(-n // block[1]))
     if tuple(scale_inv_IJ.shape) != want:
         raise HFCheckpointError(
             f"{name}{SCALE_SUFFIX}: shape {tuple(scale_inv_IJ.shape)} for {name} of shape {tuple(w_fp8_MN.shape)} in "
             f"{block[0]}x{block[1]} blocks (expected {want})"
         )
-    return w_fp8_MN.float() * _expand(scale_inv_IJ.float(), m, n, block)
+    return reference_fp8.dequantize_fp8(w_fp8_MN, scale_inv_IJ, block)
 
 
 class Dequantized(Mapping[str, torch.Tensor]):
