@@ -20,6 +20,7 @@ from moe.dispatch.registry import (
     register_dispatcher,
     unregister_dispatcher,
 )
+from moe.dispatch.traffic import Traffic
 
 __all__ = [
     "DEEPEP_INSTALL_HINT",
@@ -36,6 +37,7 @@ __all__ = [
     "Pending",
     "Route",
     "TokenDispatcher",
+    "Traffic",
     "make_dispatcher",
     "register_dispatcher",
     "unregister_dispatcher",

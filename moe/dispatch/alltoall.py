@@ -12,6 +12,11 @@ buffers must be allocated before the data exchange starts; the host reads them o
 memory (:func:`exchange_counts_to_host`), when the dispatch starts. The send order is computed on the device
 (a stable sort, no ``nonzero``). ``sync_free=True`` pads every per-peer block to the worst case instead and
 reads nothing on the host (:class:`AllToAllDispatcher`).
+
+FP8 dispatch (``fp8=True``): the dispatch and the gradient of combine send one uint8 row per (token, rank) pair,
+the token's FP8 values followed by its float32 scales (:func:`moe.dispatch.fp8.pack_rows`, each token quantized
+once however many ranks it goes to), and dequantize on arrival; combine and the gradient of dispatch send the
+model dtype. The ids and weights travel as before.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch.distributed as dist
 
 from dualpipe.collectives import AllToAll, Pending, exchange_counts_to_host
 from moe.dispatch.base import Dispatched, Route, TokenDispatcher
+from moe.dispatch.fp8 import pack_rows, unpack_rows, wire_row_bytes
 from moe.dispatch.registry import DispatcherSpec, register_dispatcher
 
 __all__ = ["AllToAllDispatcher"]
@@ -92,6 +98,10 @@ def _local_ids(topk_idx_SK: torch.Tensor, dest_S: torch.Tensor, e_local: int) ->
     return torch.where((local_SK >= 0) & (local_SK < e_local), local_SK, torch.full_like(local_SK, -1))
 
 
+def _row_bytes(t_NX: torch.Tensor) -> int:
+    return t_NX.shape[1] * t_NX.element_size()
+
+
 def _scatter_sum(rows_SX: torch.Tensor, index_S: torch.Tensor, num_rows: int) -> torch.Tensor:
     # Sum rows into their token (a token sent to n ranks gets n partial rows back); fp32 accumulation.
     out = torch.zeros(num_rows, rows_SX.shape[1], dtype=torch.float32, device=rows_SX.device)
@@ -107,12 +117,27 @@ class AllToAllDispatcher(TokenDispatcher):
     for travel with local ids -1 (the valid-row mask). It costs ``W x`` the traffic and expert-side rows of
     the worst case and needs every rank of the group to route the same number of tokens per micro-batch (as
     a pipeline's equal micro-batches do). Losses and gradients equal the normal mode's exactly.
+
+    ``fp8``: FP8 dispatch (see the module docstring).
     """
 
-    def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, *, sync_free: bool = False) -> None:
+    def __init__(
+        self, num_experts: int, group: dist.ProcessGroup | None = None, *, sync_free: bool = False, fp8: bool = False
+    ) -> None:
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
         self.group = group
         self.sync_free = sync_free
+        self.fp8 = fp8
+
+    def _send_rows(self, kind: str, a2a: AllToAll, x_TD: torch.Tensor, send_token_S: torch.Tensor, meta_bytes: int):
+        """Start the dispatch-direction exchange of the rows ``send_token_S`` of ``x_TD`` (FP8 when ``fp8``);
+        returns a ``Pending`` of the ``[R, D]`` rows in ``x_TD``'s dtype."""
+        hidden, dtype = x_TD.shape[1], x_TD.dtype
+        self.count(kind, send_token_S.shape[0], wire_row_bytes(hidden, dtype, self.fp8), meta_bytes)
+        if not self.fp8:
+            return a2a.forward(x_TD.index_select(0, send_token_S))
+        packed_RB = a2a.forward(pack_rows(x_TD).index_select(0, send_token_S))
+        return Pending(lambda: unpack_rows(packed_RB.wait(), hidden, dtype))
 
     def plan(self, topk_idx_TK: torch.Tensor) -> Route:
         num_tokens, _ = topk_idx_TK.shape
@@ -140,7 +165,7 @@ class AllToAllDispatcher(TokenDispatcher):
         meta_SK2 = torch.cat(
             [route.send_local_idx_SK.float(), topk_weights_TK.float().index_select(0, route.send_token_S)], dim=1
         )
-        x_RD = a2a.forward(x_TD.index_select(0, route.send_token_S))
+        x_RD = self._send_rows("dispatch", a2a, x_TD, route.send_token_S, _row_bytes(meta_SK2))
         meta_RK2 = a2a.forward(meta_SK2)
 
         def finish() -> Dispatched:
@@ -151,6 +176,7 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def combine(self, route: Route, y_RD: torch.Tensor) -> Pending[torch.Tensor]:
         assert isinstance(route, (_A2ARoute, _PaddedRoute))
+        self.count("combine", y_RD.shape[0], _row_bytes(y_RD))
         y_SD = route.exchange().backward(y_RD)
         return Pending(lambda: _scatter_sum(y_SD.wait(), route.send_token_S, route.num_tokens))
 
@@ -159,6 +185,7 @@ class AllToAllDispatcher(TokenDispatcher):
     ) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
         assert isinstance(route, (_A2ARoute, _PaddedRoute))
         a2a = route.exchange()
+        self.count("dispatch_backward", grad_x_RD.shape[0], _row_bytes(grad_x_RD), _row_bytes(grad_weights_RK))
         grad_x_SD, grad_w_SK = a2a.backward(grad_x_RD), a2a.backward(grad_weights_RK)
 
         def finish() -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +198,7 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def combine_backward(self, route: Route, grad_y_TD: torch.Tensor) -> Pending[torch.Tensor]:
         assert isinstance(route, (_A2ARoute, _PaddedRoute))
-        return route.exchange().forward(grad_y_TD.index_select(0, route.send_token_S))
+        return self._send_rows("combine_backward", route.exchange(), grad_y_TD, route.send_token_S, 0)
 
 
 def _make_alltoall(
@@ -182,8 +209,9 @@ def _make_alltoall(
     dtype: torch.dtype,
     comm_sms: int,
     sync_free: bool = False,
+    fp8: bool = False,
 ) -> TokenDispatcher:
-    return AllToAllDispatcher(num_experts, group, sync_free=sync_free)
+    return AllToAllDispatcher(num_experts, group, sync_free=sync_free, fp8=fp8)
 
 
-register_dispatcher(DispatcherSpec(name="alltoall", factory=_make_alltoall, sync_free=True))
+register_dispatcher(DispatcherSpec(name="alltoall", factory=_make_alltoall, sync_free=True, fp8=True))

@@ -11,6 +11,10 @@ once per expert is what the V3 report's node-limited routing relies on to cut tr
 
 Every operation returns a :class:`Pending`: the communication is started, and ``wait()`` is called
 where the result is consumed. A backend with nothing to send returns an already-finished one.
+
+FP8 dispatch (``fp8``, :mod:`moe.dispatch.fp8`): ``dispatch`` and ``combine_backward`` move token rows in FP8
+with their 1x128 scales and return them dequantized to the dtype they were given; ``combine`` and
+``dispatch_backward`` move the model dtype. Gradients treat the quantization as the identity.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from dualpipe.collectives import Pending
+from moe.dispatch.traffic import Traffic
 
 __all__ = ["DEFAULT_COMM_SMS", "Dispatched", "Pending", "Route", "TokenDispatcher"]
 
@@ -66,6 +71,10 @@ class TokenDispatcher(ABC):
     """Worst-case receive buffers, no host sync in dispatch or combine (backends that have the mode set it
     per instance); the expert computation then sizes its rows statically too."""
 
+    fp8: bool = False
+    """FP8 dispatch: ``dispatch`` and ``combine_backward`` send FP8 rows with their scales (backends that can set
+    it per instance)."""
+
     def __init__(self, num_experts: int, ep_size: int, ep_rank: int) -> None:
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size {ep_size}")
@@ -73,6 +82,13 @@ class TokenDispatcher(ABC):
         self.ep_size = ep_size
         self.ep_rank = ep_rank
         self.num_local_experts = num_experts // ep_size
+        self.traffic: Traffic | None = None
+        """Set a :class:`~moe.dispatch.traffic.Traffic` to count what the all-to-alls send (None: not counted)."""
+
+    def count(self, kind: str, rows: int | torch.Tensor, row_bytes: int, meta_row_bytes: int = 0) -> None:
+        """Add one all-to-all to :attr:`traffic`, if it is counted (see :meth:`Traffic.add`)."""
+        if self.traffic is not None:
+            self.traffic.add(kind, rows, row_bytes, meta_row_bytes)
 
     @property
     def local_experts(self) -> range:

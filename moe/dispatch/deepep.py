@@ -14,6 +14,12 @@ routing-weight gradients), the gradient of combine is a cached-mode ``dispatch``
 Real DeepEP wants bf16 rows (or an fp8 tuple); run the model in bf16 on the cluster. :func:`deepep_rules`
 states DeepEP's limits on a launch so that ``make_dispatcher`` refuses one before a ``Buffer`` exists.
 
+FP8 dispatch (``fp8=True``): dispatch and the gradient of combine (a cached dispatch) pass DeepEP's FP8 input,
+the pair ``(x [T, D] float8_e4m3fn, x_scales [T, D // 128] float32)`` (deep_ep/buffer.py ``dispatch``: "the
+second must be [num_tokens, hidden // 128] (requiring divisible) with type torch.float"), from
+:func:`moe.dispatch.fp8.quantize_rows`; DeepEP returns the received pair, dequantized here once the event is
+waited. Combine and the gradient of dispatch stay bf16 (V1 combine has no FP8 path).
+
 The Buffer is built with ``explicitly_destroy=True``: otherwise its destructor runs ``destroy()``, a device
 sync plus a barrier with every NVLink peer, and a rank that dies leaves its peers spinning in it. The clean
 path calls :meth:`DeepEPDispatcher.close`; an error path only drops the object (the destructor then warns).
@@ -30,9 +36,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kernels.reference_fp8 import FP8_DTYPE
 from moe.dispatch import deepep_common
 from moe.dispatch.base import DEFAULT_COMM_SMS, Dispatched, Pending, Route, TokenDispatcher
-from moe.dispatch.deepep_common import as_local_idx, as_topk_idx, as_topk_weights, buffer_comm_stream, row_bytes
+from moe.dispatch.deepep_common import (
+    as_local_idx,
+    as_topk_idx,
+    as_topk_weights,
+    buffer_comm_stream,
+    received_rows,
+    row_bytes,
+)
+from moe.dispatch.fp8 import dequantize_rows, quantize_rows, wire_row_bytes
 from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 
 __all__ = [
@@ -61,6 +76,9 @@ ROW_BYTES_MULTIPLE = 32
 # The internode combine reduces rows in TMA chunks of 32 int4 (csrc/kernels/legacy/internode.cu ``combine``:
 # EP_DEVICE_ASSERT(hidden_int4 % 32 == 0)), i.e. hidden % 256 == 0 in bf16.
 INTERNODE_HIDDEN_MULTIPLE = 256
+# FP8 dispatch input: x_scales is [num_tokens, hidden // 128], "requiring divisible" (deep_ep/buffer.py
+# ``dispatch``), one float32 scale per 128 elements as DeepSeek-V3 quantizes activations.
+FP8_HIDDEN_MULTIPLE = 128
 
 DEEPEP_V1_COMMIT = "567632dd59810d77b3cc05553df953cc0f779799"
 """The DeepEP this backend is written against: the last commit before V2 (2026-02-03; it installs as
@@ -166,6 +184,8 @@ class _DeepEPRoute(Route):
     defers_dispatch: bool = True
     """Non-cached dispatch busy-waits on the host for the received counts, unless ``num_worst_tokens`` is set."""
     handle: Any = None
+    recv_rows: Any = None
+    """Rows the dispatch delivered (padding excluded), where :attr:`TokenDispatcher.traffic` counts them."""
 
 
 class DeepEPDispatcher(TokenDispatcher):
@@ -181,6 +201,8 @@ class DeepEPDispatcher(TokenDispatcher):
     then have W x T rows: the real ones first, the rest with ``recv_topk_idx`` -1 (csrc/kernels/legacy/
     intranode.cu cleans them) and rows and weights left unwritten, which the experts never read (no slot of
     theirs is routed there). Intranode only (<= 8 ranks), as DeepEP asserts.
+
+    ``fp8``: FP8 dispatch (see the module docstring).
     """
 
     def __init__(
@@ -191,12 +213,14 @@ class DeepEPDispatcher(TokenDispatcher):
         comm_sms: int = DEFAULT_COMM_SMS,
         *,
         sync_free: bool = False,
+        fp8: bool = False,
     ) -> None:
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
         if sync_free and self.ep_size > NVL_PEERS:
             # legacy.py ``dispatch``: "Internode dispatch does not support `num_worst_tokens > 0`".
             raise ValueError(f"sync-free DeepEP dispatch is intranode only (<= {NVL_PEERS} ranks), got {self.ep_size}")
         self.sync_free = sync_free
+        self.fp8 = fp8
         self.api = deep_ep_api(import_deep_ep())
         if comm_sms <= 0 or comm_sms % 2:
             raise ValueError(f"DeepEP needs a positive, even SM count, got comm_sms={comm_sms}")
@@ -240,14 +264,18 @@ class DeepEPDispatcher(TokenDispatcher):
 
     def dispatch(self, route: Route, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending[Dispatched]:
         assert isinstance(route, _DeepEPRoute)
-        x_TD, weights_TK = x_TD.contiguous(), as_topk_weights(topk_weights_TK)
+        hidden, dtype = x_TD.shape[1], x_TD.dtype
+        x_in, weights_TK = self._rows(x_TD), as_topk_weights(topk_weights_TK)
+        if self.traffic is not None:  # ids (topk_idx_t) and weights go with every row
+            meta = route.topk_idx_TK.shape[1] * (route.topk_idx_TK.element_size() + weights_TK.element_size())
+            self.count("dispatch", route.is_token_in_rank.sum(), wire_row_bytes(hidden, dtype, self.fp8), meta)
         # Captured now: the tokens and weights may come from compute issued after plan (and from the copies
-        # just above); the comm stream waits for nothing newer than this event.
+        # and the quantization just above); the comm stream waits for nothing newer than this event.
         kwargs = self._launch_kwargs()
         if self.sync_free:
             kwargs["num_worst_tokens"] = self.ep_size * x_TD.shape[0]
         recv_x, recv_idx, recv_w, _, handle, event = self.buffer.dispatch(
-            x_TD,
+            x_in,
             num_tokens_per_rank=route.num_tokens_per_rank,
             num_tokens_per_rdma_rank=route.num_tokens_per_rdma_rank,
             is_token_in_rank=route.is_token_in_rank,
@@ -260,12 +288,30 @@ class DeepEPDispatcher(TokenDispatcher):
 
         def finish() -> Dispatched:
             event.current_stream_wait()
-            return Dispatched(recv_x, as_local_idx(recv_idx), recv_w)
+            local_idx = as_local_idx(recv_idx)
+            if self.traffic is not None:
+                route.recv_rows = received_rows(local_idx)
+            return Dispatched(self._received(recv_x, dtype), local_idx, recv_w)
 
         return Pending(finish)
 
+    def _rows(self, x_TD: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Rows as DeepEP's dispatch takes them: bf16, dense; or the FP8 pair ``(x, x_scales)``."""
+        return quantize_rows(x_TD) if self.fp8 else x_TD.contiguous()
+
+    def _received(self, recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Received rows in ``dtype``: the FP8 pair dequantized (rows past a sync-free dispatch's received count hold
+        whatever DeepEP left there, and no expert reads them)."""
+        return dequantize_rows(*recv_x, dtype) if self.fp8 else recv_x
+
+    def _count_back(self, kind: str, route: _DeepEPRoute, x_RD: torch.Tensor, meta_row_bytes: int = 0) -> None:
+        """Count a combine-direction exchange: the rows the dispatch delivered go back."""
+        if self.traffic is not None and route.recv_rows is not None:
+            self.count(kind, route.recv_rows, x_RD.shape[1] * x_RD.element_size(), meta_row_bytes)
+
     def combine(self, route: Route, y_RD: torch.Tensor) -> Pending[torch.Tensor]:
         assert isinstance(route, _DeepEPRoute)
+        self._count_back("combine", route, y_RD)
         # Arguments are evaluated in order: the event is captured after the copy that makes y contiguous.
         combined_x, _, event = self.buffer.combine(y_RD.contiguous(), route.handle, **self._launch_kwargs())
 
@@ -279,6 +325,7 @@ class DeepEPDispatcher(TokenDispatcher):
         self, route: Route, grad_x_RD: torch.Tensor, grad_weights_RK: torch.Tensor
     ) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
         assert isinstance(route, _DeepEPRoute)
+        self._count_back("dispatch_backward", route, grad_x_RD, grad_weights_RK.shape[1] * 4)  # fp32 to DeepEP
         grad_x_TD, grad_w_TK, event = self.buffer.combine(
             grad_x_RD.contiguous(),
             route.handle,
@@ -294,13 +341,17 @@ class DeepEPDispatcher(TokenDispatcher):
 
     def combine_backward(self, route: Route, grad_y_TD: torch.Tensor) -> Pending[torch.Tensor]:
         assert isinstance(route, _DeepEPRoute)
-        grad_y_RD, _, _, _, _, event = self.buffer.dispatch(
-            grad_y_TD.contiguous(), handle=route.handle, **self._launch_kwargs()
+        hidden, dtype = grad_y_TD.shape[1], grad_y_TD.dtype
+        if self.traffic is not None:
+            self.count("combine_backward", route.is_token_in_rank.sum(), wire_row_bytes(hidden, dtype, self.fp8))
+        # Arguments are evaluated in order: the event is captured after the rows are made.
+        grad_y, _, _, _, _, event = self.buffer.dispatch(
+            self._rows(grad_y_TD), handle=route.handle, **self._launch_kwargs()
         )
 
         def finish() -> torch.Tensor:
             event.current_stream_wait()
-            return grad_y_RD
+            return self._received(grad_y, dtype)
 
         return Pending(finish)
 
@@ -313,10 +364,15 @@ def _make_deepep(
     dtype: torch.dtype,
     comm_sms: int,
     sync_free: bool = False,
+    fp8: bool = False,
 ) -> TokenDispatcher:
     assert group is not None  # needs_group: make_dispatcher refused None already
+    # The buffers are sized for the bf16 rows of combine; an FP8 row with its scales is smaller, and DeepEP's
+    # size hints reserve room for up to 128 scales per token (csrc/config.hpp kNumMaxScales) either way.
     hidden_bytes = row_bytes(hidden_size, dtype)
-    return DeepEPDispatcher(num_experts, group, hidden_bytes=hidden_bytes, comm_sms=comm_sms, sync_free=sync_free)
+    return DeepEPDispatcher(
+        num_experts, group, hidden_bytes=hidden_bytes, comm_sms=comm_sms, sync_free=sync_free, fp8=fp8
+    )
 
 
 INTRANODE_RANKS = (2, 4, 8)
@@ -373,12 +429,16 @@ def deepep_rules(launch: Launch) -> list[str]:
         # Buffer.set_num_sms asserts an even count; one channel is a sender/receiver pair of SMs, so 0 SMs
         # is no channel at all (csrc/legacy/buffer.hpp: num_channels = config.num_sms / 2).
         found.append(f"a positive, even --comm-sms (got {launch.comm_sms})")
+    if launch.hidden_size and launch.fp8 and launch.hidden_size % FP8_HIDDEN_MULTIPLE:
+        found.append(f"hidden % {FP8_HIDDEN_MULTIPLE} == 0 for FP8 dispatch (got {launch.hidden_size})")
     if launch.hidden_size and launch.dtype is not None:
-        nbytes = row_bytes(launch.hidden_size, launch.dtype)
+        # The dispatch kernel's limit, on the rows dispatch sends: FP8 ones under FP8 dispatch (combine has none).
+        sent = FP8_DTYPE if launch.fp8 else launch.dtype
+        nbytes = row_bytes(launch.hidden_size, sent)
         if nbytes > MAX_INTRANODE_ROW_BYTES or nbytes % ROW_BYTES_MULTIPLE:
             found.append(
                 f"rows of at most {MAX_INTRANODE_ROW_BYTES} bytes, a multiple of {ROW_BYTES_MULTIPLE} "
-                f"(hidden {launch.hidden_size} x {launch.dtype} = {nbytes})"
+                f"(hidden {launch.hidden_size} x {sent} = {nbytes})"
             )
         internode = (launch.group_size or 0) > NVL_PEERS
         if internode and launch.hidden_size % INTERNODE_HIDDEN_MULTIPLE:
@@ -409,5 +469,6 @@ register_dispatcher(
         package="deep_ep",
         install_hint=DEEPEP_INSTALL_HINT,
         sync_free=True,
+        fp8=True,
     )
 )

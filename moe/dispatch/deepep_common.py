@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["as_local_idx", "as_topk_idx", "as_topk_weights", "import_deep_ep", "row_bytes"]
+__all__ = [
+    "as_local_idx",
+    "as_topk_idx",
+    "as_topk_weights",
+    "import_deep_ep",
+    "received_rows",
+    "row_bytes",
+    "sent_rows",
+]
 
 
 def import_deep_ep(install_hint: str, *, needs: str | None = None) -> Any:
@@ -67,3 +75,16 @@ def as_topk_weights(weights_TK: torch.Tensor) -> torch.Tensor:
 def as_local_idx(recv_topk_idx_RK: torch.Tensor) -> torch.Tensor:
     """DeepEP's received ``[R, K]`` local expert ids (-1: another rank's expert) as the project's int64."""
     return recv_topk_idx_RK.long()
+
+
+def received_rows(local_idx_RK: torch.Tensor) -> torch.Tensor:
+    """Rows a dispatch delivered, as a device count: each has a slot of this rank's (padding has none)."""
+    return (local_idx_RK >= 0).any(dim=1).sum()
+
+
+def sent_rows(topk_idx_TK: torch.Tensor, num_local_experts: int, num_ranks: int) -> torch.Tensor:
+    """(token, rank) pairs a dispatch sends, as a device count: each token once to every rank holding one of its
+    experts (slots of -1 go nowhere)."""
+    rank_TK = torch.where(topk_idx_TK >= 0, topk_idx_TK // num_local_experts, num_ranks)
+    in_rank = torch.zeros(topk_idx_TK.shape[0], num_ranks + 1, dtype=torch.bool, device=topk_idx_TK.device)
+    return in_rank.scatter_(1, rank_TK, True)[:, :num_ranks].sum()

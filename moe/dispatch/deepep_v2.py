@@ -35,9 +35,16 @@ How it maps onto :class:`~moe.dispatch.base.TokenDispatcher`:
 The buffer is therefore built at the first :meth:`plan`, when the top-k is known; ``max_tokens_per_rank=None``
 takes the largest token count of that first call over the group (one all-reduce and host sync, once).
 
-Real V2 takes bf16 rows only (combine: buffer.hpp:1203; the fp8 dispatch path is a tuple this project does
-not use), ``hidden % 256 == 0`` (combine.cuh:109) and a group whose NVLink domains are equal blocks of
-consecutive group ranks (csrc/kernels/backend/nccl.cu:110-115): :func:`deepep_v2_rules`.
+FP8 dispatch (``fp8=True``): the buffer is built with ``use_fp8_dispatch=True`` (elastic.py:258: "the received
+data will be a tuple of FP8 tensor and scaling factors"), and dispatch and the gradient of combine (a cached
+dispatch) pass the pair ``(x [T, D] float8_e4m3fn, sf [T, ceil(D / 128)] float32)`` from
+:func:`moe.dispatch.fp8.quantize_rows` (buffer.hpp:762-772: sf 2-D, one row per token, 4-byte elements, FP32
+or packed UE8M0; row-major, not ``use_tma_aligned_col_major_sf``); the received pair is dequantized here after
+the wait. Combine and the gradient of dispatch stay bf16.
+
+Real V2 combines bf16 rows only (buffer.hpp:1203) and needs ``hidden % 256 == 0`` (combine.cuh:109) and a
+group whose NVLink domains are equal blocks of consecutive group ranks (csrc/kernels/backend/nccl.cu:110-115):
+:func:`deepep_v2_rules`.
 
 The buffer is built with ``explicitly_destroy=True``; otherwise its destructor runs ``destroy()``, a
 barrier with every peer plus a device sync (buffer.hpp:142-166), and a rank that died leaves its peers
@@ -60,7 +67,10 @@ from moe.dispatch.deepep_common import (
     as_topk_weights,
     buffer_comm_stream,
     import_deep_ep,
+    received_rows,
+    sent_rows,
 )
+from moe.dispatch.fp8 import dequantize_rows, quantize_rows, wire_row_bytes
 from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 
 __all__ = ["DEEPEP_V2_INSTALL_HINT", "DeepEPV2Dispatcher", "deepep_v2_rules", "nvlink_domain_problem"]
@@ -93,6 +103,8 @@ class _V2Route(Route):
     """The forward dispatch's ``EPHandle``: combine and both backward directions run along it."""
     defers_dispatch: bool = True
     """A host-synced dispatch (``do_cpu_sync=True``) waits on the host for the received counts, as V1's does."""
+    recv_rows: Any = None
+    """Rows the dispatch delivered (padding excluded), where :attr:`TokenDispatcher.traffic` counts them."""
 
 
 class DeepEPV2Dispatcher(TokenDispatcher):
@@ -102,7 +114,7 @@ class DeepEPV2Dispatcher(TokenDispatcher):
     picks). ``max_tokens_per_rank``: the most tokens one rank dispatches at once, equal on every rank (None:
     the group's largest count at the first plan). ``sync_free``: worst-case receive allocation, no host
     sync in dispatch. ``deterministic``: received rows in source order (V2 sorts them after each dispatch)
-    rather than arrival order.
+    rather than arrival order. ``fp8``: FP8 dispatch (see the module docstring).
     """
 
     def __init__(
@@ -115,8 +127,10 @@ class DeepEPV2Dispatcher(TokenDispatcher):
         max_tokens_per_rank: int | None = None,
         sync_free: bool = False,
         deterministic: bool = False,
+        fp8: bool = False,
     ) -> None:
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
+        self.fp8 = fp8
         self._deep_ep = import_deep_ep(DEEPEP_V2_INSTALL_HINT, needs="ElasticBuffer")
         if num_experts > MAX_EXPERTS or self.num_local_experts > MAX_EXPERTS_PER_RANK:
             raise ValueError(
@@ -165,6 +179,7 @@ class DeepEPV2Dispatcher(TokenDispatcher):
             num_max_tokens_per_rank=self.max_tokens_per_rank,
             hidden=self.hidden_size,
             num_topk=num_topk,
+            use_fp8_dispatch=self.fp8,
             deterministic=self.deterministic,
             explicitly_destroy=True,
         )
@@ -191,8 +206,13 @@ class DeepEPV2Dispatcher(TokenDispatcher):
 
     def dispatch(self, route: Route, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending[Dispatched]:
         assert isinstance(route, _V2Route)
+        hidden, dtype = x_TD.shape[1], x_TD.dtype
+        if self.traffic is not None:  # ids (topk_idx_t) and fp32 weights go with every row
+            meta = route.topk_idx_TK.shape[1] * (route.topk_idx_TK.element_size() + 4)
+            rows = sent_rows(route.topk_idx_TK, self.num_local_experts, self.ep_size)
+            self.count("dispatch", rows, wire_row_bytes(hidden, dtype, self.fp8), meta)
         recv_x, recv_idx, recv_w, handle, event = self.buffer.dispatch(
-            x_TD.contiguous(),
+            self._rows(x_TD),
             topk_idx=route.topk_idx_TK,
             topk_weights=as_topk_weights(topk_weights_TK),
             num_experts=self.num_experts,
@@ -203,19 +223,35 @@ class DeepEPV2Dispatcher(TokenDispatcher):
 
         def finish() -> Dispatched:
             event.current_stream_wait()  # also runs the deterministic sort, if any (elastic.py:1027)
-            local_idx = as_local_idx(recv_idx)
+            local_idx, weights_RK = as_local_idx(recv_idx), recv_w
             if self.sync_free:
                 # Worst-case allocation: rows past the received count were never written.
                 received = handle.psum_num_recv_tokens_per_scaleup_rank[-1]
                 pad_R1 = (torch.arange(local_idx.shape[0], device=local_idx.device) >= received)[:, None]
-                local_idx = local_idx.masked_fill(pad_R1, -1)
-                return Dispatched(recv_x, local_idx, recv_w.masked_fill(pad_R1, 0.0))
-            return Dispatched(recv_x, local_idx, recv_w)
+                local_idx, weights_RK = local_idx.masked_fill(pad_R1, -1), weights_RK.masked_fill(pad_R1, 0.0)
+            if self.traffic is not None:
+                route.recv_rows = received_rows(local_idx)
+            return Dispatched(self._received(recv_x, dtype), local_idx, weights_RK)
 
         return Pending(finish)
 
+    def _rows(self, x_TD: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Rows as V2's dispatch takes them: bf16, dense; or the FP8 pair ``(x, sf)``."""
+        return quantize_rows(x_TD) if self.fp8 else x_TD.contiguous()
+
+    def _received(self, recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Received rows in ``dtype``: the FP8 pair dequantized (unwritten rows of a sync-free dispatch are
+        unspecified, as they are in bf16)."""
+        return dequantize_rows(*recv_x, dtype) if self.fp8 else recv_x
+
+    def _count_back(self, kind: str, route: _V2Route, x_RD: torch.Tensor, meta_row_bytes: int = 0) -> None:
+        """Count a combine-direction exchange: the rows the dispatch delivered go back."""
+        if self.traffic is not None and route.recv_rows is not None:
+            self.count(kind, route.recv_rows, x_RD.shape[1] * x_RD.element_size(), meta_row_bytes)
+
     def combine(self, route: Route, y_RD: torch.Tensor) -> Pending[torch.Tensor]:
         assert isinstance(route, _V2Route)
+        self._count_back("combine", route, y_RD)
         combined_x, _, event = self.buffer.combine(y_RD.contiguous(), route.handle, **self._calls())
 
         def finish() -> torch.Tensor:
@@ -228,6 +264,7 @@ class DeepEPV2Dispatcher(TokenDispatcher):
         self, route: Route, grad_x_RD: torch.Tensor, grad_weights_RK: torch.Tensor
     ) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
         assert isinstance(route, _V2Route)
+        self._count_back("dispatch_backward", route, grad_x_RD, grad_weights_RK.shape[1] * 4)  # fp32 to DeepEP
         # combine returns, for slot k of a token, the weight gradient sent by the rank holding that slot's
         # expert (combine_reduce_epilogue.cuh:127-141): the other ranks' entries are zero, as here.
         grad_x_TD, grad_w_TK, event = self.buffer.combine(
@@ -242,12 +279,16 @@ class DeepEPV2Dispatcher(TokenDispatcher):
 
     def combine_backward(self, route: Route, grad_y_TD: torch.Tensor) -> Pending[torch.Tensor]:
         assert isinstance(route, _V2Route)
+        hidden, dtype = grad_y_TD.shape[1], grad_y_TD.dtype
+        if self.traffic is not None:
+            rows = sent_rows(route.topk_idx_TK, self.num_local_experts, self.ep_size)
+            self.count("combine_backward", rows, wire_row_bytes(hidden, dtype, self.fp8))
         # Cached mode: the forward handle's layout, no count exchange and no host wait (buffer.hpp:1011-1016).
-        grad_y_RD, _, _, _, event = self.buffer.dispatch(grad_y_TD.contiguous(), handle=route.handle, **self._calls())
+        grad_y, _, _, _, event = self.buffer.dispatch(self._rows(grad_y_TD), handle=route.handle, **self._calls())
 
         def finish() -> torch.Tensor:
             event.current_stream_wait()
-            return grad_y_RD
+            return self._received(grad_y, dtype)
 
         return Pending(finish)
 
@@ -261,6 +302,7 @@ def _make_deepep_v2(
     comm_sms: int,
     sync_free: bool = False,
     deterministic: bool = False,
+    fp8: bool = False,
     max_tokens_per_rank: int | None = None,
 ) -> TokenDispatcher:
     assert group is not None  # needs_group: make_dispatcher refused None already
@@ -272,6 +314,7 @@ def _make_deepep_v2(
         max_tokens_per_rank=max_tokens_per_rank,
         sync_free=sync_free,
         deterministic=deterministic,
+        fp8=fp8,
     )
 
 
@@ -333,5 +376,6 @@ register_dispatcher(
         install_hint=DEEPEP_V2_INSTALL_HINT,
         sync_free=True,
         deterministic=True,
+        fp8=True,
     )
 )

@@ -44,6 +44,7 @@ class DispatcherFactory(Protocol):
         comm_sms: int,
         sync_free: bool = False,
         deterministic: bool = False,
+        fp8: bool = False,
     ) -> TokenDispatcher: ...
 
 
@@ -70,6 +71,8 @@ class Launch:
 
     local_world_size: int | None = None
     """Ranks per node (torchrun's ``LOCAL_WORLD_SIZE``); node ``n`` holds global ranks ``n*L .. n*L+L-1``."""
+    fp8: bool | None = None
+    """FP8 dispatch: the dispatch-direction rows travel as FP8 values with 1x128 scales (:mod:`moe.dispatch.fp8`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,6 +106,9 @@ class DispatcherSpec:
     """The backend returns received rows in arrival order unless asked for source order (rank, then token)
     with ``make_dispatcher(..., deterministic=True)``, which its factory takes; the other backends always
     return them in source order."""
+    fp8: bool = False
+    """The backend can send the dispatch direction in FP8 (``make_dispatcher(..., fp8=True)``, which its factory
+    takes): :mod:`moe.dispatch.fp8`."""
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -137,6 +143,8 @@ class DispatcherSpec:
         found = []
         if self.dtypes is not None and launch.dtype is not None and launch.dtype not in self.dtypes:
             found.append(f"{_rows_in(self.dtypes)} (got {launch.dtype})")
+        if launch.fp8 and not self.fp8:
+            found.append("rows in the model dtype (it has no FP8 dispatch; got fp8 on)")
         if self.rules is not None:
             found.extend(self.rules(launch))
         return found
@@ -178,6 +186,7 @@ def make_dispatcher(
     local_world_size: int | None = None,
     sync_free: bool = False,
     deterministic: bool = False,
+    fp8: bool = False,
 ) -> TokenDispatcher:
     """Build the registered dispatcher ``kind`` over the expert-parallel ``group`` (``local`` ignores it).
 
@@ -187,8 +196,10 @@ def make_dispatcher(
     (worst-case receive buffers, no host sync in a layer; :attr:`DispatcherSpec.sync_free` says which have
     one). ``deterministic`` asks for received rows in source order (rank, then token), so runs repeat bit for
     bit, from a backend whose order otherwise follows arrival (:attr:`DispatcherSpec.deterministic`); the
-    others give that order always. A launch the backend cannot run raises ValueError before the backend builds
-    anything.
+    others give that order always. ``fp8`` sends the dispatch direction (dispatch, and the gradient of combine)
+    as FP8 rows with 1x128 scales, dequantized on arrival (:mod:`moe.dispatch.fp8`); ``local`` applies the same
+    round trip, so one process computes what the expert-parallel run does. A launch the backend cannot run
+    raises ValueError before the backend builds anything.
     """
     spec = DISPATCHERS.lookup(kind)
     if sync_free and not spec.sync_free:
@@ -202,11 +213,18 @@ def make_dispatcher(
     else:
         ep_ranks = local_world_size = None
     launch = Launch(
-        dtype=dtype, hidden_size=hidden_size, comm_sms=comm_sms, ep_ranks=ep_ranks, local_world_size=local_world_size
+        dtype=dtype,
+        hidden_size=hidden_size,
+        comm_sms=comm_sms,
+        ep_ranks=ep_ranks,
+        local_world_size=local_world_size,
+        fp8=fp8,
     )
     if problems := spec.violations(launch):
         raise ValueError(f"the {kind!r} dispatcher cannot run this launch: {'; '.join(problems)}")
     modes = {"sync_free": True} if sync_free else {}  # asked only of backends that take them
     if deterministic and spec.deterministic:
         modes["deterministic"] = True
+    if fp8:
+        modes["fp8"] = True  # spec.fp8: the violations above refused a backend without it
     return spec.factory(num_experts, group, hidden_size=hidden_size, dtype=dtype, comm_sms=comm_sms, **modes)

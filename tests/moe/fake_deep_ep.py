@@ -23,8 +23,15 @@ the handle keeps the padded size (cached dispatch returns it, combine takes it).
 ``topk_weights``; receiving more than ``num_worst_tokens`` rows would overrun DeepEP's buffers, a device
 assert here.
 
-It is as strict as DeepEP where DeepEP would fail: rows in bf16 (dispatch as documented; combine has one
-dtype case), contiguous 2-D inputs, int64 ``topk_idx``, fp32 ``topk_weights``, an even, positive SM count,
+FP8 input (``x=(x_fp8, x_scales)``, deep_ep/buffer.py ``dispatch``) is taken as DeepEP takes it: with or without
+a handle, the received rows come back as the pair ``(recv_x, recv_x_scales)``; the host checks of
+csrc/deep_ep.cpp ``intranode_dispatch`` hold (x of 1-byte elements, x_scales 2-D, float32 or int, one row per
+token; any number of scales per row and any strides, which the kernels read: the documented ``hidden // 128``
+scales are the caller's contract, not checked by DeepEP); the row-size limits apply to the 1-byte rows.
+gloo takes no float8 tensors: 1-byte rows travel as uint8.
+
+It is as strict as DeepEP where DeepEP would fail: rows in bf16 (dispatch as documented, or an fp8 pair; combine
+has one dtype case), contiguous 2-D inputs, int64 ``topk_idx``, fp32 ``topk_weights``, an even, positive SM count,
 intranode rows of whole 32-byte pairs up to 16,368 bytes. A host check fails as DeepEP's ``EP_HOST_ASSERT``
 does (a RuntimeError, "Assertion exception"), a kernel's ``EP_DEVICE_ASSERT`` as a CUDA error would, and the
 Python-level asserts of ``deep_ep/buffers/legacy.py`` as AssertionError. ``destroy()`` exists with
@@ -67,6 +74,31 @@ def _device_assert(ok: bool, kernel: str, cond: str) -> None:
     """DeepEP's ``EP_DEVICE_ASSERT``: the kernel traps and the next CUDA call reports it."""
     if not ok:
         raise RuntimeError(f"CUDA error: device-side assert triggered ({kernel}: {cond})")
+
+
+def _a2a(
+    out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> dist.Work:
+    """An async uneven all-to-all; 1-byte rows (float8) as uint8, which gloo takes."""
+    inp = inp.contiguous()
+    if out.element_size() == 1:
+        out, inp = out.view(torch.uint8), inp.view(torch.uint8)
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+
+
+def _check_fp8_input(x: torch.Tensor, x_scales: torch.Tensor) -> None:
+    """csrc/deep_ep.cpp ``intranode_dispatch``, "FP8 scales checks"."""
+    _host_assert(x.element_size() == 1, "deep_ep.cpp", "x.element_size() == 1")
+    ok_dtype = x_scales.dtype in (torch.float32, torch.int32)
+    _host_assert(ok_dtype, "deep_ep.cpp", "x_scales->scalar_type() == torch::kFloat32 or torch::kInt")
+    _host_assert(x_scales.dim() == 2, "deep_ep.cpp", "x_scales->dim() == 2")
+    _host_assert(x_scales.shape[0] == x.shape[0], "deep_ep.cpp", "x_scales->size(0) == num_tokens")
+
+
+def _unfilled(rows: int, like: torch.Tensor) -> torch.Tensor:
+    """Received rows not yet written: NaN (or -1 for integer scales), so a reader of unwritten rows shows it."""
+    fill = float("nan") if like.is_floating_point() else -1
+    return torch.full((rows, like.shape[1]), fill, dtype=like.dtype)
 
 
 class Config:
@@ -278,7 +310,7 @@ class Buffer:
         return after
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> dist.Work:
-        return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.group, async_op=True)
+        return _a2a(out, inp, out_splits, in_splits, self.group)
 
     def _finish(
         self, works: list[dist.Work], finish: Callable[[], None] | None, async_finish: bool, after: int | None
@@ -336,12 +368,15 @@ class Buffer:
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ):
-        assert not isinstance(x, tuple), "the emulation has no FP8 path"
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
         self._check_alive()
         self._check_sms(config)
         _host_assert(x.dim() == 2 and x.is_contiguous(), "buffer.hpp", "x.dim() == 2 and x.is_contiguous()")
-        # legacy.py ``dispatch``: "the shape must be [num_tokens, hidden], and type must be torch.bfloat16".
-        assert x.dtype == torch.bfloat16, f"dispatch takes bf16 rows or an fp8 tuple, got {x.dtype}"
+        if x_scales is None:
+            # legacy.py ``dispatch``: "the shape must be [num_tokens, hidden], and type must be torch.bfloat16".
+            assert x.dtype == torch.bfloat16, f"dispatch takes bf16 rows or an fp8 tuple, got {x.dtype}"
+        else:
+            _check_fp8_input(x, x_scales)
         row_bytes = x.shape[1] * x.element_size()
         _host_assert(row_bytes % 16 == 0, "buffer.hpp", "(x.size(1) * x.element_size()) % sizeof(int4) == 0")
         half_hidden_bytes = row_bytes // 2
@@ -351,7 +386,13 @@ class Buffer:
             "hidden_int4 % 2 == 0 and half_hidden_bytes + sizeof(uint64_t) <= kNumTMABytesPerWarp",
         )
         after = self._check_launch(
-            previous_event, async_finish, allocate_on_comm_stream, x=x, topk_idx=topk_idx, topk_weights=topk_weights
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+            x=x,
+            x_scales=x_scales,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
         )
         w = self.group_size
         if handle is not None:
@@ -359,9 +400,14 @@ class Buffer:
             self.calls.append("dispatch(cached)")
             send_counts, recv_counts, _, recv_src_idx, is_token_in_rank, send_token_idx = handle
             # buffer.hpp: cached mode allocates the handle's size (recv_src_idx.size(0), padded or not).
-            recv_x = x.new_full((recv_src_idx.shape[0], x.shape[1]), float("nan"))
-            out = recv_x[: sum(recv_counts)]
-            works = [self._a2a(out, x.index_select(0, send_token_idx), recv_counts, send_counts)]
+            num_recv = sum(recv_counts)
+            recv_x = _unfilled(recv_src_idx.shape[0], x)
+            works = [self._a2a(recv_x[:num_recv], x.index_select(0, send_token_idx), recv_counts, send_counts)]
+            if x_scales is not None:
+                recv_x_scales = _unfilled(recv_src_idx.shape[0], x_scales)
+                send = x_scales.index_select(0, send_token_idx)
+                works.append(self._a2a(recv_x_scales[:num_recv], send, recv_counts, send_counts))
+                recv_x = (recv_x, recv_x_scales)
             return recv_x, None, None, None, None, self._finish(works, None, async_finish, after)
 
         assert num_tokens_per_rank is not None and is_token_in_rank is not None
@@ -403,7 +449,7 @@ class Buffer:
             num_recv_tokens_per_expert_list = []
         k = topk_idx.shape[1]
         nan = float("nan")
-        recv_x = x.new_full((num_rows, x.shape[1]), nan)
+        recv_x = _unfilled(num_rows, x)
         recv_topk_idx = torch.full((num_rows, k), -1, dtype=torch.int64)  # the kernel cleans the padding to -1
         src_token = send_token_idx.clone()
         recv_src_idx = torch.full((num_rows,), -1, dtype=torch.int64)
@@ -415,6 +461,11 @@ class Buffer:
         send_w = torch.where(on_dest, topk_weights.index_select(0, send_token_idx), 0.0)
         recv_topk_weights = torch.full((num_rows, k), nan, dtype=torch.float32)
         works.append(self._a2a(recv_topk_weights[:num_recv], send_w, recv_counts, send_counts))
+        if x_scales is not None:  # the received pair, as deep_ep/buffer.py returns it
+            recv_x_scales = _unfilled(num_rows, x_scales)
+            send_scales = x_scales.index_select(0, send_token_idx)
+            works.append(self._a2a(recv_x_scales[:num_recv], send_scales, recv_counts, send_counts))
+            recv_x = (recv_x, recv_x_scales)
         handle = (send_counts, recv_counts, None, recv_src_idx, is_token_in_rank, send_token_idx)
         event = self._finish(works, None, async_finish, after)
         return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event

@@ -34,7 +34,11 @@ error. Checked: bf16 rows, contiguous 2-D inputs, ``topk_idx_t`` (int64) indices
 (<= 2048, <= 256 per rank, divisible by ranks), top-k <= 32, no expert twice in a token, hidden % 256 for
 combine, and (``check_torch_deterministic``, utils/envs.py) not torch's deterministic algorithms together
 with ``fill_uninitialized_memory``. ``destroy()`` needs ``explicitly_destroy=True`` and is a barrier with
-every rank. The fp8 tuple, expanded layout, bias and Engram/PP/AGRS paths are not emulated (asserted off).
+every rank. FP8 input, ``x=(x_fp8, sf)``: x float8_e4m3fn as documented (elastic.py:881-884), sf checked as
+buffer.hpp:762-772 checks it (2-D, one row per token, 4-byte elements: FP32 or packed UE8M0; any count and
+strides), the received pair ``(recv_x, recv_sf)`` row-major (``use_tma_aligned_col_major_sf`` is not emulated),
+sorted with the rows when deterministic; 1-byte rows travel as uint8 (gloo takes no float8). The expanded
+layout, bias and Engram/PP/AGRS paths are not emulated (asserted off).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tests.moe.fake_deep_ep import Buffer, Config, EventHandle, _device_assert
+from tests.moe.fake_deep_ep import Buffer, Config, EventHandle, _a2a, _device_assert, _unfilled
 from tests.moe.fake_deep_ep import _host_assert as _v1_host_assert
 
 __all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap", "topk_idx_t"]
@@ -172,7 +176,10 @@ class ElasticBuffer:
         num_gpu_timeout_secs: int = 100,
         explicitly_destroy: bool = False,
     ) -> None:
-        assert num_cpu_bytes == 0 and not use_fp8_dispatch, "the emulation has no CPU buffer and no FP8 path"
+        # FP8 dispatch sizes the dispatch layout for 1-byte rows plus scales: never more than the bf16 combine
+        # layout this emulation sizes for, so the flag changes nothing here.
+        assert num_cpu_bytes == 0, "the emulation has no CPU buffer"
+        self.use_fp8_dispatch = use_fp8_dispatch
         self.group = group
         self.rank_idx = group.rank()
         self.num_ranks = group.size()
@@ -262,7 +269,7 @@ class ElasticBuffer:
             previous_event.current_stream_wait()
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> dist.Work:
-        return dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.group, async_op=True)
+        return _a2a(out, inp, out_splits, in_splits, self.group)
 
     @staticmethod
     def _event(works: list[dist.Work], finish: Callable[[], None], async_with_compute_stream: bool) -> EventOverlap:
@@ -308,8 +315,9 @@ class ElasticBuffer:
         do_zero_padding: bool = False,
         use_tma_aligned_col_major_sf: bool = False,
     ):
-        assert not isinstance(x, tuple), "the emulation has no FP8 path"
+        x, sf = x if isinstance(x, tuple) else (x, None)  # elastic.py:939, "Unpack SF"
         assert not do_expand and cumulative_local_expert_recv_stats is None, "not emulated"
+        assert not use_tma_aligned_col_major_sf, "not emulated"
         self._alive("dispatch")
         self._check_torch_deterministic()
         # elastic.py:926-961, the Python half.
@@ -336,9 +344,14 @@ class ElasticBuffer:
         # buffer.hpp:727-805, the host checks.
         self._prologue(previous_event, allocate_on_comm_stream, num_sms)
         _host_assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
-        # elastic.py:882-883: "the shape must be [num_tokens, hidden], and type must be torch.bfloat16".
-        assert x.dtype == torch.bfloat16, f"dispatch takes bf16 rows or an fp8 tuple, got {x.dtype}"
+        # elastic.py:881-884: "the shape must be [num_tokens, hidden], and type must be torch.bfloat16"; with
+        # scale factors, "[num_tokens, hidden] with type torch.float8_e4m3fn".
+        want = torch.bfloat16 if sf is None else torch.float8_e4m3fn
+        assert x.dtype == want, f"dispatch takes bf16 rows or an fp8 tuple, got {x.dtype}"
         num_tokens, hidden = x.shape
+        if sf is not None:  # buffer.hpp:762-772
+            _host_assert(sf.dim() == 2 and sf.shape[0] == num_tokens, "num_tokens == num_tokens_")
+            _host_assert(sf.element_size() == 4, "sf->element_size() == sizeof(sf_pack_t)")
         _host_assert(hidden * x.element_size() % 16 == 0, "(x.size(1) * x.element_size()) % sizeof(int4) == 0")
         _host_assert(num_tokens <= num_max_tokens_per_rank, "num_tokens <= num_max_tokens_per_rank")
         _host_assert(topk_idx.dim() == 2 and topk_idx.shape[0] == num_tokens, "num_tokens == num_tokens_")
@@ -390,6 +403,10 @@ class ElasticBuffer:
         # Exchange in source order (rank, then token): the sorted order of the global ids.
         got_x = x.new_empty(num_recv, hidden)
         works = [self._a2a(got_x, x.index_select(0, send_token), recv_counts, send_counts)]
+        got_sf = None
+        if sf is not None:
+            got_sf = sf.new_empty(num_recv, sf.shape[1])
+            works.append(self._a2a(got_sf, sf.index_select(0, send_token), recv_counts, send_counts))
         dest = torch.repeat_interleave(torch.arange(w), torch.tensor(send_counts, dtype=torch.int64))
         if not cached:
             local = topk_idx.index_select(0, send_token) - (dest * e_local)[:, None]
@@ -406,7 +423,8 @@ class ElasticBuffer:
             got_w = torch.empty(num_recv, num_topk, dtype=torch.float32)
             works.append(self._a2a(got_w, topk_weights.index_select(0, send_token), recv_counts, send_counts))
 
-        recv_x = torch.full((num_alloc, hidden), float("nan"), dtype=x.dtype)
+        recv_x = _unfilled(num_alloc, x)
+        recv_sf = None if sf is None else _unfilled(num_alloc, sf)
         recv_w = None if got_w is None else torch.full((num_alloc, num_topk), float("nan"))
         if cached:
             recv_idx, src_meta = None, handle.recv_src_metadata
@@ -419,6 +437,8 @@ class ElasticBuffer:
 
         def land() -> None:
             recv_x[order] = got_x
+            if recv_sf is not None:
+                recv_sf[order] = got_sf
             if recv_w is not None:
                 recv_w[order] = got_w
             if not cached:
@@ -440,7 +460,8 @@ class ElasticBuffer:
                 torch.tensor(per_expert, dtype=torch.int64).cumsum(0).to(torch.int32),
                 src_meta,
             )
-        return recv_x, recv_idx, recv_w, handle, event
+        recv = recv_x if recv_sf is None else (recv_x, recv_sf)  # elastic.py:1030, "Repack SF"
+        return recv, recv_idx, recv_w, handle, event
 
     # ---- combine -------------------------------------------------------------------------------------
     def combine(
