@@ -45,8 +45,17 @@ def main(argv: list[str] | None = None) -> None:
         if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
             print(dump_toml(config), end="", flush=True)
         return
-    trainer = Trainer(config)
-    trainer.train()
+    owned = not dist.is_initialized()  # the trainer makes the process group; it then releases it
+    try:
+        trainer = Trainer(config)
+        trainer.train()
+    except SystemExit:
+        # A user-caused failure, met by every rank alike (nothing in flight): release the group here rather
+        # than in the interpreter's exit, where a backend thread still running can abort the process and turn
+        # the one-line error's status into a signal.
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     trainer.close()
 
 

@@ -209,6 +209,27 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path: Path) -> None:
     assert shard.stat().st_size == 1000  # the failed load deleted nothing
 
 
+def test_a_user_error_after_the_group_exists_releases_it(tmp_path: Path) -> None:
+    """The one-line error path destroys the process group the trainer made, so the interpreter's exit does not
+    tear a live gloo group down (which once aborted with SIGABRT instead of exiting 1)."""
+    code = (
+        "import sys, torch.distributed as dist\n"
+        "from moe.train.launch import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "except SystemExit as exc:\n"
+        "    print('error:', exc.code is not None, 'group alive:', dist.is_initialized())\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    argv = [*ONE_RANK, "--steps", "2", "--ckpt-dir", str(tmp_path / "none"), "--resume-strict"]
+    done = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120)
+    assert "error: True group alive: False" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
 def test_a_full_disk_stops_training_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     from moe.checkpoint import latest_checkpoint, verify_checkpoint
 
