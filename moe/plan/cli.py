@@ -9,9 +9,11 @@
 checkpoint directory (its config.json, :func:`moe.hf.read_hf_config`). Prints the number of candidates and
 how many fit, the best fitting plan (step time, tokens/s per GPU, MFU, bubble, exposed all-to-all, memory per
 GPU by kind and the memory options it uses), and a table of the top ``--top`` with why each loses.
-``--deepseek-v3`` adds the DeepSeek-V3 report's layout with the report's memory options, each figure beside
-the report's (in the JSON as ``deepseek_v3``), its memory with the stages balanced by cost (``auto``) and at
-:data:`moe.plan.report.V3_LAYOUT`. ``--pipeline-layout`` places the stages' contents as the trainer's flag does.
+``--deepseek-v3`` adds the DeepSeek-V3 report's layout with the report's memory options and precision (FP8
+GEMMs and dispatch), each figure beside the report's (in the JSON as ``deepseek_v3``), its memory with the
+stages balanced by cost (``auto``) and at :data:`moe.plan.report.V3_LAYOUT`. ``--pipeline-layout`` places the
+stages' contents as the trainer's flag does; ``--fp8``, ``--fp8-dispatch`` and ``--fp8-activations`` are the
+trainer's flags of the same names (:class:`moe.plan.costs.Precision`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from dualpipe.schedule import SCHEDULES
 from moe.config import PRESETS, MoEConfig, preset
-from moe.plan.costs import RECOMPUTE, STATE_DTYPES, MemoryOptions
+from moe.plan.costs import RECOMPUTE, STATE_DTYPES, MemoryOptions, Precision
 from moe.plan.hardware import GPUS, Cluster, gpu, with_overrides
 from moe.plan.measured import device_of, gpu_of, load_costs
 from moe.plan.report import RunShape, plan, plan_table, v3_comparison, v3_side_by_side
@@ -36,7 +38,8 @@ __all__ = ["JSON_SCHEMA_VERSION", "main", "parse_args"]
 JSON_SCHEMA_VERSION = 2
 """2: a row's ``recompute`` is a granularity and it has ``memory_options``; ``inputs.model_source``; the
 ``deepseek_v3`` side-by-side with ``--deepseek-v3``. Added since, without a new number (nothing removed or
-renamed): a row's and the inputs' ``pipeline_layout``, ``deepseek_v3.memory_gib_layout``."""
+renamed): a row's and the inputs' ``pipeline_layout``, ``deepseek_v3.memory_gib_layout``, ``inputs.precision``
+and ``deepseek_v3.precision``."""
 
 _RECOMPUTE_FLAG = {"on": ("full",), "off": ("none",), "both": ("none", "full"), "all": RECOMPUTE}
 _RECOMPUTE_FLAG.update({name: (name,) for name in RECOMPUTE})
@@ -80,9 +83,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--state-dtype", choices=STATE_DTYPES, default="float32", help="optimizer moments' dtype (bfloat16: V3's)"
     )
     p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="FP8 GEMMs as the trainer's --fp8 (DeepSeek-V3's recipe): every linear but the head and the router's "
+        "gate at the device's FP8 peak; turns on --fp8-dispatch",
+    )
+    p.add_argument(
+        "--fp8-dispatch",
+        action=argparse.BooleanOptionalAction,
+        help="FP8 rows in the dispatch direction (1 byte + one fp32 scale per 128 elements; the combine stays in "
+        "the activation dtype); default: on exactly with --fp8",
+    )
+    p.add_argument(
         "--fp8-activations",
         action="store_true",
-        help="size activations cached in FP8 as the DeepSeek-V3 report does (modelled: no FP8 trainer path yet)",
+        help="with --fp8: the FP8 GEMMs keep the inputs they save for backward in FP8 (the trainer's flag)",
     )
     p.add_argument(
         "--mtp-own-copies",
@@ -109,6 +124,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         p.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
+    if args.fp8_activations and not args.fp8:
+        p.error("--fp8-activations needs --fp8 (only FP8 GEMMs keep their inputs in FP8)")
     return args
 
 
@@ -174,7 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"error: --costs: {exc}") from None
     cfg, source = _config(args, measured)
     cluster = _cluster(args, measured)
-    run = RunShape(args.seq_len, args.global_batch, args.micro_batch)
+    run = RunShape(
+        args.seq_len, args.global_batch, args.micro_batch, Precision(fp8=args.fp8, fp8_dispatch=args.fp8_dispatch)
+    )
     options = MemoryOptions(
         state_dtype=args.state_dtype, fp8_activations=args.fp8_activations, mtp_shared=not args.mtp_own_copies
     )
@@ -208,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "micro_batch": run.micro_batch,
                 "costs": args.costs,
                 "pipeline_layout": args.pipeline_layout,
+                "precision": run.precision.to_dict(),
             },
             "num_candidates": result.num_candidates,
             "num_fitting": result.num_fitting,

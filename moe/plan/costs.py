@@ -1,9 +1,10 @@
 """Analytic seconds per sub-stage for one micro-batch: compute from FLOPs and bytes, communication from bytes.
 
 Time of an operation (:mod:`moe.plan.flops`): ``max(FLOPs / rate, bytes / HBM bandwidth)``, the roofline
-bound, with ``rate = bf16_flops x gemm_efficiency`` on all SMs, or on ``sms - comm_sms`` of them for the
-grouped expert GEMMs (which are what runs while the all-to-all holds its SMs: kernels take
-``num_sms - comm_sms``, DESIGN.md). Memory-bound ops land on the bytes term.
+bound, with ``rate = bf16_flops x gemm_efficiency`` (``fp8_flops x gemm_efficiency`` for an FP8 GEMM,
+:attr:`moe.plan.flops.Op.fp8`) on all SMs, or on ``sms - comm_sms`` of them for the grouped expert GEMMs
+(which are what runs while the all-to-all holds its SMs: kernels take ``num_sms - comm_sms``, DESIGN.md).
+Memory-bound ops land on the bytes term.
 
 All-to-all (DeepEP's scheme, DeepSeek-V3 report 3.2.2): a token crossing nodes goes over InfiniBand once
 per destination node, to the GPU with its own local index there, which forwards it over NVLink to every
@@ -18,9 +19,13 @@ The second line counts, on each reached node, the reached ranks other than the o
 (the sender itself on its own node, the IB receiver on a remote one: 1/r of the reached ranks by symmetry).
 Time is ``max(NVLink bytes / NVLink bw, IB bytes / IB bw)``: the two links are separate hardware that
 DeepEP drives at once, forwarding chunks over NVLink as they arrive from IB, so the slower one bounds the
-transfer. Combine sends the same rows back (bf16; DeepEP V1's combine takes bf16 only), and the backward
-all-to-alls move the same bytes the other way: all four cost the same. Each row's fp32 routing weights and
-int64 expert ids (12 bytes per top-k slot) ride along and are left out: under 1% of a row at V3's width.
+transfer. Combine sends the same rows back, and each backward all-to-all moves the same rows the other way:
+the combine's gradient along the dispatch's routes, the dispatch's along the combine's. ``b`` is the
+activation's element size, but in the dispatch direction (the forward dispatch and the combine's backward)
+under FP8 dispatch (:attr:`Precision.dispatch_fp8`): one E4M3 byte and an fp32 scale per 128 elements
+(:data:`moe.plan.flops.FP8_BYTES`); the combine direction stays in the activation dtype (DeepEP V1's combine
+takes bf16 only). Each row's fp32 routing weights and int64 expert ids (12 bytes per top-k slot) ride along
+and are left out: under 1% of a row at V3's width.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from moe.plan.routing import expected_nodes, expected_ranks
 
 __all__ = [
     "COMPUTE_FIELDS",
+    "NO_FP8",
     "RECOMPUTE",
     "STATE_DTYPES",
     "TRAINER_DEFAULTS",
@@ -48,6 +54,7 @@ __all__ = [
     "CostSource",
     "MemoryOptions",
     "Parallelism",
+    "Precision",
     "SubstageCosts",
     "Workload",
     "all_to_all_bytes",
@@ -125,6 +132,31 @@ TRAINER_DEFAULTS = MemoryOptions()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Precision:
+    """What the GEMMs and the all-to-alls compute and carry: the trainer's ``training.fp8`` and
+    ``training.fp8_dispatch`` (its ``fp8_activations``, a memory option, is :class:`MemoryOptions`')."""
+
+    fp8: bool = False
+    """FP8 GEMMs as DeepSeek-V3 trains (:mod:`moe.plan.flops`' docstring: every linear but the head and the
+    router's gate, at the device's FP8 peak, with the quantization's traffic); False: the activation dtype."""
+    fp8_dispatch: bool | None = None
+    """FP8 rows in the dispatch direction (the forward dispatch and the combine's backward); None: exactly
+    when ``fp8`` (the trainer's default)."""
+
+    @property
+    def dispatch_fp8(self) -> bool:
+        return self.fp8 if self.fp8_dispatch is None else self.fp8_dispatch
+
+    def to_dict(self) -> dict[str, bool]:
+        """By the names the plan reports it."""
+        return {"fp8_gemms": self.fp8, "fp8_dispatch": self.dispatch_fp8}
+
+
+NO_FP8 = Precision()
+"""The trainer's default: GEMMs and all-to-alls in the activation dtype."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Workload:
     """One micro-batch and the run's execution options."""
 
@@ -145,11 +177,14 @@ class Workload:
     state_dtype: str = "float32"
     """Dtype of the optimizer's moments (:data:`STATE_DTYPES`); ``bfloat16`` as the DeepSeek-V3 report."""
     fp8_activations: bool = False
-    """Cache activations for backward in FP8 as the DeepSeek-V3 report does (3.3.3, 3.3.4; modelled in
-    memory only, see :mod:`moe.plan.footprint`). Time is still planned for bf16 GEMMs and bf16 transfers."""
+    """The FP8 GEMMs keep the inputs they save for backward in FP8 with their scales instead of the
+    activation dtype (the trainer's ``training.fp8_activations``; needs ``precision.fp8``; see
+    :mod:`moe.plan.footprint`)."""
     mtp_shared: bool = True
     """The MTP modules share the main model's embedding and head (the report's 3.2.3; no second copy on a
     rank that holds both); False: each module holds its own, as the published checkpoint stores them."""
+    precision: Precision = NO_FP8
+    """FP8 GEMMs and FP8 dispatch (:class:`Precision`)."""
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.micro_batch < 1 or self.comm_sms < 0 or self.act_bytes < 1:
@@ -157,10 +192,18 @@ class Workload:
         object.__setattr__(self, "recompute", recompute_granularity(self.recompute))
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype={self.state_dtype!r}: choose one of {STATE_DTYPES}")
+        if self.fp8_activations and not self.precision.fp8:
+            raise ValueError("fp8_activations needs fp8: only FP8 GEMMs keep their inputs in FP8")
 
     @property
     def tokens(self) -> int:
         return self.seq_len * self.micro_batch
+
+    @property
+    def dispatch_bytes(self) -> float:
+        """Bytes per element in the dispatch direction: FP8 with its scale under FP8 dispatch, else the
+        activation's (the combine direction always moves the activation's)."""
+        return fl.FP8_BYTES if self.precision.dispatch_fp8 else self.act_bytes
 
     @property
     def grad_bytes(self) -> int:
@@ -189,8 +232,9 @@ class AllToAllBytes:
     """Expected distinct nodes per token."""
 
 
-def all_to_all_bytes(cfg: MoEConfig, cluster: Cluster, ep: int, tokens: int, elem_bytes: int) -> AllToAllBytes:
-    """NVLink and IB bytes per rank for one dispatch of ``tokens`` tokens (see the module docstring)."""
+def all_to_all_bytes(cfg: MoEConfig, cluster: Cluster, ep: int, tokens: int, elem_bytes: float) -> AllToAllBytes:
+    """NVLink and IB bytes per rank for one all-to-all of ``tokens`` tokens' rows of ``elem_bytes`` per element
+    (see the module docstring)."""
     if ep == 1:
         return AllToAllBytes(0.0, 0.0, 1.0, 1.0)
     d_r = expected_ranks(cfg, ep)
@@ -212,11 +256,12 @@ def all_to_all_seconds(moved: AllToAllBytes, gpu: GPU) -> float:
 
 
 def op_seconds(op: fl.Op, phase: str, gpu: GPU, comm_sms: int) -> float:
-    """Roofline time of ``op``'s ``phase`` (``"fwd"``, ``"dx"``, ``"dw"``); expert GEMMs get ``sms -
-    comm_sms`` of the SMs."""
+    """Roofline time of ``op``'s ``phase`` (``"fwd"``, ``"dx"``, ``"dw"``) at the bf16 or, for an FP8 GEMM, the
+    FP8 rate; expert GEMMs get ``sms - comm_sms`` of the SMs."""
     if op.experts and comm_sms >= gpu.sms:
         raise ValueError(f"comm_sms={comm_sms} leaves no SM of {gpu.sms} for the experts")
-    rate = gpu.gemm_flops * ((gpu.sms - comm_sms) / gpu.sms if op.experts else 1.0)
+    peak = gpu.fp8_gemm_flops if op.fp8 else gpu.gemm_flops
+    rate = peak * ((gpu.sms - comm_sms) / gpu.sms if op.experts else 1.0)
     return max(getattr(op, f"{phase}_flops") / rate, getattr(op, f"{phase}_bytes") / gpu.hbm_bytes_per_s)
 
 
@@ -282,7 +327,9 @@ class SubstageCosts:
 
     ``attn_*`` is the attention sub-stage (MoE layers: router included), ``mlp_*`` the MLP sub-stage
     (permute, routed and shared experts, unpermute; a dense layer's MLP). ``dispatch`` / ``combine``: one
-    all-to-all (0 for a dense layer or ep = 1); each backward all-to-all costs the same. ``embed_*`` and
+    all-to-all of each direction (0 for a dense layer or ep = 1): ``dispatch`` is the forward dispatch and the
+    combine's backward, ``combine`` the forward combine and the dispatch's backward (they differ under FP8
+    dispatch). ``embed_*`` and
     ``head_*`` (head includes the final norm and the loss, and each MTP module's work around its block:
     :func:`moe.plan.flops.mtp_ops`) run only on the first / last stage. ``p2p``: one activation to the next
     pipeline stage. ``dp_reduce``: the whole step's gradient reduction (once per step, not per micro-batch).
@@ -329,28 +376,44 @@ class SubstageCosts:
         return self.dispatch + self.combine
 
 
-def _sub_ops(cfg: MoEConfig, tokens: int, seq_len: int, ep: int, rows: float, b: int, moe: bool) -> dict[str, list]:
-    attn = fl.attention_ops(cfg, tokens, seq_len, b) + (fl.router_ops(cfg, tokens, b) if moe else [])
-    mlp = fl.moe_mlp_ops(cfg, tokens, rows, b, ep) if moe else fl.dense_mlp_ops(cfg, tokens, b)
-    head = fl.head_ops(cfg, tokens, b) + cfg.mtp_layers * fl.mtp_ops(cfg, tokens, b)
+def _sub_ops(
+    cfg: MoEConfig, tokens: int, seq_len: int, ep: int, rows: float, b: int, moe: bool, fp8: bool
+) -> dict[str, list]:
+    attn = fl.attention_ops(cfg, tokens, seq_len, b, fp8) + (fl.router_ops(cfg, tokens, b) if moe else [])
+    mlp = fl.moe_mlp_ops(cfg, tokens, rows, b, ep, fp8) if moe else fl.dense_mlp_ops(cfg, tokens, b, fp8)
+    head = fl.head_ops(cfg, tokens, b) + cfg.mtp_layers * fl.mtp_ops(cfg, tokens, b, fp8)
     return {"attn": attn, "mlp": mlp, "embed": fl.embed_ops(cfg, tokens, b), "head": head}
 
 
 def layer_ops(
-    cfg: MoEConfig, tokens: int, seq_len: int, *, ep: int = 1, act_bytes: int = 2, moe: bool = True
+    cfg: MoEConfig,
+    tokens: int,
+    seq_len: int,
+    *,
+    ep: int = 1,
+    act_bytes: int = 2,
+    moe: bool = True,
+    fp8: bool = False,
 ) -> dict[str, list[fl.Op]]:
     """The ops of each sub-stage (``"attn"``, ``"mlp"``, ``"embed"``, ``"head"``) of one layer for one
-    micro-batch of ``tokens`` tokens on one rank of an ep group of ``ep``."""
+    micro-batch of ``tokens`` tokens on one rank of an ep group of ``ep``; ``fp8``: FP8 GEMMs."""
     rows = tokens * (expected_ranks(cfg, ep) if ep > 1 else 1.0)
-    return _sub_ops(cfg, tokens, seq_len, ep, rows, act_bytes, moe)
+    return _sub_ops(cfg, tokens, seq_len, ep, rows, act_bytes, moe, fp8)
 
 
 def phase_work(
-    cfg: MoEConfig, tokens: int, seq_len: int, *, ep: int = 1, act_bytes: int = 2, moe: bool = True
+    cfg: MoEConfig,
+    tokens: int,
+    seq_len: int,
+    *,
+    ep: int = 1,
+    act_bytes: int = 2,
+    moe: bool = True,
+    fp8: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """``(FLOPs, HBM bytes)`` behind each compute field of :class:`SubstageCosts` (no recompute): what
     measured times are scaled by (:mod:`moe.plan.measured`)."""
-    subs = layer_ops(cfg, tokens, seq_len, ep=ep, act_bytes=act_bytes, moe=moe)
+    subs = layer_ops(cfg, tokens, seq_len, ep=ep, act_bytes=act_bytes, moe=moe, fp8=fp8)
     out = {}
     for sub in ("attn", "mlp"):
         for name, ph in (("F", "fwd"), ("dX", "dx"), ("dW", "dw")):
@@ -411,9 +474,11 @@ def analytic_costs(
         raise ValueError("the config has no MoE layer")
     gpu, t, b = cluster.gpu, work.tokens, work.act_bytes
     comm_sms = work.comm_sms if (moe and par.ep > 1) else 0
-    moved = all_to_all_bytes(cfg, cluster, par.ep, t, b)
-    a2a = all_to_all_seconds(moved, gpu) if moe else 0.0
-    subs = _sub_ops(cfg, t, work.seq_len, par.ep, t * moved.ranks_reached, b, moe)
+    moved = all_to_all_bytes(cfg, cluster, par.ep, t, work.dispatch_bytes)
+    back = all_to_all_bytes(cfg, cluster, par.ep, t, b)
+    dispatch = all_to_all_seconds(moved, gpu) if moe else 0.0
+    combine = all_to_all_seconds(back, gpu) if moe else 0.0
+    subs = _sub_ops(cfg, t, work.seq_len, par.ep, t * moved.ranks_reached, b, moe, work.precision.fp8)
     attn, mlp = subs["attn"], subs["mlp"]
     detail = {f"{op.name}.{ph}": timer(op, ph, gpu, comm_sms) for op in attn + mlp for ph in ("fwd", "dx", "dw")}
     a_f, a_dx, a_dw = _phases(attn, gpu, comm_sms, timer)
@@ -434,8 +499,8 @@ def analytic_costs(
         mlp_F=m_f,
         mlp_dX=m_dx,
         mlp_dW=m_dw,
-        dispatch=a2a,
-        combine=a2a,
+        dispatch=dispatch,
+        combine=combine,
         embed_F=e_f,
         embed_B=e_dx + e_dw,
         head_F=h_f,

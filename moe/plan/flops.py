@@ -18,6 +18,15 @@ Conventions
 - Bytes are what an op reads and writes in HBM at least once (no cache reuse between ops): the memory
   floor of memory-bound ops. GEMMs count operands, weights and result; a weight gradient is accumulated
   into an fp32 ``main_grad`` (read and written, 8 bytes an element), as moe.optimizer does.
+- FP8 GEMMs (``fp8=True``; the trainer's ``training.fp8``, DeepSeek-V3's recipe as :mod:`kernels.fp8` runs
+  it): every linear but the output head and the router's gate (``moe.layers.use_fp8``: attention's
+  projections, the dense and shared MLPs, the routed experts, MTP's ``eh_proj``) multiplies E4M3 operands,
+  activations and gradients in 1x128 tiles and weights in 128x128 blocks with one fp32 scale each
+  (:data:`FP8_BYTES`, :data:`FP8_WEIGHT_BYTES`), at the device's FP8 peak (:attr:`Op.fp8`). Its bytes add the
+  quantization, a pass of its own for each operand as :mod:`kernels.fp8` runs it: read in the activation
+  dtype, write FP8 and scales, then the GEMM reads those (the weight is quantized from its bf16 copy on every
+  call; the weight gradient quantizes ``dy`` and ``x`` again in 128x1 tiles). Outputs keep the activation
+  dtype. SDPA, the norms, the router and the head stay in the activation dtype.
 - Attention follows ``MoEConfig.attention``: ``gqa`` (one fused QKV GEMM), ``gqa-qk-norm`` (Qwen3: the same
   plus an RMSNorm over each head's q and k) and ``mla`` (DeepSeek-V3: the down-projections to the latents,
   their norms, the up-projections per head, a rotary key shared by every head, SDPA with C = N + P and a
@@ -34,10 +43,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernels.reference_fp8 import TILE
 from moe.config import MoEConfig
 from moe.plan.params import active_params
 
 __all__ = [
+    "FP8_BYTES",
+    "FP8_WEIGHT_BYTES",
     "Op",
     "attention_dims",
     "attention_ops",
@@ -53,6 +65,11 @@ __all__ = [
 
 FP32 = 4
 INDEX = 8  # int64 indices (topk ids, row ids)
+FP8_BYTES = 1 + FP32 / TILE
+"""An E4M3 activation or gradient element with its share of one fp32 scale per 1x128 tile (DeepSeek-V3 report
+3.3.2; :mod:`kernels.reference_fp8`): what an FP8 dispatch moves and an FP8-cached GEMM input keeps."""
+FP8_WEIGHT_BYTES = 1 + FP32 / TILE**2
+"""An E4M3 weight element with its share of one fp32 scale per 128x128 block."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +87,8 @@ class Op:
     """Runs on the SMs communication leaves (the grouped expert GEMMs)."""
     selective: bool = False
     """Run again in backward under selective recompute (norms, MLA up-projections)."""
+    fp8: bool = False
+    """An FP8 GEMM (see the module docstring): its FLOPs run at the device's FP8 peak."""
 
 
 def total(ops: list[Op], field: str) -> float:
@@ -87,20 +106,32 @@ def _gemm(
     weights: float | None = None,
     experts: bool = False,
     selective: bool = False,
+    fp8: bool = False,
 ) -> Op:
-    """``[m, k] x [k, n]`` (``weights`` elements of weight, default ``k n``: a grouped GEMM has more)."""
+    """``[m, k] x [k, n]`` (``weights`` elements of weight, default ``k n``: a grouped GEMM has more); ``fp8``:
+    an FP8 GEMM, its operands quantized first (the module docstring)."""
     w = k * n if weights is None else weights
     flops = 2.0 * m * k * n
+    if not fp8:
+        fwd, dx = b * (m * k + w + m * n), b * (m * n + w + m * k)
+        dw = b * (m * n + m * k)
+    else:
+        a8, w8 = FP8_BYTES, FP8_WEIGHT_BYTES
+        weight = (b + 2 * w8) * w  # the bf16 weight read, its FP8 copy written and read by the GEMM
+        fwd = (b + 2 * a8) * m * k + weight + b * m * n  # x quantized in 1x128 tiles; y written
+        dx = (b + 2 * a8) * m * n + weight + b * m * k  # dy quantized in 1x128 tiles; dx written
+        dw = (b + 2 * a8) * (m * n + m * k)  # dy and x quantized again in 128x1 tiles
     return Op(
         name,
         fwd_flops=flops,
         dx_flops=flops,
         dw_flops=flops,
-        fwd_bytes=b * (m * k + w + m * n),
-        dx_bytes=b * (m * n + w + m * k),
-        dw_bytes=b * (m * n + m * k) + 2 * FP32 * w,
+        fwd_bytes=fwd,
+        dx_bytes=dx,
+        dw_bytes=dw + 2 * FP32 * w,
         experts=experts,
         selective=selective,
+        fp8=fp8,
     )
 
 
@@ -135,9 +166,9 @@ def _swiglu(name: str, rows: float, width: int, b: int) -> Op:
     return Op(name, fwd_bytes=b * rows * 3 * width, dx_bytes=b * rows * 5 * width)
 
 
-def attention_ops(cfg: MoEConfig, tokens: int, seq_len: int, b: int) -> list[Op]:
+def attention_ops(cfg: MoEConfig, tokens: int, seq_len: int, b: int, fp8: bool = False) -> list[Op]:
     """Attention of one layer: norm, projections, rotary, SDPA, output projection, residual and the MLP's
-    norm (an MoE layer's attention sub-stage adds :func:`router_ops`)."""
+    norm (an MoE layer's attention sub-stage adds :func:`router_ops`); ``fp8``: the projections in FP8."""
     if tokens % seq_len:
         raise ValueError(f"tokens={tokens} is not a whole number of sequences of {seq_len}")
     t, d, h = tokens, cfg.hidden_size, cfg.num_heads
@@ -147,36 +178,36 @@ def attention_ops(cfg: MoEConfig, tokens: int, seq_len: int, b: int) -> list[Op]
         n, r, v, lat = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         c = n + r
         if cfg.q_lora_rank is None:
-            ops.append(_gemm("q_proj", t, d, h * c, b, selective=True))
+            ops.append(_gemm("q_proj", t, d, h * c, b, selective=True, fp8=fp8))
         else:
             q = cfg.q_lora_rank
-            ops += [_gemm("q_a_proj", t, d, q, b), _norm("q_a_norm", t * q, b)]
-            ops.append(_gemm("q_b_proj", t, q, h * c, b, selective=True))
+            ops += [_gemm("q_a_proj", t, d, q, b, fp8=fp8), _norm("q_a_norm", t * q, b)]
+            ops.append(_gemm("q_b_proj", t, q, h * c, b, selective=True, fp8=fp8))
         ops += [
-            _gemm("kv_a_proj", t, d, lat + r, b),
+            _gemm("kv_a_proj", t, d, lat + r, b, fp8=fp8),
             _norm("kv_a_norm", t * lat, b),
-            _gemm("kv_b_proj", t, lat, h * (n + v), b, selective=True),
+            _gemm("kv_b_proj", t, lat, h * (n + v), b, selective=True, fp8=fp8),
             # rotary on q's and the shared key's P dims, then q and k assembled per head (C = N + P)
             _elementwise("rotary", b * t * (h * c + h * n + r), b * t * 2 * h * c, selective=True),
             _sdpa(seqs, seq_len, h, h, c, v, b),
-            _gemm("o_proj", t, h * v, d, b),
+            _gemm("o_proj", t, h * v, d, b, fp8=fp8),
         ]
     else:
         c, g = cfg.attn_head_dim, cfg.num_kv_heads
-        ops.append(_gemm("qkv", t, d, (h + 2 * g) * c, b))
+        ops.append(_gemm("qkv", t, d, (h + 2 * g) * c, b, fp8=fp8))
         if cfg.attention == "gqa-qk-norm":
             ops.append(_norm("qk_norm", t * (h + g) * c, b))
         ops += [
             _elementwise("rotary", b * t * (h + g) * c, b * t * (h + g) * c),
             _sdpa(seqs, seq_len, h, g, c, c, b),
-            _gemm("o_proj", t, h * c, d, b),
+            _gemm("o_proj", t, h * c, d, b, fp8=fp8),
         ]
     ops += [_elementwise("residual", 2 * b * t * d, b * t * d), _norm("mlp_norm", t * d, b)]
     return ops
 
 
 def router_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
-    """Gate GEMM ``[T, D] x [D, E]`` and the group-limited top-k (fp32 scores, memory-bound)."""
+    """Gate GEMM ``[T, D] x [D, E]`` (never in FP8) and the group-limited top-k (fp32 scores, memory-bound)."""
     t, e, k = tokens, cfg.num_experts, cfg.top_k
     return [
         _gemm("router_gate", t, cfg.hidden_size, e, b),
@@ -185,19 +216,19 @@ def router_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
     ]
 
 
-def moe_mlp_ops(cfg: MoEConfig, tokens: int, rows_received: float, b: int, ep: int = 1) -> list[Op]:
+def moe_mlp_ops(cfg: MoEConfig, tokens: int, rows_received: float, b: int, ep: int = 1, fp8: bool = False) -> list[Op]:
     """The MLP sub-stage of an MoE layer on one rank: permute the ``rows_received`` rows into ``T K``
     expert-sorted rows (balanced routing: each rank's experts get T K rows), the two grouped GEMMs and
-    SwiGLU, unpermute, and the shared experts over the rank's own ``T`` tokens."""
+    SwiGLU, unpermute, and the shared experts over the rank's own ``T`` tokens; ``fp8``: the GEMMs in FP8."""
     t, d, f, k = tokens, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k
     r, m = rows_received, float(tokens * k)
     e_local = cfg.num_experts // ep
     ops = [
         # each received row read once and written to its sorted slots (kernels/NOTES.md: (T + M) D moved)
         Op("permute", fwd_bytes=b * (r + m) * d + INDEX * m, dx_bytes=b * (r + m) * d + INDEX * m),
-        _gemm("experts_gate_up", m, d, 2 * f, b, weights=e_local * d * 2 * f, experts=True),
+        _gemm("experts_gate_up", m, d, 2 * f, b, weights=e_local * d * 2 * f, experts=True, fp8=fp8),
         _swiglu("experts_swiglu", m, f, b),
-        _gemm("experts_down", m, f, d, b, weights=e_local * f * d, experts=True),
+        _gemm("experts_down", m, f, d, b, weights=e_local * f * d, experts=True, fp8=fp8),
         Op(
             "unpermute",
             fwd_bytes=b * (m + r) * d + (INDEX + FP32) * m,
@@ -206,18 +237,19 @@ def moe_mlp_ops(cfg: MoEConfig, tokens: int, rows_received: float, b: int, ep: i
     ]
     if cfg.num_shared_experts:
         fs = cfg.num_shared_experts * f
-        ops += [_gemm("shared_gate_up", t, d, 2 * fs, b), _swiglu("shared_swiglu", t, fs, b)]
-        ops += [_gemm("shared_down", t, fs, d, b), _elementwise("shared_add", 2 * b * t * d, b * t * d)]
+        ops += [_gemm("shared_gate_up", t, d, 2 * fs, b, fp8=fp8), _swiglu("shared_swiglu", t, fs, b)]
+        ops += [_gemm("shared_down", t, fs, d, b, fp8=fp8), _elementwise("shared_add", 2 * b * t * d, b * t * d)]
     return ops
 
 
-def dense_mlp_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
-    """The MLP sub-stage of a dense layer: SwiGLU of width ``dense_intermediate_size`` and the residual."""
+def dense_mlp_ops(cfg: MoEConfig, tokens: int, b: int, fp8: bool = False) -> list[Op]:
+    """The MLP sub-stage of a dense layer: SwiGLU of width ``dense_intermediate_size`` and the residual;
+    ``fp8``: the GEMMs in FP8."""
     t, d, f = tokens, cfg.hidden_size, cfg.dense_intermediate_size
     return [
-        _gemm("mlp_gate_up", t, d, 2 * f, b),
+        _gemm("mlp_gate_up", t, d, 2 * f, b, fp8=fp8),
         _swiglu("mlp_swiglu", t, f, b),
-        _gemm("mlp_down", t, f, d, b),
+        _gemm("mlp_down", t, f, d, b, fp8=fp8),
         _elementwise("residual", 2 * b * t * d, b * t * d),
     ]
 
@@ -230,7 +262,7 @@ def embed_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
 
 def head_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
     """Final norm, head GEMM ``[T, D] x [D, V]`` and the chunked cross-entropy (moe/loss.py: forward reads
-    the logits once; backward reads them and writes their gradient)."""
+    the logits once; backward reads them and writes their gradient). The head stays out of FP8."""
     t, d, v = tokens, cfg.hidden_size, cfg.vocab_size
     return [
         _norm("final_norm", t * d, b),
@@ -239,17 +271,18 @@ def head_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
     ]
 
 
-def mtp_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
+def mtp_ops(cfg: MoEConfig, tokens: int, b: int, fp8: bool = False) -> list[Op]:
     """One MTP module around its block (DeepSeek-V3 report 2.2): the next token's embedding looked up in the
     shared table (its backward adds into the table's fp32 gradient), ``enorm`` and ``hnorm``, the
     concatenation, ``eh_proj`` ``[T, 2D] x [2D, D]``; then its final norm, the shared head and its own
-    cross-entropy (:func:`head_ops`). Its block is timed as a block (``num_layers + k``)."""
+    cross-entropy (:func:`head_ops`); ``fp8``: ``eh_proj`` in FP8. Its block is timed as a block
+    (``num_layers + k``)."""
     t, d = tokens, cfg.hidden_size
     return [
         Op("mtp_embed", fwd_bytes=INDEX * t + 2 * b * t * d, dw_bytes=INDEX * t + b * t * d + 2 * FP32 * t * d),
         _norm("mtp_norms", 2 * t * d, b),
         _elementwise("mtp_concat", 2 * b * t * d, 2 * b * t * d),
-        _gemm("eh_proj", t, 2 * d, d, b),
+        _gemm("eh_proj", t, 2 * d, d, b, fp8=fp8),
         *head_ops(cfg, tokens, b),
     ]
 

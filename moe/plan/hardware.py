@@ -26,11 +26,11 @@ GB = 1e9
 TB = 1e12
 
 DEFAULT_GEMM_EFFICIENCY = 0.70
-"""Achieved fraction of the dense bf16 peak for large GEMMs. No measurement exists for these kernels yet
-(kernels/NOTES.md: "Not yet run on a GPU"), so this is a stated prior, not a fitted value: a round figure
-below the peak that large cuBLAS GEMMs approach, left for ``bench.kernels`` (``--costs``) or the planner's
-``--gemm-efficiency`` flag to replace. It is the same for every GPU and was not chosen by comparing any
-prediction with the DeepSeek-V3 report."""
+"""Achieved fraction of the dense peak for large GEMMs, bf16 and FP8 alike. No measurement exists for these
+kernels yet (kernels/NOTES.md: "Not yet run on a GPU"), so this is a stated prior, not a fitted value: a
+round figure below the peak that large cuBLAS GEMMs approach, left for ``bench.kernels`` (``--costs``) or the
+planner's ``--gemm-efficiency`` flag to replace. It is the same for every GPU and both precisions (no FP8
+kernel of ours has run either) and was not chosen by comparing any prediction with the DeepSeek-V3 report."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +52,16 @@ class GPU:
     """NVLink bandwidth per GPU, one direction, bytes/s (datasheets quote both directions together)."""
     internode_bytes_per_s: float
     """Inter-node bandwidth per GPU, one direction: the NIC that serves this GPU, bytes/s."""
+    fp8_flops: float | None = None
+    """Dense FP8 (E4M3) tensor-core peak, FLOP/s; None: the device has none (a measured CPU "device"), and a
+    plan with FP8 GEMMs is refused."""
 
     def __post_init__(self) -> None:
         for field in ("bf16_flops", "hbm_bytes_per_s", "hbm_bytes", "nvlink_bytes_per_s", "internode_bytes_per_s"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"GPU {self.name!r}: {field} must be positive, got {getattr(self, field)}")
+        if self.fp8_flops is not None and not self.fp8_flops > 0:
+            raise ValueError(f"GPU {self.name!r}: fp8_flops must be positive or None, got {self.fp8_flops}")
         if not 0 < self.gemm_efficiency <= 1:
             raise ValueError(f"GPU {self.name!r}: gemm_efficiency must lie in (0, 1], got {self.gemm_efficiency}")
         if self.sms < 1:
@@ -64,8 +69,15 @@ class GPU:
 
     @property
     def gemm_flops(self) -> float:
-        """Achieved GEMM rate on all SMs, FLOP/s."""
+        """Achieved bf16 GEMM rate on all SMs, FLOP/s."""
         return self.bf16_flops * self.gemm_efficiency
+
+    @property
+    def fp8_gemm_flops(self) -> float:
+        """Achieved FP8 GEMM rate on all SMs, FLOP/s (the same ``gemm_efficiency`` of its own peak)."""
+        if self.fp8_flops is None:
+            raise ValueError(f"GPU {self.name!r} has no FP8 peak (fp8_flops): FP8 GEMMs cannot be planned on it")
+        return self.fp8_flops * self.gemm_efficiency
 
 
 GPUS: Mapping[str, GPU] = MappingProxyType(
@@ -75,6 +87,8 @@ GPUS: Mapping[str, GPU] = MappingProxyType(
             # NVIDIA H100 Tensor Core GPU datasheet, SXM column: BF16 Tensor Core 1,979 TFLOPS "with sparsity";
             # dense is half of it.
             bf16_flops=989.4 * TB,
+            # Same datasheet, SXM: FP8 Tensor Core 3,958 TFLOPS "with sparsity" -> 1,979 dense, twice bf16.
+            fp8_flops=1979 * TB,
             gemm_efficiency=DEFAULT_GEMM_EFFICIENCY,
             # Same datasheet, SXM: GPU memory 80 GB, bandwidth 3.35 TB/s.
             hbm_bytes_per_s=3.35 * TB,
@@ -89,8 +103,9 @@ GPUS: Mapping[str, GPU] = MappingProxyType(
         "h800": GPU(
             name="h800",
             # H800 SXM5 is the H100 SXM5 die with the chip-to-chip links cut down (NVIDIA H800 product brief):
-            # the same 989.4 TFLOPS dense bf16, 80 GB HBM3 at 3.35 TB/s and 132 SMs.
+            # the same 989.4 TFLOPS dense bf16 (1,979 dense FP8), 80 GB HBM3 at 3.35 TB/s and 132 SMs.
             bf16_flops=989.4 * TB,
+            fp8_flops=1979 * TB,
             gemm_efficiency=DEFAULT_GEMM_EFFICIENCY,
             hbm_bytes_per_s=3.35 * TB,
             hbm_bytes=80 * GB,
@@ -103,8 +118,10 @@ GPUS: Mapping[str, GPU] = MappingProxyType(
         ),
         "h200": GPU(
             name="h200",
-            # NVIDIA H200 datasheet, SXM: BF16 1,979 TFLOPS with sparsity -> 989.4 dense (same Hopper die).
+            # NVIDIA H200 datasheet, SXM: BF16 1,979 TFLOPS with sparsity -> 989.4 dense; FP8 3,958 with
+            # sparsity -> 1,979 dense (the H100's Hopper compute, more and faster memory).
             bf16_flops=989.4 * TB,
+            fp8_flops=1979 * TB,
             gemm_efficiency=DEFAULT_GEMM_EFFICIENCY,
             # Same datasheet: 141 GB HBM3e at 4.8 TB/s.
             hbm_bytes_per_s=4.8 * TB,

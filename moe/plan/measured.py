@@ -38,6 +38,12 @@ measured device's achieved rate, so a file measured on one device describes that
 you plan for. An all-to-all time is multiplied by the ratio of the analytic all-to-all times
 (:func:`moe.plan.costs.all_to_all_seconds`), target over measured, each with its own bytes (tokens, hidden
 size, ranks and nodes reached) and its own link rates: the byte ratio and the bandwidth ratio together.
+The file's all-to-alls moved ``act_bytes`` an element; a plan with FP8 dispatch scales ``dispatch`` to its
+FP8 rows.
+
+Measured GEMMs ran in the file's ``act_bytes`` dtype: a plan with FP8 GEMMs (``Precision.fp8``) refuses a
+measured single op it runs in FP8, and a measured sub-stage field whose ops include one (the attention and
+MLP fields; the head's with an MTP module's ``eh_proj``), rather than scale a bf16 time to an FP8 GEMM.
 """
 
 from __future__ import annotations
@@ -240,7 +246,8 @@ def scale_field(
         base = all_to_all_seconds(
             all_to_all_bytes(measured.config, base_cluster, measured.ep, measured.tokens, measured.act_bytes), base_gpu
         )
-        target = all_to_all_seconds(all_to_all_bytes(cfg, cluster, par.ep, work.tokens, work.act_bytes), cluster.gpu)
+        elem = work.dispatch_bytes if name == "dispatch" else work.act_bytes
+        target = all_to_all_seconds(all_to_all_bytes(cfg, cluster, par.ep, work.tokens, elem), cluster.gpu)
         return value * target / base
     base_work = phase_work(
         measured.config, measured.tokens, measured.seq_len, ep=measured.ep, act_bytes=measured.act_bytes, moe=moe
@@ -300,6 +307,8 @@ def op_timer(measured: MeasuredCosts) -> OpTimer:
         value = measured.ops.get(f"{op.name}.{phase}")
         if value is None:
             return op_seconds(op, phase, gpu, comm_sms)
+        if op.fp8:
+            raise ValueError(_FP8_REFUSED.format(what=f"ops.{op.name}.{phase}"))
         ref = base[op.name]
         work = (getattr(op, f"{phase}_flops"), getattr(op, f"{phase}_bytes"))
         ref_work = (getattr(ref, f"{phase}_flops"), getattr(ref, f"{phase}_bytes"))
@@ -324,8 +333,21 @@ def apply_measured(
     """``analytic`` with every field the file measured (for its layer kind) replaced by the scaled measurement
     (``detail``, the per-op breakdown, keeps the per-op times: analytic or from the file's ``ops``)."""
     entry = measured.moe if analytic.moe else measured.dense
+    if work.precision.fp8:
+        subs = layer_ops(
+            cfg, work.tokens, work.seq_len, ep=par.ep, act_bytes=work.act_bytes, moe=analytic.moe, fp8=True
+        )
+        for name in entry:
+            if any(op.fp8 for op in subs.get(name.rpartition("_")[0], [])):
+                raise ValueError(_FP8_REFUSED.format(what=f"{'moe' if analytic.moe else 'dense'}.{name}"))
     changes = {name: scale_field(measured, name, cfg, cluster, par, work, moe=analytic.moe) for name in entry}
     return dataclasses.replace(analytic, **changes)
+
+
+_FP8_REFUSED = (
+    "costs file: {what} was measured with GEMMs in the file's dtype; the plan runs them in FP8 (--fp8): plan "
+    "without --fp8 or leave it out of the file"
+)
 
 
 def gpu_of(measured: MeasuredCosts, base: GPU) -> GPU:

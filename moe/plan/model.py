@@ -7,7 +7,16 @@ import functools
 from dataclasses import dataclass
 
 from moe.config import MoEConfig
-from moe.plan.costs import TRAINER_DEFAULTS, MemoryOptions, Parallelism, SubstageCosts, Workload, substage_costs
+from moe.plan.costs import (
+    NO_FP8,
+    TRAINER_DEFAULTS,
+    MemoryOptions,
+    Parallelism,
+    Precision,
+    SubstageCosts,
+    Workload,
+    substage_costs,
+)
 from moe.plan.flops import model_flops_per_token
 from moe.plan.footprint import Footprint, footprint
 from moe.plan.hardware import Cluster
@@ -48,6 +57,8 @@ class LayerCostModel:
     """Bytes per activation element; None: the measured file's (a CPU benchmark runs fp32), else bf16's 2."""
     memory_options: MemoryOptions = TRAINER_DEFAULTS
     """Optimizer-state dtype, FP8 caching, MTP sharing (the recompute granularity is the candidate's)."""
+    precision: Precision = NO_FP8
+    """FP8 GEMMs and FP8 dispatch."""
 
     @property
     def parallelism(self) -> Parallelism:
@@ -67,6 +78,7 @@ class LayerCostModel:
             state_dtype=self.memory_options.state_dtype,
             fp8_activations=self.memory_options.fp8_activations,
             mtp_shared=self.memory_options.mtp_shared,
+            precision=self.precision,
         )
 
     def _costs(self, moe: bool) -> SubstageCosts:

@@ -37,8 +37,10 @@ class BlockTimes:
     mlp_dx: float
     mlp_dw: float
     dispatch: float
-    """One all-to-all of the dispatch (its backward moves the same bytes the other way: same time)."""
+    """One all-to-all in the dispatch direction: the forward dispatch, and in backward the combine's gradient
+    (the output gradient sent back along the dispatch's routes, as many bytes: FP8 under FP8 dispatch)."""
     combine: float
+    """One all-to-all in the combine direction: the forward combine, and in backward the dispatch's gradient."""
 
     @property
     def compute_f(self) -> float:
@@ -120,9 +122,10 @@ def _backward_ops(blocks: Sequence[BlockTimes], tag: str) -> list[dict[str, _Op]
         b, p = blocks[i], f"{tag}{i}."
         out.append(
             {
-                "combine": _Op(p + "combine", "comm", b.combine, (prev,) if prev else ()),
+                # the combine's gradient travels in the dispatch direction, the dispatch's in the combine's
+                "combine": _Op(p + "combine", "comm", b.dispatch, (prev,) if prev else ()),
                 "mlp_dx": _Op(p + "mlp_dx", "compute", b.mlp_dx, (p + "combine",)),
-                "dispatch": _Op(p + "dispatch", "comm", b.dispatch, (p + "mlp_dx",)),
+                "dispatch": _Op(p + "dispatch", "comm", b.combine, (p + "mlp_dx",)),
                 "mlp_dw": _Op(p + "mlp_dw", "compute", b.mlp_dw),
                 "attn_dx": _Op(p + "attn_dx", "compute", b.attn_dx, (p + "dispatch",)),
                 "attn_dw": _Op(p + "attn_dw", "compute", b.attn_dw),

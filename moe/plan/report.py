@@ -15,7 +15,7 @@ from typing import Any
 from dualpipe.schedule import SCHEDULES, schedule_spec
 from moe.config import MoEConfig
 from moe.pipeline_layout import AUTO, expand
-from moe.plan.costs import RECOMPUTE, TRAINER_DEFAULTS, MemoryOptions
+from moe.plan.costs import NO_FP8, RECOMPUTE, TRAINER_DEFAULTS, MemoryOptions, Precision
 from moe.plan.footprint import HEADROOM, Footprint, layer_activations
 from moe.plan.hardware import Cluster
 from moe.plan.layouts import memory_descent, shifts
@@ -35,18 +35,30 @@ from moe.plan.search import (
     why_worse,
 )
 
-__all__ = ["V3_LAYOUT", "V3_REPORT", "Plan", "RunShape", "plan", "plan_table", "v3_comparison", "v3_side_by_side"]
+__all__ = [
+    "V3_LAYOUT",
+    "V3_REPORT",
+    "Plan",
+    "RunShape",
+    "describe_precision",
+    "plan",
+    "plan_table",
+    "v3_comparison",
+    "v3_side_by_side",
+]
 
 GIB = 2**30
 
 
 @dataclass(frozen=True, slots=True)
 class RunShape:
-    """The training run: sequence length, global batch in sequences, sequences per micro-batch."""
+    """The training run: sequence length, global batch in sequences, sequences per micro-batch, and what its
+    GEMMs and all-to-alls compute and carry."""
 
     seq_len: int
     global_batch: int
     micro_batch: int
+    precision: Precision = NO_FP8
 
     @property
     def tokens_per_step(self) -> int:
@@ -62,6 +74,8 @@ class Plan:
     num_fitting: int
     closest_misfit: tuple[Candidate, float] | None = None
     """The candidate that misses memory by least and its bytes per GPU (None when every candidate fits)."""
+    precision: Precision = NO_FP8
+    """What every candidate was timed with (the run's)."""
 
     @property
     def best(self) -> Prediction:
@@ -77,7 +91,15 @@ def _model(
     options: MemoryOptions = TRAINER_DEFAULTS,
 ) -> LayerCostModel:
     return LayerCostModel(
-        cfg, cluster, c, run.seq_len, run.micro_batch, run.tokens_per_step, measured=measured, memory_options=options
+        cfg,
+        cluster,
+        c,
+        run.seq_len,
+        run.micro_batch,
+        run.tokens_per_step,
+        measured=measured,
+        memory_options=options,
+        precision=run.precision,
     )
 
 
@@ -192,7 +214,7 @@ def plan(
     for p in rank_predictions([*ranked, *more]):
         best.setdefault(dataclasses.replace(p.candidate, pipeline_layout=AUTO), p)
     misfit = (rest[0], models[rest[0]].memory().total) if rest else None
-    return Plan(list(best.values()), len(found) + len(variants), fits, misfit)
+    return Plan(list(best.values()), len(found) + len(variants), fits, misfit, run.precision)
 
 
 def _row(p: Prediction) -> list[str]:
@@ -242,6 +264,7 @@ def plan_table(result: Plan, top: int = 10) -> str:
         f"optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, all-to-all buffers "
         f"{m.all_to_all_buffers / GIB:.1f}",
         f"  memory options: {describe_options(m.options)}",
+        f"  precision: {describe_precision(result.precision.to_dict())}",
         "",
     ]
     shown = result.ranked[:top]
@@ -276,16 +299,33 @@ def describe_options(options: dict) -> str:
     mtp = "MTP shares the embedding and head" if options.get("mtp_shares_embedding_and_head") else "MTP own copies"
     return (
         f"recompute {options.get('recompute')}, optimizer state {options.get('optimizer_state_dtype')}, {mtp}, "
-        f"FP8 activations {'on (modelled)' if options.get('fp8_activations') else 'off'}"
+        f"FP8 activations {'on' if options.get('fp8_activations') else 'off'}"
     )
+
+
+def describe_precision(precision: dict, *, short: bool = False) -> str:
+    """A run's precision (:meth:`moe.plan.costs.Precision.to_dict`) in words (``short``: a few)."""
+    if short:
+        words = {k: "FP8" if on else "no FP8" for k, on in precision.items()}
+        return f"{words['fp8_gemms']} GEMMs, {words['fp8_dispatch']} dispatch"
+    gemms = "GEMMs in the activation dtype"
+    if precision["fp8_gemms"]:
+        gemms = "FP8 GEMMs (every linear but the head and the router's gate)"
+    if precision["fp8_dispatch"]:
+        return f"{gemms}, FP8 dispatch (1 byte + 4/128 an element), combine in the activation dtype"
+    return f"{gemms}, dispatch and combine in the activation dtype"
 
 
 # DeepSeek-V3 technical report (arXiv 2412.19437): the numbers the planner is set beside, never fitted to.
 V3_REPORT = {
     # 3.2: DualPipe over 16-way PP, 64-way EP over 8 nodes, ZeRO-1 DP; 3.2.2: 20 of 132 SMs communicate.
-    # 3.2.3 and 3.3.3: what fits the 80 GB of an H800 (each a planner option, modelled as footprint.py says).
+    # 3.2.3 and 3.3.3: what fits the 80 GB of an H800 (each a planner option, modelled as footprint.py says;
+    # the report caches more in FP8 than the trainer's fp8_activations does, footprint.py's docstring).
     "layout": Candidate("dualpipe", 16, 128, 64, 120, 20, "selective"),
     "options": MemoryOptions(state_dtype="bfloat16", fp8_activations=True, mtp_shared=True),
+    # 3.3: FP8 GEMMs (Fprop, Dgrad, Wgrad) for the linears, 1x128 / 128x128 tiles; 3.3.4: the activation before
+    # the MoE up-projections dispatched in FP8 (and the gradient before the down-projections), combine in bf16.
+    "precision": Precision(fp8=True),
     # 3.2.2: "the computation-to-communication ratio is approximately 1:1" for cross-node EP.
     "compute_to_a2a": 1.0,
     # Table 1: 2664K H800 GPU hours of pre-training for 14.8T tokens (section 4.1):
@@ -309,8 +349,9 @@ def v3_side_by_side(
     """The report's layout (DualPipe, PP16 x EP64 x ZeRO-1 DP128, 20 communication SMs) with the report's
     memory options, predicted for ``cfg`` on ``cluster``: each figure as ``{"planner": ours, "report":
     theirs}`` (``None`` where the report states none), plus the layout, the options and the same layout
-    without the options for contrast."""
+    without the options for contrast. The report's precision (FP8 GEMMs, FP8 dispatch) replaces ``run``'s."""
     layout, options = V3_REPORT["layout"], V3_REPORT["options"]
+    run = dataclasses.replace(run, precision=V3_REPORT["precision"])
     chunks = run.global_batch // (layout.dp * run.micro_batch)
     auto = dataclasses.replace(layout, num_chunks=chunks)
     p, tried = _best_layout(cfg, cluster, run, auto, measured, options)
@@ -336,6 +377,7 @@ def v3_side_by_side(
     return {
         "layout": {**p.to_dict(), "num_gpus": cluster.num_gpus, "gpus_per_node": cluster.gpus_per_node},
         "options": dict(m.options),
+        "precision": run.precision.to_dict(),
         "memory_gib": {
             "planner": m.total / GIB,
             "report": hbm / GIB,
@@ -367,8 +409,8 @@ def v3_side_by_side(
         "tokens_per_s_per_gpu": {
             "planner": p.tokens_per_s_per_gpu,
             "report": V3_REPORT["tokens_per_s_per_gpu"],
-            "note": "report: 14.8T tokens / 2,664K H800 GPU hours (FP8 GEMMs, FP8 dispatch); planner: bf16 GEMMs "
-            "and transfers",
+            "note": "report: 14.8T tokens / 2,664K H800 GPU hours (FP8 GEMMs, FP8 dispatch); planner: the same "
+            "precision, FP8 GEMMs at the device's FP8 peak",
         },
         "bubble_s": {
             "planner": max(p.sim.idle),
@@ -517,8 +559,8 @@ def v3_comparison(
          f"{lay['planner']:.1f} ({_fit_words(lay)}, rank {lay['pp_rank']}); Megatron-Core's V3 example at 16 stages",
          "layout not stated"],
         ["one MoE layer, one micro-batch (MiB)", f"{mem['moe_layer_mib']:.0f}: {top3}", "not stated"],
-        ["tokens/s per GPU", f"{tok['planner']:,.0f} (bf16 GEMMs and transfers)",
-         f"{tok['report']:,.0f} (14.8T tokens / 2,664K H800 GPU hours; FP8 GEMMs)"],
+        ["tokens/s per GPU", f"{tok['planner']:,.0f} ({describe_precision(v3['precision'], short=True)})",
+         f"{tok['report']:,.0f} (14.8T tokens / 2,664K H800 GPU hours; FP8 GEMMs, FP8 dispatch)"],
         ["MFU (bf16 peak)", f"{v3['mfu']['planner']:.1%}", "not stated"],
         ["all-to-all exposed", f"{v3['exposed_a2a_fraction']['planner']:.1%}", "fully overlapped (claimed, 3.2.1)"],
     ]  # fmt: skip
@@ -538,6 +580,7 @@ def v3_comparison(
         f"DeepSeek-V3's layout: {layout['schedule']} pp={layout['pp']} dp={layout['dp']} ep={layout['ep']} "
         f"chunks={layout['num_chunks']} comm_sms={layout['comm_sms']} on {cluster.num_gpus} x {cluster.gpu.name}, "
         f"{cluster.gpus_per_node} per node; seq {run.seq_len}, global batch {run.global_batch}\n"
-        f"memory options (the report's): {describe_options(v3['options'])}"
+        f"memory options (the report's): {describe_options(v3['options'])}\n"
+        f"precision (the report's, 3.3): {describe_precision(v3['precision'])}"
     )
     return head + "\n" + _table(rows, ["", "this planner", "DeepSeek-V3 report"])

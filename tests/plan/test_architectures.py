@@ -18,7 +18,7 @@ from moe.models.mla import MLAttention
 from moe.models.mtp import MTPBlock
 from moe.optimizer import DistributedAdamW, ShardGroup
 from moe.plan import flops as fl
-from moe.plan.costs import Parallelism, Workload, substage_costs
+from moe.plan.costs import Parallelism, Precision, Workload, substage_costs
 from moe.plan.footprint import LEAVES, footprint, layer_activations, module_activation_bytes, state_bytes
 from moe.plan.hardware import GPUS, Cluster
 from moe.plan.params import (
@@ -189,7 +189,7 @@ def test_memory_options_each_lower_the_footprint() -> None:
             "selective": {"recompute": "selective"},
             "full": {"recompute": True},  # a bool still reads as before granularities
             "bf16": {"state_dtype": "bfloat16"},
-            "fp8": {"fp8_activations": True},
+            "fp8": {"fp8_activations": True, "precision": Precision(fp8=True)},
         }.items()
     }
     acts = {k: v.activations for k, v in fp.items()}
