@@ -24,10 +24,16 @@ count is :func:`dualpipe.simulate.simulate`'s). The memory options the DeepSeek-
   q/k projections). One layer's dropped tensors are added once as the working set.
 - ``state_dtype="bfloat16"``: 2-byte moments.
 - ``mtp_shared``: the MTP modules use the main embedding and head (:mod:`moe.plan.params`).
-- ``fp8_activations`` (modelled only: the trainer has no FP8 path yet): what a Linear or grouped GEMM keeps
-  for its weight gradient is cached in FP8 with one fp32 scale per 1x128 tile (the report's fine-grained
-  quantization, 3.3.2), the output projection's input in the report's 12-bit E5M6 and the MoE SwiGLU inputs
-  in FP8 (3.3.3 (1), (2)).
+- ``fp8_activations`` (with FP8 GEMMs; the trainer's ``training.fp8_activations``, :mod:`kernels.fp8`'s
+  ``save_fp8``): each FP8 GEMM keeps the input it needs for its weight gradient in FP8 with one fp32 scale
+  per 1x128 tile (:data:`moe.plan.flops.FP8_BYTES`) instead of the activation-dtype tensor. Each keeps its
+  own copy (``moe.layers.Linear`` quantizes per call: q, k and v's projections, or MLA's two down-projections,
+  each keep one of the normed input), and the tensor itself stays only where an op outside FP8 saves it too
+  (SDPA its output, which the output projection reads; the router's gate an MoE layer's normed input, which
+  the shared experts read). A norm output that selective recompute releases leaves its readers' FP8 copies
+  kept, unless those readers run again too (MLA's up-projections). The SwiGLU inputs stay in the activation
+  dtype (the report also caches those in FP8 and the output projection's input in E5M6, 3.3.3: the trainer
+  does neither).
 
 Under every option but full recompute an MoE layer keeps neither its experts' output (the routing weight is
 applied inside the experts, :func:`kernels.functional.row_weights`) nor the rows an ep > 1 dispatch received
@@ -48,13 +54,12 @@ from dualpipe.schedule import Op, build_schedule, schedule_spec
 from moe.config import MoEConfig
 from moe.optimizer import OPTIMIZERS, shard_rows
 from moe.plan.costs import Parallelism, Workload, recompute_granularity
+from moe.plan.flops import FP8_BYTES
 from moe.plan.hardware import GPU
 from moe.plan.params import ParamSpec, rank_params, rank_stages
 from moe.plan.routing import expected_ranks
 
 __all__ = [
-    "E5M6_BYTES",
-    "FP8_BYTES",
     "HEADROOM",
     "LEAVES",
     "Footprint",
@@ -71,19 +76,12 @@ HEADROOM = 0.10
 
 FP32 = 4
 INDEX = 8
-FP8_BYTES = 1 + FP32 / 128
-"""An FP8 (e4m3) element with its share of one fp32 scale per 1x128 tile (DeepSeek-V3 report 3.3.2)."""
-E5M6_BYTES = 1.5 + FP32 / 128
-"""The report's 12-bit E5M6 element (3.3.3 (1): the output projection's input) with its tile scale."""
 
 # Tags of a saved tensor (:class:`Saved`): what each memory option does to it.
 LEAF = "leaf"  # kept by the overlap runtime as a piece input, not saved by autograd
 NORM = "norm"  # an RMSNorm's saved tensors: selective recompute drops them
-UP = "up"  # MLA's up-projection products that SDPA saves (q, k, v): selective recompute drops them
+UP = "up"  # saved inside MLA's up-projection (SDPA's q, k, v; FP8 copies): selective recompute drops them
 SELECTIVE = "selective"  # kept only under selective recompute (what rebuilds the dropped tensors)
-LINEAR = "linear-input"  # kept for a Linear's or grouped GEMM's weight gradient: FP8 under fp8_activations
-ATTN_OUT = "attention-output"  # the output projection's input (SDPA's output): E5M6 under fp8_activations
-SWIGLU = "moe-swiglu-input"  # an MoE SwiGLU's input: FP8 under fp8_activations
 
 LEAVES = frozenset({"attn.input", "mlp.routing_weights"})
 """Entries of :func:`layer_activations` that no autograd op saves: piece inputs the overlap runtime keeps
@@ -110,15 +108,11 @@ def _s(name: str, elements: float, elem_bytes: float, *tags: str) -> Saved:
     return Saved(name, elements, elem_bytes, frozenset(tags))
 
 
-def _norm(
-    prefix: str, t: float, d: int, b: int, *, output: str = "kept", input_elems: float | None = None
-) -> list[Saved]:
+def _norm(prefix: str, t: float, d: int, b: int, *, input_elems: float | None = None) -> list[Saved]:
     """RMSNorm (fp32 inside) over ``[t, d]``: the fp32 input (the input itself for an fp32 model, else a
     copy; ``input_elems``: the storage it is a view of), rsqrt, the fp32 normalised output and the fp32
-    weight copy (bf16 models), all dropped under selective recompute (the norm keeps its input instead); and
-    the cast output a following Linear saves: ``output="kept"`` (under every option), ``"released"`` (selective
-    recompute frees it and refills it in backward: the attention norm's, MLA's latent norms') or ``"none"``
-    (no op saves it)."""
+    weight copy (bf16 models), all dropped under selective recompute (the norm keeps its input instead). Its
+    cast output, which the following linears save, is :func:`_gemm_input`'s."""
     out = [
         _s(prefix + "norm_fp32_input", t * d if input_elems is None or b < FP32 else input_elems, FP32, NORM),
         _s(prefix + "norm_rsqrt", t, FP32, NORM),
@@ -126,12 +120,29 @@ def _norm(
     ]
     if b < FP32:
         out.append(_s(prefix + "norm_fp32_weight", d, FP32, NORM))
-    if output != "none":
-        out.append(_s(prefix + "norm_output", t * d, b, LINEAR, *((NORM,) if output == "released" else ())))
     return out
 
 
-def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int) -> list[Saved]:
+def _gemm_input(
+    name: str,
+    elements: float,
+    b: int,
+    fp8: bool,
+    readers: Sequence[str],
+    *tags: str,
+    shared: bool = False,
+    copy_tags: tuple[str, ...] = (),
+) -> list[Saved]:
+    """A tensor ``name`` that the FP8-capable GEMMs ``readers`` save for their weight gradients: one tensor of
+    ``b`` bytes an element (``tags``), or with ``fp8`` caching one FP8 copy per reader (``<reader>_input_fp8``,
+    ``copy_tags``) and the tensor itself only where an op outside FP8 saves it too (``shared``)."""
+    if not (fp8 and readers):
+        return [_s(name, elements, b, *tags)]
+    copies = [_s(r + "_input_fp8", elements, FP8_BYTES, *copy_tags) for r in readers]
+    return [*([_s(name, elements, b, *tags)] if shared else []), *copies]
+
+
+def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int, fp8: bool) -> list[Saved]:
     """What the attention module saves (its input, the block norm's output, is the block's)."""
     h, seqs = cfg.num_heads, t // seq_len
     lse = _s("attn.sdpa_lse", seqs * h * seq_len, FP32)
@@ -144,9 +155,12 @@ def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int) -> list[Saved]:
         q_in = t * h * c if cfg.q_lora_rank is None else t * cfg.q_lora_rank
         out = [_s("attn.q_latent", q_in, b, SELECTIVE)]
         if cfg.q_lora_rank is not None:
-            out += _norm("attn.q_a_", t, cfg.q_lora_rank, b, output="released")
+            q = cfg.q_lora_rank
+            out += _norm("attn.q_a_", t, q, b)
+            out += _gemm_input("attn.q_a_norm_output", t * q, b, fp8, ["attn.q_b_proj"], NORM, copy_tags=(UP,))
         out += [
-            *_norm("attn.kv_a_", t, lat, b, output="released", input_elems=t * (lat + r)),
+            *_norm("attn.kv_a_", t, lat, b, input_elems=t * (lat + r)),
+            *_gemm_input("attn.kv_a_norm_output", t * lat, b, fp8, ["attn.kv_b_proj"], NORM, copy_tags=(UP,)),
             _s("attn.kv_latent", t * (lat + r), b, SELECTIVE),
         ]
         return [
@@ -155,7 +169,7 @@ def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int) -> list[Saved]:
             _s("attn.sdpa_q", t * h * c, b, UP),
             _s("attn.sdpa_k", t * h * c, b, UP),
             _s("attn.sdpa_v", t * h * (n + v), b, UP),  # a view of kv_b_proj's output, which it keeps whole
-            _s("attn.sdpa_out", t * h * v, b, ATTN_OUT),
+            *_gemm_input("attn.sdpa_out", t * h * v, b, fp8, ["attn.o_proj"], shared=True),
             lse,
         ]
     c, g = cfg.attn_head_dim, cfg.num_kv_heads
@@ -173,16 +187,25 @@ def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int) -> list[Saved]:
         *out,
         _s("attn.rotary_tables", 2 * seq_len * (c // 2), FP32),
         _s("attn.sdpa_qkv", t * (h + 2 * g) * c, b),
-        _s("attn.sdpa_out", t * h * c, b, ATTN_OUT),
+        *_gemm_input("attn.sdpa_out", t * h * c, b, fp8, ["attn.o_proj"], shared=True),
         lse,
     ]
 
 
 def saved_tensors(
-    cfg: MoEConfig, layer: int, tokens: int, seq_len: int, act_bytes: int, ep: int = 1, prefix: str = ""
+    cfg: MoEConfig,
+    layer: int,
+    tokens: int,
+    seq_len: int,
+    act_bytes: int,
+    ep: int = 1,
+    prefix: str = "",
+    *,
+    fp8: bool = False,
 ) -> list[Saved]:
     """Every tensor one micro-batch of ``tokens`` leaves for backward in block ``layer``, tagged with what
-    each memory option does to it (entries tagged ``selective`` exist only under selective recompute).
+    each recompute granularity does to it (entries tagged ``selective`` exist only under selective
+    recompute); ``fp8``: FP8 caching (the module docstring).
 
     Follows the modules (moe/layers.py, moe/models/, moe/block.py, moe/router.py, kernels/functional.py):
     each RMSNorm saves what :func:`_norm` lists; rotary saves only its cos/sin tables (the multiplications by
@@ -193,7 +216,8 @@ def saved_tensors(
     scores; the grouped experts save the sorted rows, the gate/up output and one fp32 routing weight per
     row (applied to the SwiGLU output: no expert output is kept), permute and the combine the int64 row
     ids; the received rows' routing weights stay as a piece input; the received rows themselves are freed
-    once permuted; a SwiGLU MLP saves its input, the gate/up output and the down projection's input.
+    once permuted; a SwiGLU MLP saves its input, the gate/up output and the down projection's input. The
+    linears save their inputs (:func:`_gemm_input`); the router's gate saves an MoE layer's normed input.
     Received rows per rank are ``T x`` :func:`moe.plan.routing.expected_ranks`; at ep = 1 they are the
     normed tokens themselves (no copy). Names ``"attn.<tensor>"`` /
     ``"mlp.<tensor>"`` after ``prefix``; :data:`LEAVES` marks the ones kept by the runtime.
@@ -202,12 +226,16 @@ def saved_tensors(
     # An fp32 model's block norm saves the block input itself: the input is listed apart only in bf16, or
     # under selective recompute, which keeps it in place of the norm's tensors.
     out = [_s("attn.input", t * d, b, LEAF, *(() if b < FP32 else (SELECTIVE,)))]
-    out += _norm("attn.", t, d, b, output="released")
-    out += _attention(cfg, t, seq_len, b)
+    # selective recompute frees the attention norm's output once its readers have run (moe.layers.release)
+    out += [*_norm("attn.", t, d, b), *_gemm_input("attn.norm_output", t * d, b, fp8, _attention_readers(cfg), NORM)]
+    out += _attention(cfg, t, seq_len, b, fp8)
     out += [*_norm("attn.mlp_", t, d, b), _s("attn.mlp_norm_input", t * d, b, SELECTIVE)]
-    if not cfg.is_moe_layer(layer):
+    moe = cfg.is_moe_layer(layer)
+    z_readers = ["mlp.gate_up"] if not moe else ["mlp.shared_gate_up"] if cfg.num_shared_experts else []
+    out += _gemm_input("attn.mlp_norm_output", t * d, b, fp8, z_readers, shared=moe)  # moe: the router's too
+    if not moe:
         f = cfg.dense_intermediate_size
-        out += [_s("mlp.swiglu_input", t * 2 * f, b), _s("mlp.down_input", t * f, b, LINEAR)]
+        out += [_s("mlp.swiglu_input", t * 2 * f, b), *_gemm_input("mlp.down_input", t * f, b, fp8, ["mlp.down"])]
     else:
         e, f = cfg.num_experts, cfg.moe_intermediate_size
         rows = t * expected_ranks(cfg, ep) if ep > 1 else 0.0
@@ -218,30 +246,34 @@ def saved_tensors(
             _s("mlp.routing_weights", (rows if ep > 1 else t) * k, FP32, LEAF),
             _s("mlp.row_ids", m, INDEX),
             _s("mlp.row_weights", m, FP32),
-            _s("mlp.experts_input", m * d, b, LINEAR),
-            _s("mlp.experts_gate_up_output", m * 2 * f, b, SWIGLU),
+            *_gemm_input("mlp.experts_input", m * d, b, fp8, ["mlp.experts"]),
+            _s("mlp.experts_gate_up_output", m * 2 * f, b),
         ]
         if cfg.num_shared_experts:
             fs = cfg.num_shared_experts * f
             out += [
-                _s("mlp.shared_swiglu_input", t * 2 * fs, b, SWIGLU),
-                _s("mlp.shared_down_input", t * fs, b, LINEAR),
+                _s("mlp.shared_swiglu_input", t * 2 * fs, b),
+                *_gemm_input("mlp.shared_down_input", t * fs, b, fp8, ["mlp.shared_down"]),
             ]
     return [Saved(prefix + s.name, s.elements, s.elem_bytes, s.tags) for s in out]
 
 
-def _with_options(saved: Sequence[Saved], recompute: str, fp8: bool) -> list[Saved]:
-    """``saved`` as kept under ``recompute`` (none or selective) and ``fp8`` (see the module docstring)."""
+def _attention_readers(cfg: MoEConfig) -> list[str]:
+    """The linears that read the attention norm's output: MLA's query (or query-latent) and key/value-latent
+    projections, or the query, key and value projections (each its own linear)."""
+    if cfg.attention == "mla":
+        return ["attn.q_proj" if cfg.q_lora_rank is None else "attn.q_a_proj", "attn.kv_a_proj_with_mqa"]
+    return ["attn.q_proj", "attn.k_proj", "attn.v_proj"]
+
+
+def _with_options(saved: Sequence[Saved], recompute: str) -> list[Saved]:
+    """``saved`` as kept under ``recompute`` (none or selective)."""
     out = []
     for s in saved:
         if recompute == "selective" and s.tags & {NORM, UP}:
             continue
         if recompute != "selective" and SELECTIVE in s.tags:
             continue
-        if fp8 and s.tags & {LINEAR, SWIGLU}:
-            s = Saved(s.name, s.elements, min(s.elem_bytes, FP8_BYTES), s.tags)
-        elif fp8 and ATTN_OUT in s.tags:
-            s = Saved(s.name, s.elements, min(s.elem_bytes, E5M6_BYTES), s.tags)
         out.append(s)
     return out
 
@@ -262,7 +294,7 @@ def layer_activations(
     granularity = recompute_granularity(recompute)
     if granularity == "full":
         raise ValueError("layer_activations lists what autograd saves: full recompute keeps piece inputs only")
-    saved = _with_options(saved_tensors(cfg, layer, tokens, seq_len, act_bytes, ep), granularity, fp8)
+    saved = _with_options(saved_tensors(cfg, layer, tokens, seq_len, act_bytes, ep, fp8=fp8), granularity)
     return {s.name: s.nbytes for s in saved}
 
 
@@ -278,31 +310,33 @@ def _kept_with_recompute(cfg: MoEConfig, layer: int, tokens: int, act_bytes: int
 
 
 def _head(prefix: str, t: int, cfg: MoEConfig, b: int) -> list[Saved]:
-    """Final norm (its input kept under selective recompute), the head's input, the logits and the loss's
-    fp32 log-sum-exp, int64 targets and mask (moe/loss.py)."""
+    """Final norm (its input kept under selective recompute), the head's input (the head stays out of FP8),
+    the logits and the loss's fp32 log-sum-exp, int64 targets and mask (moe/loss.py)."""
     return [
         *_norm(prefix, t, cfg.hidden_size, b),
+        _s(prefix + "norm_output", t * cfg.hidden_size, b),
         _s(prefix + "norm_input", t * cfg.hidden_size, b, SELECTIVE),
         _s(prefix + "logits", t * cfg.vocab_size, b),
         _s(prefix + "loss", t, FP32 + INDEX + 1),
     ]
 
 
-def _mtp_extras(cfg: MoEConfig, k: int, t: int, b: int) -> list[Saved]:
+def _mtp_extras(cfg: MoEConfig, k: int, t: int, b: int, fp8: bool) -> list[Saved]:
     """MTP module ``k`` around its block (:mod:`moe.models.mtp`): the shifted ids the shared embedding saves,
     the main final norm again (depth 0: the head's normed input feeds ``hnorm``), ``enorm`` and ``hnorm``
-    (their outputs are concatenated, not saved), ``eh_proj``'s input ``[T, 2D]``, then ``head_norm``, the
+    (their outputs are concatenated, not saved), ``eh_proj``'s input ``[T, 2D]`` (:func:`_gemm_input`), then
+    ``head_norm``, the
     shared head and the loss. Under selective recompute the norms keep their inputs (the embedding rows,
     depth 0's normed hidden state, the block's output)."""
     d, p = cfg.hidden_size, f"mtp{k}."
     out = [_s(p + "embed_ids", t, INDEX)]
     if k == 0:
-        out += [*_norm(p + "main_", t, d, b, output="none"), _s(p + "hnorm_input", t * d, b, SELECTIVE)]
+        out += [*_norm(p + "main_", t, d, b), _s(p + "hnorm_input", t * d, b, SELECTIVE)]
     out += [
-        *_norm(p + "enorm_", t, d, b, output="none"),
+        *_norm(p + "enorm_", t, d, b),
         _s(p + "enorm_input", t * d, b, SELECTIVE),
-        *_norm(p + "hnorm_", t, d, b, output="none"),
-        _s(p + "eh_proj_input", t * 2 * d, b, LINEAR),
+        *_norm(p + "hnorm_", t, d, b),
+        *_gemm_input(p + "eh_proj_input", t * 2 * d, b, fp8, [p + "eh_proj"]),
         *_head(p + "head_", t, cfg, b),
     ]
     return out
@@ -340,8 +374,8 @@ def module_activation_bytes(
     if last:
         extras += _head("head.", t, cfg, b)
     for k in range(mtp):
-        extras += _mtp_extras(cfg, k, t, b)
-    return body + sum(s.nbytes for s in _with_options(extras, granularity, fp8))
+        extras += _mtp_extras(cfg, k, t, b, fp8)
+    return body + sum(s.nbytes for s in _with_options(extras, granularity))
 
 
 def _working_set(cfg: MoEConfig, layers: Sequence[int], work: Workload, ep: int) -> float:
@@ -484,7 +518,9 @@ def footprint(
         acts += _working_set(cfg, layers, work, par.ep)
         moe_layers = any(cfg.is_moe_layer(i) for i in layers)
         rows = t * expected_ranks(cfg, par.ep) if par.ep > 1 and moe_layers else 0.0
-        a2a = 2 * 2 * rows * cfg.hidden_size * b  # send + receive rows, two micro-batches in flight
+        # send + receive rows, two micro-batches in flight; in the activation dtype, which the combine's rows
+        # keep (an FP8 dispatch's are smaller and use the same buffers)
+        a2a = 2 * 2 * rows * cfg.hidden_size * b
         p, g, o = state_bytes(
             rank_params(
                 cfg,
