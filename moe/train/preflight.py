@@ -14,7 +14,7 @@ import torch
 
 from moe.dispatch import DISPATCHERS, Launch
 from moe.parallel import rank_grid
-from moe.plan import HEADROOM, Parallelism, Workload, footprint
+from moe.plan import HEADROOM, Parallelism, Precision, Workload, footprint
 from moe.train.config import TrainConfig
 
 __all__ = ["PreflightError", "check_checkpoint_dir", "check_dispatcher", "check_memory", "memory_estimate"]
@@ -51,6 +51,8 @@ def memory_estimate(config: TrainConfig) -> float:
         act_bytes=act_bytes,
         master_weights=tr.master_weights,
         state_dtype=config.optimizer.state_dtype,
+        fp8_activations=tr.fp8_activations,
+        precision=Precision(fp8=tr.fp8, fp8_dispatch=tr.dispatch_fp8),
     )
     fp = footprint(
         config.model_config,
