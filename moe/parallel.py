@@ -415,6 +415,7 @@ def build_stages(
     device: torch.device | str = "cpu",
     piecewise: bool = True,
     fp8: FP8Recipe | None = None,
+    fp8_dispatch: bool = False,
 ) -> tuple[MoEStage, ...]:
     """The stage modules of this pipeline rank, in local module order, ready for the schedule's pipeline.
 
@@ -425,7 +426,9 @@ def build_stages(
     Weights come from :meth:`MoEStage.reset_parameters` (``seed``), so they equal :class:`MoEModel`'s.
     ``piecewise=False`` builds plain-graph stages (blocking all-to-all autograd nodes) for baselines that
     schedule an ordinary graph. ``fp8``: the recipe every FP8-capable layer's GEMMs follow
-    (:func:`moe.layers.use_fp8`); None runs them in ``dtype``.
+    (:func:`moe.layers.use_fp8`); None runs them in ``dtype``. ``fp8_dispatch``: the dispatch-direction
+    all-to-alls move FP8 rows with their scales (:mod:`moe.dispatch.fp8`; with ep=1 the same round trip, so one
+    process computes what the expert-parallel run does).
     """
     pc = layout.config
     pc.check_model(cfg)
@@ -439,6 +442,7 @@ def build_stages(
         comm_sms=pc.comm_sms,
         sync_free=pc.sync_free,
         deterministic=pc.deterministic_dispatch,
+        fp8=fp8_dispatch,
     )
     plans = pc.stage_plans(cfg)
     stage_layout = pc.stage_layout

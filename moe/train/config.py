@@ -346,7 +346,13 @@ class TrainConfig:
             raise ConfigError(str(exc)) from None
         if pc.ep > 1:  # the rows it would move and the group's size (its package and placement: preflight)
             dtype = getattr(torch, self.training.dtype)
-            rows = Launch(dtype=dtype, hidden_size=cfg.hidden_size, comm_sms=pc.comm_sms, ep_size=pc.ep)
+            rows = Launch(
+                dtype=dtype,
+                hidden_size=cfg.hidden_size,
+                comm_sms=pc.comm_sms,
+                ep_size=pc.ep,
+                fp8=self.training.dispatch_fp8,
+            )
             found = DISPATCHERS.lookup(pc.dispatcher).violations(rows)
             if found:
                 raise ConfigError(f"--dispatcher {pc.dispatcher}: {'; '.join(found)}")

@@ -131,6 +131,7 @@ class Trainer:
             dtype=dtype,
             device=self.device,
             fp8=FP8Recipe(save_fp8=tr.fp8_activations) if tr.fp8 else None,
+            fp8_dispatch=tr.dispatch_fp8,
         )
         if self.config.model.checkpoint is not None:
             from moe.hf import HFCheckpointError, load_hf_weights
@@ -255,10 +256,11 @@ class Trainer:
         }
 
     def print_banner(self) -> None:
-        c, pc = self.config, self.config.parallel
+        c, pc, tr = self.config, self.config.parallel, self.config.training
+        fp8 = ("+fp8-gemm" if tr.fp8 else "") + ("+fp8-dispatch" if tr.dispatch_fp8 else "")
         print(
             f"MoE {c.model.name}: pp={pc.pp} dp={pc.dp} ep={pc.ep} {pc.schedule} overlap={pc.overlap} "
-            f"chunks={pc.num_chunks} tokens/step={c.global_batch * c.training.seq_len} "
+            f"chunks={pc.num_chunks} tokens/step={c.global_batch * tr.seq_len} {tr.dtype}{fp8} "
             f"memory estimate {self.memory_estimate / 2**20:.0f} MiB/rank, MFU against {self.peak_source}; "
             f"data: {self.data.description}",
             flush=True,
