@@ -3,6 +3,7 @@
     python -m bench.overlap                                         # all ranks on loopback
     python -m bench.overlap --cluster --nodes 2 --rate 500mbit      # emulated 2-node cluster (root)
     python -m bench.overlap --cluster --calibrate                   # compute vs all-to-all, the planner's costs
+    python -m bench.overlap --cluster --fp8-dispatch                # every mode also with FP8 dispatch
 
 Every mode runs the same MoE model (same stage split where the schedule allows, same weights, same data,
 same micro-batch count) for ``--warmup`` untimed and ``--steps`` timed steps, on pp x ep ranks. The modes
@@ -35,6 +36,11 @@ hidden, DualPipeV with overlap at most 0.8x torch ScheduleDualPipeV's step time,
 15% of the simulator's prediction from the measured action costs (:mod:`bench.overlap_stats` says how
 both are taken). With more ranks than cores a CPU floor is printed as well: the step-time ratio no
 schedule doing the same CPU work can beat on this machine.
+
+Bytes: every rank counts what its all-to-alls send, per kind (dispatch, combine and their gradients), and the
+report gives the bytes per all-to-all. ``--fp8-dispatch`` also runs each of our modes with FP8 dispatch
+(``<mode>+fp8``), interleaved with the others, and sets its step time and dispatch bytes beside the model dtype's
+(:mod:`bench.overlap_traffic`).
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ import torch
 
 from bench.overlap_costs import calibration_costs
 from bench.overlap_report import breakdown, collect, cpu_floor, loss_check, rows_json, summarise, table, targets
-from bench.overlap_run import CALIBRATION_MODE, MODES, WorkerOptions
+from bench.overlap_run import CALIBRATION_MODE, MODES, PLAIN_MODES, WorkerOptions
+from bench.overlap_traffic import FP8_SUFFIX, fp8_comparison, fp8_table, traffic, traffic_table
 
 __all__ = ["main"]
 
@@ -70,7 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", default="500mbit", help="tbf rate of each node link, each direction")
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per mode before them")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=list(PLAIN_MODES), choices=list(MODES))
+    p.add_argument(
+        "--fp8-dispatch",
+        action="store_true",
+        help="also run each of our --modes with FP8 dispatch (<mode>+fp8), in the same interleaved run",
+    )
     p.add_argument("--out", default="bench/results", help="directory for the JSON, trace and PNG")
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--ep", type=int, default=2)
@@ -81,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--moe-intermediate", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameters and activations")
     p.add_argument(
         "--calibrate",
         action="store_true",
@@ -102,13 +115,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace, run_dir: str) -> WorkerOptions:
-    modes = [CALIBRATION_MODE] if args.calibrate else args.modes
+    modes = [CALIBRATION_MODE] if args.calibrate else list(args.modes)
+    if args.fp8_dispatch and not args.calibrate:
+        twins = [f"{m}{FP8_SUFFIX}" for m in modes]  # torch's schedule has none
+        modes += [t for t in twins if t in MODES and t not in modes]
     if args.costs_out and CALIBRATION_MODE not in modes:
         raise ValueError(f"--costs-out needs the {CALIBRATION_MODE} mode (no overlap) among --modes")
     steps = 2 if args.calibrate else args.steps
     return WorkerOptions(
         pp=args.pp, ep=args.ep, chunks=args.chunks, micro_batch=args.micro_batch, seq_len=args.seq_len,
         hidden=args.hidden, layers=args.layers, experts=args.experts, moe_intermediate=args.moe_intermediate,
+        dtype=args.dtype,
         steps=steps, warmup=args.warmup, modes=modes, run_dir=run_dir, profile=args.profile,
     )  # fmt: skip
 
@@ -248,6 +265,14 @@ def _report(args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict
           f"steps={opts.steps} (+{opts.warmup} warm-up), medians over steps\n")  # fmt: skip
     print(table(rows))
     print(breakdown(rows))
+    counted = traffic(rank_files)
+    fp8_rows = fp8_comparison({r.mode: r.step_ms for r in rows}, counted)
+    if counted:
+        print("\nbytes per all-to-all (one rank's share, its own rows included; means over ranks and timed steps):")
+        print(traffic_table(counted))
+    if fp8_rows:
+        print("\nFP8 dispatch (the same run, interleaved; bytes of the token rows, scales included):")
+        print(fp8_table(fp8_rows))
     if not args.cluster:
         print("\nnote: loopback run: all-to-all moves at memory speed and all ranks share the cores, so this is "
               "compute-bound and overlap has little to hide (use --cluster for a network-bound run)")  # fmt: skip
@@ -286,6 +311,8 @@ def _report(args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict
         "cpu_floor_vs_torch": floor,
         "loss_check": check,
         "calibration": calib,
+        "traffic": counted,
+        "fp8_dispatch": fp8_rows,
     }
     paths = _write_outputs(Path(args.out), f"overlap-{device}-{today}", record, rank_files, args.trace_steps)
     print("\nwrote " + ", ".join(map(str, paths)))

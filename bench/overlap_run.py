@@ -27,7 +27,10 @@ inside a node.)
 
 Modes: every registered schedule (:data:`dualpipe.schedule.SCHEDULES`) without overlap, those that pair
 forward and backward chunks also with overlap (``<name>-overlap``), and torch's ScheduleDualPipeV as users
-get it (``torch-dualpipev``) and with our overlapped pairs bridged in (``torch-dualpipev-overlap``).
+get it (``torch-dualpipev``) and with our overlapped pairs bridged in (``torch-dualpipev-overlap``). Each of our
+modes also with FP8 dispatch (``<mode>+fp8``: the same schedule, FP8 rows in the dispatch-direction all-to-alls).
+Every step also records what the rank's all-to-alls sent, per kind (:class:`moe.dispatch.Traffic`; not for
+torch's schedule, which builds its own stages).
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from bench.overlap_traffic import FP8_SUFFIX
 from dualpipe import PIPELINES
 from dualpipe.events import EventRecorder
 from dualpipe.observer import PipelineObserver, SpanKind, span_label
 from dualpipe.schedule import SCHEDULES, schedule_spec
 from moe.config import MoEConfig
 from moe.data import BYTE_VOCAB_SIZE, Loader, open_data
+from moe.dispatch import Traffic
 from moe.model import lm_loss
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout, with_schedule
 
@@ -71,10 +76,14 @@ def _modes() -> dict[str, tuple[str, bool]]:
         modes[name] = (name, False)
     for name, overlap in TORCH_MODES.items():
         modes[name] = (CALIBRATION_MODE, overlap)
+    for name in [m for m in modes if m not in TORCH_MODES]:
+        modes[f"{name}{FP8_SUFFIX}"] = modes[name]  # FP8 dispatch: torch's schedule builds its own stages
     return modes
 
 
 MODES: dict[str, tuple[str, bool]] = _modes()
+PLAIN_MODES: list[str] = [m for m in MODES if not m.endswith(FP8_SUFFIX)]
+"""The modes without FP8 dispatch (``--modes``' default)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,11 +106,13 @@ class WorkerOptions:
     top_k: int = 2
     moe_intermediate: int = 256
     heads: int = 4
+    dtype: str = "float32"
+    """Parameters and activations: float32 or bfloat16 (the dtype FP8 dispatch halves)."""
     steps: int = 3
     """Timed steps per mode."""
     warmup: int = 1
     """Untimed steps per mode before them (connections, allocator, torch's shape inference)."""
-    modes: list[str] = field(default_factory=lambda: list(MODES))
+    modes: list[str] = field(default_factory=lambda: list(PLAIN_MODES))
     seed: int = 0
     run_dir: str = "."
     profile: bool = False
@@ -120,6 +131,8 @@ class WorkerOptions:
             stages = spec.stage_layout(self.pp).num_stages
             if self.layers < stages:
                 raise ValueError(f"layers={self.layers} cannot fill the {stages} stages of mode {mode}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError("steps must be >= 1 and warmup >= 0")
 
@@ -206,13 +219,17 @@ class _Mode:
     step: object  # (ids, labels) -> list of this rank's micro-batch losses
     params: list[torch.nn.Parameter]
     recorder: EventRecorder
+    traffic: Traffic | None = None
+    """What this rank's all-to-alls sent (None: not counted)."""
 
 
 def _build_ours(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLayout, recorder: EventRecorder) -> _Mode:
     schedule, overlap = MODES[name]
     layout = with_schedule(layout, schedule)
     device = recorder.device
-    stages = build_stages(cfg, layout, seed=o.seed, device=device)
+    dtype, fp8 = getattr(torch, o.dtype), name.endswith(FP8_SUFFIX)
+    stages = build_stages(cfg, layout, seed=o.seed, dtype=dtype, device=device, fp8_dispatch=fp8)
+    traffic = stages[0].dispatcher.traffic = Traffic()  # one dispatcher for the rank's stages
     for s in stages:
         s.recorder = recorder
         s.aux_loss_scale = 1.0 / o.chunks
@@ -228,7 +245,7 @@ def _build_ours(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLay
         return [] if loss is None else loss.tolist()
 
     params = list({id(p): p for p in pipe.parameters()}.values())
-    return _Mode(name, step, params, recorder)
+    return _Mode(name, step, params, recorder, traffic)
 
 
 def _build(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLayout, device: torch.device) -> _Mode:
@@ -238,7 +255,9 @@ def _build(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLayout, 
 
         layout = with_schedule(layout, MODES[name][0])
         actions = _ActionRecorder(recorder)
-        step, params = build_torch_dualpipev(cfg, layout, o.chunks, o.seed, recorder, actions, TORCH_MODES[name])
+        step, params = build_torch_dualpipev(
+            cfg, layout, o.chunks, o.seed, recorder, actions, TORCH_MODES[name], getattr(torch, o.dtype)
+        )
         return _Mode(name, step, params, recorder)
     return _build_ours(name, o, cfg, layout, recorder)
 
@@ -249,6 +268,8 @@ def _timed_step(mode: _Mode, step: int, ids: torch.Tensor, labels: torch.Tensor,
     for p in mode.params:
         p.grad = None
     mode.recorder.clear()
+    if mode.traffic is not None:
+        mode.traffic.clear()
     profiler = _profiler() if profile_to is not None else contextlib.nullcontext()
     dist.barrier()
     if device.type == "cuda":
@@ -264,7 +285,8 @@ def _timed_step(mode: _Mode, step: int, ids: torch.Tensor, labels: torch.Tensor,
         torch.cuda.synchronize(device)
     if profile_to is not None:
         profiler.export_chrome_trace(str(profile_to))
-    return {"losses": losses, "cpu_s": cpu_s, "events": _absolute_events(mode.recorder, host_t0)}
+    traffic = None if mode.traffic is None else mode.traffic.summary()
+    return {"losses": losses, "cpu_s": cpu_s, "events": _absolute_events(mode.recorder, host_t0), "traffic": traffic}
 
 
 def _grad_sq(mode: _Mode) -> float:

@@ -99,6 +99,7 @@ def build_torch_dualpipev(
     recorder: EventRecorder,
     actions,
     overlap: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], list[float]], list[torch.nn.Parameter]]:
     """``(step(ids, labels) -> this rank's micro-batch losses, parameters)`` for torch's ScheduleDualPipeV,
     with the bridge to our overlapped pairs when ``overlap``.
@@ -108,7 +109,7 @@ def build_torch_dualpipev(
     """
     device = recorder.device
     # our DualPipeV's stage split (rank r: stages r and 2N-1-r); plain autograd graphs unless overlapping
-    modules = build_stages(cfg, layout, seed=seed, device=device, piecewise=overlap)
+    modules = build_stages(cfg, layout, seed=seed, dtype=dtype, device=device, piecewise=overlap)
     num_stages = layout.config.num_stages
     stages = []
     for m in modules:
