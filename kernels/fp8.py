@@ -17,7 +17,7 @@ wgrad      dy and x in 128x1 tiles             dW in float32 (weight gradients a
 
 Weights are quantized from the master copy's compute-dtype weight on every call (forward and input gradient
 quantize the same tensor the same way, so they agree bit for bit). :class:`Quantized` is an FP8 tensor with
-its scales: what :class:`FP8Recipe` ``save_fp8`` keeps for backward instead of the input.
+its scales: what :class:`FP8Recipe` ``save_fp8`` keeps for backward in the expert MLP.
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ class FP8Recipe:
     """How a layer runs its GEMMs in FP8 (a layer without a recipe runs them in its dtype)."""
 
     save_fp8: bool = False
-    """Keep the GEMM inputs saved for backward in FP8 with their 1x128 scales (about half the bytes of bf16),
-    dequantized for the weight gradient, which quantizes them again in 128x1 tiles: one more rounding."""
+    """The routed experts keep what they save for backward, the up-projection's input and the SwiGLU input, in
+    FP8 with 1x128 scales (1 + 4/128 bytes an element instead of bf16's 2), as DeepSeek-V3 does: nothing
+    else reads those tensors, so the bf16 copies are freed. Costs one more rounding in the SwiGLU backward and
+    the weight gradients. A linear layer ignores it: its input is mostly saved in bf16 by another op too (the
+    router reads the normed input, attention keeps its output), so an FP8 copy would add memory."""
 
 
 class Quantized(NamedTuple):
@@ -69,11 +72,11 @@ def quantize_rows(x_TK: torch.Tensor) -> Quantized:
     return Quantized(*ops.quantize_fp8(x_TK.reshape(-1, x_TK.shape[-1])))
 
 
-def linear_forward(x: torch.Tensor, w_NK: torch.Tensor) -> tuple[torch.Tensor, Quantized]:
-    """``x @ W^T`` with FP8 operands -> (y ``[..., N]`` in x's dtype, x quantized in 1x128 tiles)."""
+def linear_forward(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` with FP8 operands -> ``[..., N]`` in x's dtype."""
     xq = quantize_rows(x)
     y_TN = ops.fp8_gemm(xq.q, xq.scale, *ops.quantize_fp8(w_NK, _WEIGHT_BLOCK), out_dtype=x.dtype)
-    return y_TN.view(*x.shape[:-1], w_NK.shape[0]), xq
+    return y_TN.view(*x.shape[:-1], w_NK.shape[0])
 
 
 def linear_dgrad(dy: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
@@ -92,15 +95,20 @@ def linear_wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_forward(
-    x_MK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
-) -> tuple[torch.Tensor, Quantized]:
-    """FP8 :func:`kernels.ops.grouped_gemm` -> (y ``[M, N]`` in x's dtype, x quantized in 1x128 tiles)."""
-    xq = quantize_rows(x_MK)
+    x_MK: torch.Tensor,
+    w_EKN: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    *,
+    comm_sms: int = 0,
+    x_fp8: Quantized | None = None,
+) -> torch.Tensor:
+    """FP8 :func:`kernels.ops.grouped_gemm` -> y ``[M, N]`` in x's dtype. ``x_fp8``: x already quantized
+    (:func:`quantize_rows`), by a caller that keeps it."""
+    xq = quantize_rows(x_MK) if x_fp8 is None else x_fp8
     wq, w_scale = ops.quantize_fp8(w_EKN, _WEIGHT_BLOCK)
-    y_MN = ops.fp8_grouped_gemm(
+    return ops.fp8_grouped_gemm(
         xq.q, xq.scale, wq, w_scale, tokens_per_expert_E, out_dtype=x_MK.dtype, comm_sms=comm_sms
     )
-    return y_MN, xq
 
 
 def grouped_dgrad(

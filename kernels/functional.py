@@ -224,7 +224,7 @@ def _gemms(recipe: fp8.FP8Recipe | None) -> _Gemms:
     # Looked up per call: a spy or wrapper that replaces a kernels.ops attribute replaces what runs.
     if recipe is None:
         return _Gemms(ops.grouped_gemm, ops.grouped_gemm_dgrad, ops.grouped_gemm_wgrad)
-    return _Gemms(lambda *a, **k: fp8.grouped_forward(*a, **k)[0], fp8.grouped_dgrad, fp8.grouped_wgrad)
+    return _Gemms(fp8.grouped_forward, fp8.grouped_dgrad, fp8.grouped_wgrad)
 
 
 def experts_forward(
@@ -236,6 +236,7 @@ def experts_forward(
     scale_M: torch.Tensor | None = None,
     comm_sms: int = 0,
     fp8_recipe: fp8.FP8Recipe | None = None,
+    x_fp8: fp8.Quantized | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For the rows of expert e: y = (silu(x @ W_gate[e]) * (x @ W_up[e]) [* scale]) @ W_down[e].
 
@@ -243,10 +244,14 @@ def experts_forward(
     so the first GEMM reads x once), w_down: [E, F, D]; scale: None or [M] per-row factors (the routing
     weights, :func:`row_weights`) applied to the SwiGLU output. Returns (y [M, D] in x.dtype, h [M, 2F]),
     where h, the gate | up activations, is what the backward parts take. fp8_recipe: run both GEMMs (and, in
-    the backward parts, all four) in FP8 (:mod:`kernels.fp8`); None: in x's dtype.
+    the backward parts, all four) in FP8 (:mod:`kernels.fp8`); None: in x's dtype. x_fp8: x already quantized
+    in 1x128 tiles, for the FP8 up-projection (a caller that keeps it for backward).
     """
     gemm = _gemms(fp8_recipe).forward
-    h_MF2 = gemm(x_MD, w_gate_up_EDF2, tokens_per_expert_E, comm_sms=comm_sms)
+    if x_fp8 is None:
+        h_MF2 = gemm(x_MD, w_gate_up_EDF2, tokens_per_expert_E, comm_sms=comm_sms)
+    else:
+        h_MF2 = fp8.grouped_forward(x_MD, w_gate_up_EDF2, tokens_per_expert_E, comm_sms=comm_sms, x_fp8=x_fp8)
     y_MD = gemm(ops.swiglu(h_MF2, scale_M), w_down_EFD, tokens_per_expert_E, comm_sms=comm_sms)
     return y_MD, h_MF2
 
@@ -303,22 +308,35 @@ def experts_weight_grads(
 class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M, comm_sms, defer, recipe):
+        save_fp8 = recipe is not None and recipe.save_fp8
+        x_fp8 = fp8.quantize_rows(x_MD) if save_fp8 else None
         y_MD, h_MF2 = experts_forward(
-            x_MD, w_gate_up_EDF2, w_down_EFD, tokens_per_expert_E, scale_M=scale_M, comm_sms=comm_sms, fp8_recipe=recipe
+            x_MD,
+            w_gate_up_EDF2,
+            w_down_EFD,
+            tokens_per_expert_E,
+            scale_M=scale_M,
+            comm_sms=comm_sms,
+            fp8_recipe=recipe,
+            x_fp8=x_fp8,
         )
-        # The input only feeds the weight gradient: with save_fp8 it waits there in FP8 (V3 keeps the MoE
-        # up-projection's input so).
-        kept = fp8.quantize_rows(x_MD) if recipe is not None and recipe.save_fp8 else (x_MD,)
+        # With save_fp8 the up-projection's input (read by the weight gradient only) waits in the FP8 its GEMM
+        # used, and the SwiGLU input in FP8 too, as DeepSeek-V3 keeps them.
+        kept = (*x_fp8, *fp8.quantize_rows(h_MF2)) if x_fp8 is not None else (x_MD, h_MF2)
         # Weights on ctx, not saved: the deferred closure accumulates into their ``.grad``, which needs the
         # parameter objects themselves (a saved tensor comes back as an alias under saved-tensors hooks).
-        ctx.save_for_backward(h_MF2, tokens_per_expert_E, scale_M, *kept)
+        ctx.save_for_backward(tokens_per_expert_E, scale_M, *kept)
         ctx.weights = (w_gate_up_EDF2, w_down_EFD)
         ctx.comm_sms, ctx.defer, ctx.recipe, ctx.x_dtype = comm_sms, defer, recipe, x_MD.dtype
         return y_MD
 
     @staticmethod
     def backward(ctx: Any, dy_MD):
-        h_MF2, tokens_per_expert_E, scale_M, *kept = ctx.saved_tensors
+        tokens_per_expert_E, scale_M, *kept = ctx.saved_tensors
+        if len(kept) == 4:  # FP8: x and h with their scales
+            x_MD, h_MF2 = fp8.Quantized(*kept[:2]), fp8.Quantized(*kept[2:]).dequantize(ctx.x_dtype)
+        else:
+            x_MD, h_MF2 = kept
         w_gate_up_EDF2, w_down_EFD = ctx.weights
         dy_MD, sms, recipe = dy_MD.contiguous(), ctx.comm_sms, ctx.recipe
         dx_MD, dh_MF2, dscale_M = experts_input_grad(
@@ -337,9 +355,9 @@ class _GroupedExperts(torch.autograd.Function):
             return dx_MD, None, None, None, dscale_M, None, None, None
 
         def weight_grads() -> Iterator[torch.Tensor]:
-            x_MD = fp8.Quantized(*kept).dequantize(ctx.x_dtype) if len(kept) == 2 else kept[0]
+            x = x_MD.dequantize(ctx.x_dtype) if isinstance(x_MD, fp8.Quantized) else x_MD
             return experts_weight_grads(
-                x_MD, h_MF2, dy_MD, dh_MF2, tokens_per_expert_E, scale_M=scale_M, comm_sms=sms, fp8_recipe=recipe
+                x, h_MF2, dy_MD, dh_MF2, tokens_per_expert_E, scale_M=scale_M, comm_sms=sms, fp8_recipe=recipe
             )
 
         if ctx.defer is None:

@@ -73,33 +73,25 @@ class _LinearFn(torch.autograd.Function):
         # The weight is kept on ctx, not saved: its backward accumulates into ``weight.grad``, which needs the
         # parameter object itself, and a saved tensor comes back as a new alias under saved-tensors hooks
         # (activation checkpointing, offloading, moe.memory's tracker).
-        ctx.weight, ctx.fp8, ctx.x_dtype = weight, fp8, x.dtype
-        if fp8 is None:
-            ctx.save_for_backward(x)
-            return F.linear(x, weight)
-        y, xq = kernel_fp8.linear_forward(x, weight)
-        ctx.save_for_backward(*(xq if fp8.save_fp8 else (x,)))
-        return y
+        ctx.weight, ctx.fp8 = weight, fp8
+        ctx.save_for_backward(x)
+        return F.linear(x, weight) if fp8 is None else kernel_fp8.linear_forward(x, weight)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         weight, fp8 = ctx.weight, ctx.fp8
-        saved = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
             dx = dy @ weight if fp8 is None else kernel_fp8.linear_dgrad(dy, weight)
         if ctx.needs_input_grad[1]:
             # The weight never gets an autograd gradient: the closure accumulates into .grad directly, so a
             # deferred closure and an immediate one leave the same result.
-            dtype = ctx.x_dtype
-
             def wgrad() -> None:
                 if fp8 is None:
-                    (x,) = saved
                     accumulate_grad(weight, dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
-                    return
-                x = kernel_fp8.Quantized(*saved).dequantize(dtype) if fp8.save_fp8 else saved[0]
-                accumulate_grad(weight, kernel_fp8.linear_wgrad(dy, x))
+                else:
+                    accumulate_grad(weight, kernel_fp8.linear_wgrad(dy, x))
 
             defer_wgrad(wgrad)
         return dx, None, None

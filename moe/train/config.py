@@ -212,18 +212,19 @@ class TrainingConfig:
     master_weights: bool = True
     """With bfloat16: fp32 master weights and gradients (False: pure bf16)."""
     fp8: bool = False
-    """FP8 GEMMs as DeepSeek-V3 trains (:mod:`kernels.fp8`): every linear of attention, the dense MLPs and the
-    experts quantize their operands online to E4M3 in 1x128 tiles (activations, gradients) and 128x128 blocks
-    (weights) and accumulate in fp32; outputs, master weights and optimizer state keep their dtypes. The
-    embedding, head, norms, router and the attention core stay in ``dtype``. Turns on ``fp8_dispatch``."""
+    """FP8 GEMMs as DeepSeek-V3 trains (:mod:`kernels.fp8`): every linear of attention, the dense MLPs, the
+    experts and the MTP projection quantize their operands online to E4M3 in 1x128 tiles (activations,
+    gradients) and 128x128 blocks (weights) and accumulate in fp32; outputs, master weights and optimizer state
+    keep their dtypes. The embedding, head, norms, router and the attention core stay in ``dtype``. Turns on
+    ``fp8_dispatch``."""
     fp8_dispatch: bool | None = None
     """Dispatch tokens in FP8: the dispatch-direction all-to-alls (forward dispatch and the combine's gradient)
     carry E4M3 values and one float32 scale per 128, about half the bytes of bf16; the combine stays in
     ``dtype``. None: on exactly when ``fp8`` is."""
     fp8_activations: bool = False
-    """With ``fp8``: keep the inputs the FP8 GEMMs save for backward in FP8 (plus their scales) instead of
-    ``dtype``, as DeepSeek-V3 keeps the MoE up-projection inputs: less activation memory, one more rounding in
-    the weight gradients."""
+    """With ``fp8``: the routed experts keep the activations they save for backward (the up-projection's input,
+    the SwiGLU input) in FP8 with their scales instead of ``dtype``, as DeepSeek-V3 does: less activation
+    memory, one more rounding in the SwiGLU backward and the weight gradients."""
     val_every: int = 20
     """Held-out loss every N steps (0: never)."""
     val_batches: int = 2

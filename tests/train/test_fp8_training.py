@@ -8,13 +8,14 @@ that small rounding flips), so FP8 costs about what bf16 does here."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.fp8 import FP8Recipe
-from moe.config import MoEConfig
+from moe.config import MoEConfig, preset
 from moe.layers import Linear, use_fp8
 from moe.model import MoEModel
 from tests.train.test_trainer import losses, train
@@ -58,26 +59,57 @@ def test_use_fp8_leaves_the_head_and_router_in_their_dtype() -> None:
     assert all(getattr(m, "fp8", None) is None for m in model.modules())
 
 
-def test_fp8_activations_keep_less_and_give_the_same_input_gradient() -> None:
-    """save_fp8 keeps the GEMM inputs in FP8 (1 byte + 4/128) instead of bf16 (2 bytes); the input gradient
-    does not read them, so it is the same bit for bit; the weight gradients move by one rounding."""
-    cfg = MoEConfig(num_layers=2)
-    ids = torch.randint(0, cfg.vocab_size, (2, 128))
+@pytest.mark.parametrize("name", ["deepseek-v3-tiny", "qwen3-moe-tiny"])
+def test_published_architectures_run_their_projections_in_fp8(name: str) -> None:
+    """MLA's low-rank projections and Qwen3's GQA projections go FP8; one step's gradients stay close to bf16's."""
+    model = MoEModel(dataclasses.replace(preset(name), mtp_layers=0), seed=0).to(torch.bfloat16)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for recipe in (None, FP8Recipe()):
+        use_fp8(model, recipe)
+        model.zero_grad()
+        model(ids).float().logsumexp(-1).mean().backward()
+        grads[recipe] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    fp8_layers = {n for n, m in model.named_modules() if isinstance(m, Linear) and m.fp8 is not None}
+    want = (
+        {"q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
+        if name.startswith("deepseek")
+        else {"q_proj", "o_proj"}
+    )
+    assert want <= {n.rsplit(".", 1)[-1] for n in fp8_layers}, fp8_layers
+    bf16, fp8 = grads[None], grads[FP8Recipe()]
+    assert bf16.keys() == fp8.keys()
+    # The FP8 layers' weight gradients (measured 5-12% from bf16's; each E4M3 GEMM adds about 4%). The router's
+    # are ill-conditioned (bf16 alone moves them 6-9% from fp32's) and are not compared.
+    for n in (f"{layer}.weight" for layer in fp8_layers):
+        err = ((fp8[n] - bf16[n]).norm() / bf16[n].norm()).item()
+        assert 0 < err < 0.2, (n, err)
+
+
+def test_fp8_activations_keep_the_experts_inputs_in_fp8() -> None:
+    """save_fp8 keeps the routed experts' up-projection input and SwiGLU input in FP8 (1 byte + 4/128) instead of
+    bf16 (2 bytes): exactly those bytes go, nothing else changes size; the gradients move by one rounding."""
+    cfg = MoEConfig(num_layers=2, hidden_size=128, moe_intermediate_size=128)
+    ids = torch.randint(0, cfg.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
     out = {}
     for save in (False, True):
         model = use_fp8(MoEModel(cfg, seed=0).to(torch.bfloat16), FP8Recipe(save_fp8=save))
-        saved: list[int] = []
+        saved: list[tuple[torch.dtype, int]] = []
 
-        def pack(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
-            saved.append(t.numel() * t.element_size())
+        def pack(t: torch.Tensor, saved: list = saved) -> torch.Tensor:
+            saved.append((t.dtype, t.numel() * t.element_size()))
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = model(ids)
-        x = model.embed.weight
         logits.float().square().mean().backward()
-        out[save] = (sum(saved), x.grad.clone(), model.blocks["0"].attn.wo.weight.grad.float())
-    assert out[True][0] < out[False][0]
-    assert torch.equal(out[True][1], out[False][1])
-    assert not torch.equal(out[True][2], out[False][2])
-    torch.testing.assert_close(out[True][2], out[False][2], rtol=0.1, atol=0.1 * out[False][2].abs().max().item())
+        out[save] = (saved, model.embed.weight.grad.float().clone())
+    plain, kept = out[False][0], out[True][0]
+    fp8_bytes = sum(n for dtype, n in kept if dtype == torch.float8_e4m3fn)
+    # Per layer: x [M, 128] and h [M, 256] in FP8 with one float32 scale per 128: (1 + 4/128) bytes an element,
+    # where bf16 kept 2; M = 256 tokens x top-2 = 512 rows.
+    rows, layers = 2 * 128 * cfg.top_k, cfg.num_layers
+    assert fp8_bytes == layers * rows * (128 + 256)
+    assert sum(n for _, n in plain) - sum(n for _, n in kept) == layers * rows * (128 + 256) * (2 - 1 - 4 / 128)
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=0.1, atol=0.1 * out[False][1].abs().max().item())
+    assert not torch.equal(out[True][1], out[False][1])
