@@ -1,15 +1,21 @@
 """Compile every Triton kernel of the package for a GPU without a GPU, and report what the compiler made.
 
-    python -m kernels.aot              # sm_90 (H100/H800), the DeepSeek-V3 bf16 launches
+    python -m kernels.aot              # sm_90 (H100/H800), the DeepSeek-V3 launches (bf16 and FP8)
     python -m kernels.aot --arch 100
+    python -m kernels.aot --list       # the launches, without compiling
+    python -m kernels.aot --only fp8   # the launches whose name contains "fp8"
 
 Triton ships its own ``ptxas`` and ``cuobjdump``, so the whole pipeline (TTIR -> TTGIR -> LLVM -> PTX ->
 cubin) runs on a CPU-only machine. Each kernel is compiled with the argument specialisation the JIT would
 give a representative launch (16-byte aligned pointers, integers that are multiples of 16 marked so, ones
-folded into constants) and the tile configuration its launcher picks on CUDA. The report answers, before
-any device time is spent, what the method asks of a GPU kernel: does it compile, does it spill (stack
-bytes), how much shared memory, are the Hopper matrix instructions (``wgmma``) and asynchronous copies
-there. Needs ``TRITON_INTERPRET`` unset (interpreted kernels cannot be compiled).
+folded into constants, neither for the kernel's ``do_not_specialize`` arguments) and the tile configuration
+its launcher picks on CUDA. The report answers, before any device time is spent, what the method asks of a
+GPU kernel: does it compile, does it spill (stack bytes), how much shared memory, are the Hopper matrix
+instructions (``wgmma``) and asynchronous copies there. Needs ``TRITON_INTERPRET`` unset (interpreted kernels
+cannot be compiled).
+
+Which launches: every Triton module declares its own next to its launchers (a function marked
+:func:`kernels.registry.register_aot`, called with :data:`V3_RANK`); this module keeps no list of kernels.
 """
 
 from __future__ import annotations
@@ -20,15 +26,28 @@ import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["CompileReport", "KernelSpec", "compile_spec", "kernel_specs"]
+from kernels import registry
+from kernels.fp8 import FP8Recipe
+from kernels.warmup import KernelShapes
 
-# DeepSeek-V3 on one rank: hidden 7168, expert intermediate 2048, 32 local experts, 16384 tokens, top-8
-# from 256 routed experts in 8 groups (4 kept); 132 SMs (H100 SXM / H800).
-_D, _F, _E, _T, _K, _SMS = 7168, 2048, 32, 16384, 8, 132
-_M = _T * _K
+__all__ = ["V3_RANK", "CompileReport", "KernelSpec", "compile_spec", "kernel_specs", "launch_spec", "pointer_type"]
+
+V3_RANK = KernelShapes(
+    tokens=16384, hidden=7168, expert_intermediate=2048, num_experts=256, num_local_experts=32, top_k=8,
+    n_group=8, topk_group=4, dtype=torch.bfloat16, fp8=FP8Recipe(), fp8_linears=((7168, 1536),),
+)  # fmt: skip
+"""DeepSeek-V3 on one rank: hidden 7168, expert intermediate 2048, 32 local experts, 16384 tokens, top-8 from
+256 routed experts in 8 groups (4 kept), bf16, the FP8 recipe; MLA's query down-projection (7168 -> 1536)
+stands for the FP8 linears."""
+
+_POINTER_TYPES = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
+    torch.int64: "i64", torch.int32: "i32",
+}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,6 +84,7 @@ def _source(spec: KernelSpec):
     from triton.compiler import ASTSource
 
     signature, constexprs, aligned = {}, dict(spec.constexprs), []
+    unspecialized = {p.name for p in getattr(spec.kernel, "params", ()) if getattr(p, "do_not_specialize", False)}
     for name in spec.kernel.arg_names:
         if name in spec.constexprs:
             signature[name] = "constexpr"
@@ -77,6 +97,8 @@ def _source(spec: KernelSpec):
                 aligned.append(name)  # torch allocations are 256-byte aligned
         elif name in spec.floats:
             signature[name] = "fp32"
+        elif name in unspecialized:  # typed by value only
+            signature[name] = "i64" if spec.ints[name] >= 2**31 else "i32"
         elif spec.ints.get(name) == 1:  # the JIT folds ints equal to 1 into the kernel
             signature[name], constexprs[name] = "constexpr", 1
         else:
@@ -90,7 +112,11 @@ def _source(spec: KernelSpec):
 def compile_spec(spec: KernelSpec, arch: int = 90) -> CompileReport:
     """Compile one launch for sm_<arch> and read its resource usage off the cubin."""
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
+
+    if knobs.runtime.interpret:
+        raise RuntimeError("kernels.aot compiles kernels: run it with TRITON_INTERPRET unset")
 
     compiled = triton.compile(
         _source(spec),
@@ -115,116 +141,68 @@ def compile_spec(spec: KernelSpec, arch: int = 90) -> CompileReport:
     )
 
 
-def _gemm_specs() -> list[KernelSpec]:
-    """The grouped GEMMs with every config the CUDA autotuner may pick, and the fp32 fallback."""
-    from kernels import triton_grouped_gemm as gg
-
-    def launch(name, kernel, cfg, dtype, ints, ieee=False):
-        meta = cfg.to_triton(with_group="GROUP_M" in kernel.arg_names)
-        tag = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-        pointers = dict.fromkeys(kernel.arg_names[:3], dtype) | {"counts_ptr": "i64"}
-        return KernelSpec(
-            name=f"{name} {tag}", kernel=kernel, pointers=pointers, ints={"E": _E, **ints},
-            constexprs={**meta.kwargs, "BLOCK_E": _E, "IEEE": ieee},
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-
-    fwd = {"N": _F, "K": _D, "stride_we": _D * _F, "stride_wk": _F, "stride_wn": 1}
-    dgrad = {"N": _D, "K": _F, "stride_we": _D * _F, "stride_wk": 1, "stride_wn": _F}  # w^T as a view
-    wgrad = {"N": _F, "K": _D}
-    fwd_kernel, wgrad_kernel = gg._grouped_gemm_kernel, gg._grouped_wgrad_kernel
-    return (
-        [launch("grouped_gemm bf16", fwd_kernel, cfg, "bf16", fwd) for cfg in gg._CUDA_CONFIGS]
-        + [launch("grouped_gemm_dgrad bf16", fwd_kernel, cfg, "bf16", dgrad) for cfg in gg._CUDA_CONFIGS]
-        + [launch("grouped_gemm_wgrad bf16", wgrad_kernel, cfg, "bf16", wgrad) for cfg in gg._CUDA_WGRAD_CONFIGS]
-        + [
-            launch("grouped_gemm fp32", fwd_kernel, gg._CUDA_FP32_CONFIG, "fp32", fwd, ieee=True),
-            launch("grouped_gemm_wgrad fp32", wgrad_kernel, gg._CUDA_FP32_CONFIG, "fp32", wgrad, ieee=True),
-        ]
-    )
+def pointer_type(dtype: torch.dtype) -> str:
+    """Triton's pointer element type for a torch dtype ("bf16", "fp8e4nv", "i64", ...)."""
+    return _POINTER_TYPES[dtype]
 
 
-def _memory_bound_specs() -> list[KernelSpec]:
-    from kernels import triton_permute as tp
-    from kernels import triton_router as tr
-    from kernels import triton_swiglu as ts
-
-    cuda = torch.device("cuda")  # only its type is read: nothing touches a device
-    block_s, block_e = tp._sort_blocks(_E)
-    sort = {"BLOCK_S": block_s, "BLOCK_E": block_e}
-    block_t, block_d = tp._row_blocks(cuda, _D)
-    rows = {"T": _T, "D": _D}
-    scatter = {"TOP_K": _K, "BLOCK_T": block_t, "BLOCK_K": _K, "BLOCK_D": block_d}
-    no_dscale = {"scale_ptr": None, "y_ptr": None, "dscale_ptr": None}
-    router_t, router_e = tr._blocks(cuda, 256)
-    block_m, block_f = ts._blocks(cuda, _F)
-    swiglu = {"BLOCK_M": block_m, "BLOCK_F": block_f}
-    i64 = "i64"
-    return [
-        KernelSpec(name="permute histogram", kernel=tp._block_histogram_kernel,
-                   pointers={"idx_ptr": i64, "counts_ptr": "i32"}, ints={"S": _M, "E": _E}, constexprs=sort),
-        KernelSpec(name="permute rank+scatter", kernel=tp._rank_scatter_kernel,
-                   pointers={"idx_ptr": i64, "start_ptr": i64, "row_id_ptr": i64, "slot_row_ptr": i64},
-                   ints={"S": _M, "E": _E, "M": _M}, constexprs=sort),
-        KernelSpec(name="permute scatter rows", kernel=tp._scatter_rows_kernel,
-                   pointers={"src_ptr": "bf16", "slot_row_ptr": i64, "dst_ptr": "bf16", **no_dscale}, ints=rows,
-                   constexprs={**scatter, "SCALED": False, "WITH_DSCALE": False}),
-        KernelSpec(name="unpermute_backward scatter", kernel=tp._scatter_rows_kernel,
-                   pointers={"src_ptr": "bf16", "slot_row_ptr": i64, "dst_ptr": "bf16", "scale_ptr": "fp32",
-                             "y_ptr": "bf16", "dscale_ptr": "fp32"}, ints=rows,
-                   constexprs={**scatter, "SCALED": True, "WITH_DSCALE": True}),
-        KernelSpec(name="combine_rows backward scatter", kernel=tp._scatter_rows_kernel,
-                   pointers={"src_ptr": "bf16", "slot_row_ptr": i64, "dst_ptr": "bf16", "scale_ptr": "fp32",
-                             "y_ptr": None, "dscale_ptr": None}, ints=rows,
-                   constexprs={**scatter, "SCALED": True, "WITH_DSCALE": False}),
-        KernelSpec(name="unpermute invert", kernel=tp._invert_kernel,
-                   pointers={"row_id_ptr": i64, "slot_row_ptr": i64}, ints={"M": _M}, constexprs={"BLOCK": 1024}),
-        KernelSpec(name="unpermute combine", kernel=tp._combine_kernel,
-                   pointers={"y_ptr": "bf16", "slot_row_ptr": i64, "w_ptr": "fp32", "out_ptr": "bf16"}, ints=rows,
-                   constexprs={"TOP_K": _K, "BLOCK_T": block_t, "BLOCK_D": block_d, "WEIGHTED": True}),
-        KernelSpec(name="permute_backward combine", kernel=tp._combine_kernel,
-                   pointers={"y_ptr": "bf16", "slot_row_ptr": i64, "w_ptr": None, "out_ptr": "bf16"}, ints=rows,
-                   constexprs={"TOP_K": _K, "BLOCK_T": block_t, "BLOCK_D": block_d, "WEIGHTED": False}),
-        KernelSpec(name="router_topk V3", kernel=tr._router_topk_kernel,
-                   pointers={"logits_ptr": "bf16", "bias_ptr": "fp32", "weights_ptr": "fp32", "idx_ptr": i64,
-                             "scores_ptr": "fp32"}, ints={"T": _T, "E": 256}, floats=("route_scale",),
-                   constexprs={"TOP_K": _K, "N_GROUP": 8, "TOPK_GROUP": 4, "GROUP_SIZE": 32, "BLOCK_T": router_t,
-                               "BLOCK_E": router_e, "BLOCK_K": _K, "BLOCK_G": 8, "PRECISE": True}),
-        KernelSpec(name="swiglu forward", kernel=ts._swiglu_fwd_kernel,
-                   pointers={"x_ptr": "bf16", "y_ptr": "bf16", "scale_ptr": None}, ints={"M": _M, "F": _F},
-                   constexprs={**swiglu, "SCALED": False}),
-        KernelSpec(name="swiglu forward, routing weights", kernel=ts._swiglu_fwd_kernel,
-                   pointers={"x_ptr": "bf16", "y_ptr": "bf16", "scale_ptr": "fp32"}, ints={"M": _M, "F": _F},
-                   constexprs={**swiglu, "SCALED": True}),
-        KernelSpec(name="swiglu backward", kernel=ts._swiglu_bwd_kernel,
-                   pointers={"dy_ptr": "bf16", "x_ptr": "bf16", "dx_ptr": "bf16"}, ints={"M": _M, "F": _F},
-                   constexprs=swiglu),
-        KernelSpec(name="swiglu backward, routing weights", kernel=ts._swiglu_scaled_bwd_kernel,
-                   pointers={"dy_ptr": "bf16", "x_ptr": "bf16", "scale_ptr": "fp32", "dx_ptr": "bf16",
-                             "dscale_ptr": "fp32"}, ints={"M": _M, "F": _F}, constexprs=swiglu),
-    ]  # fmt: skip
+def launch_spec(name: str, kernel: Any, args: dict[str, Any], options: dict[str, Any]) -> KernelSpec:
+    """A :class:`KernelSpec` from a launch ``kernel[grid](**args, **options)`` (tensors may be meta tensors):
+    tensors become pointers of their dtype, ints and floats stay, options are constexprs and launch options."""
+    options = dict(options)
+    warps, stages = options.pop("num_warps", 4), options.pop("num_stages", 3)
+    pointers = {k: None if v is None else pointer_type(v.dtype) for k, v in args.items()
+                if v is None or isinstance(v, torch.Tensor)}  # fmt: skip
+    ints = {k: v for k, v in args.items() if isinstance(v, int) and not isinstance(v, bool)}
+    floats = tuple(k for k, v in args.items() if isinstance(v, float))
+    return KernelSpec(name=name, kernel=kernel, pointers=pointers, ints=ints, floats=floats, constexprs=options,
+                      num_warps=warps, num_stages=stages)  # fmt: skip
 
 
-def kernel_specs() -> list[KernelSpec]:
-    """Every kernel of the package at a DeepSeek-V3 bf16 launch, with its launcher's CUDA configuration."""
-    from triton import knobs
-
-    if knobs.runtime.interpret:
-        raise RuntimeError("kernels.aot compiles kernels: run it with TRITON_INTERPRET unset")
-    return _gemm_specs() + _memory_bound_specs()
+def kernel_specs(shapes: KernelShapes = V3_RANK) -> list[KernelSpec]:
+    """Every kernel of the package at ``shapes``, with its launchers' CUDA configurations: the launches each
+    Triton module declares (:func:`kernels.registry.register_aot`), modules in name order. Listing works under
+    ``TRITON_INTERPRET`` too; compiling (:func:`compile_spec`) does not."""
+    return [spec for build in registry.aot_spec_builders() for spec in build(shapes)]
 
 
 def main(argv: list[str] | None = None) -> list[CompileReport]:
-    parser = argparse.ArgumentParser(prog="python -m kernels.aot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kernels.aot",
+        description=__doc__.split("\n\n")[0],
+        epilog=_modules_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H800)")
+    parser.add_argument("--list", action="store_true", help="print the launches' names and exit (no compiling)")
+    parser.add_argument("--only", default="", metavar="TEXT", help="compile the launches whose name contains TEXT")
     args = parser.parse_args(argv)
+    specs = [s for s in kernel_specs() if args.only in s.name]
+    if args.list:
+        print("\n".join(s.name for s in specs))
+        return []
     reports = []
     print(f"{'kernel':<46} {'regs':>5} {'stack':>6} {'smem':>7} {'wgmma':>6} {'async':>6}")
-    for spec in kernel_specs():
+    for spec in specs:
         r = compile_spec(spec, args.arch)
         reports.append(r)
         print(f"{r.name:<46} {r.registers:5d} {r.stack_bytes:6d} {r.shared_bytes:7d} {r.wgmma:6d} {r.async_copies:6d}")
     return reports
+
+
+def _modules_epilog() -> str:
+    """The Triton modules and their ops, for --help (read off the registry; a module without Triton installed
+    cannot be listed)."""
+    try:
+        builders = registry.aot_spec_builders()
+    except ImportError as exc:
+        return f"kernels: unavailable ({exc})"
+    lines = ["kernels (each module declares its launches):"]
+    for build in builders:
+        module = build.__module__
+        ops = [n for n in registry.op_names("triton") if registry.implementation(n, "triton").__module__ == module]
+        lines.append(f"  {module.removeprefix('kernels.')}: {', '.join(ops)}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -8,19 +8,46 @@ therefore its Triton file plus its reference, and nothing else.
 
 Triton modules register when they are imported, which happens on the first Triton lookup (all of them at
 once: the table only learns which module holds an op's launcher by running it), never on ``import kernels``.
+
+Beside its launcher, a Triton module declares what ahead-of-time work needs to know of it, so that neither
+:mod:`kernels.warmup` nor :mod:`kernels.aot` keeps a list of kernels:
+
+* ``@register("triton", specialization=Specialization(key=..., meta=...))``: which compiled (and autotuned)
+  kernels a call runs, and its result's shapes (the warm-up's classes, replayed on meta tensors);
+* ``@register_aot`` on a function ``(shapes) -> [kernels.aot.KernelSpec]``: representative launches of the
+  module's kernels at a model's shapes (:class:`kernels.warmup.KernelShapes`), compiled by :mod:`kernels.aot`.
+
+:func:`intercept` lets the warm-up see every call the backend switch makes (recording classes, or replacing
+the kernels with their meta results) without replacing anything in :mod:`kernels.ops`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import pkgutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
-__all__ = ["BACKENDS", "Backend", "implementation", "op_names", "register"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "Specialization",
+    "aot_spec_builders",
+    "dtype_name",
+    "implementation",
+    "int_class",
+    "intercept",
+    "launch_key",
+    "op_names",
+    "register",
+    "register_aot",
+    "specialization",
+]
 
 Backend = Literal["torch", "triton"]
 BACKENDS: tuple[Backend, ...] = ("torch", "triton")
@@ -33,10 +60,41 @@ _Fn = TypeVar("_Fn", bound=Callable)
 _TABLE: dict[str, dict[Backend, tuple[str, str]]] = {}
 
 
-def register(backend: Backend) -> Callable[[_Fn], _Fn]:
-    """Decorator: ``fn`` is ``backend``'s implementation of the op named ``fn.__name__``."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Specialization:
+    """How the calls of one Triton op map onto compiled kernels: what the warm-up needs of the op."""
+
+    key: Callable[..., tuple]
+    """``key(*args, **kwargs)`` of a call (the op's own arguments, meta tensors included) -> a tuple that is
+    equal for two calls exactly when they run the same compiled and autotuned kernels: the sizes and strides
+    the autotuner keys on, the tensors' dtypes, the constexprs, and :func:`int_class` of every integer
+    argument the JIT specialises on."""
+    meta: Callable[..., Any]
+    """``meta(rows, *args, **kwargs)`` -> the call's result as ``device="meta"`` tensors (shapes and dtypes).
+    rows: the routed rows of the warm-up's current expert run, the one size a meta tensor cannot compute
+    (a permute's output without a static ``num_rows``); other ops ignore it."""
+    kernel: str | None = None
+    """The op whose kernels this one runs, when not its own (an input gradient that calls the forward on a
+    transposed view): calls of both then share classes."""
+
+
+# op name -> its Specialization (Triton ops only); module, attribute of each @register_aot function.
+_SPECIALIZATIONS: dict[str, Specialization] = {}
+_AOT: set[tuple[str, str]] = set()
+# Wrappers installed by intercept(), innermost last. Process-wide on purpose: autograd runs the backward
+# functions of CUDA tensors on its own device threads, which a context variable would not reach.
+_INTERCEPTORS: list[Callable[[str, Callable], Callable]] = []
+
+
+def register(backend: Backend, *, specialization: Specialization | None = None) -> Callable[[_Fn], _Fn]:
+    """Decorator: ``fn`` is ``backend``'s implementation of the op named ``fn.__name__``.
+
+    specialization (Triton implementations only): how its calls map onto compiled kernels, for the warm-up.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if specialization is not None and backend != "triton":
+        raise ValueError(f"a specialization describes a Triton launcher, not a {backend} implementation")
 
     def mark(fn: _Fn) -> _Fn:
         where = (fn.__module__, fn.__name__)
@@ -45,9 +103,82 @@ def register(backend: Backend) -> Callable[[_Fn], _Fn]:
             module = entries[backend][0]
             raise ValueError(f"op {fn.__name__!r} has two {backend} implementations: in {module} and {where[0]}")
         entries[backend] = where
+        if specialization is not None:
+            _SPECIALIZATIONS[fn.__name__] = specialization
         return fn
 
     return mark
+
+
+def register_aot(fn: _Fn) -> _Fn:
+    """Decorator for a Triton module's ``fn(shapes: kernels.warmup.KernelShapes) -> list[kernels.aot.KernelSpec]``:
+    one launch per kernel and configuration the module's launchers pick on CUDA at those shapes."""
+    _AOT.add((fn.__module__, fn.__name__))
+    return fn
+
+
+def aot_spec_builders() -> list[Callable]:
+    """Every :func:`register_aot` function, by module name (importing the Triton modules)."""
+    _import_triton_modules()
+    return [getattr(sys.modules[module], attribute) for module, attribute in sorted(_AOT)]
+
+
+def specialization(name: str) -> Specialization:
+    """The :class:`Specialization` of Triton op ``name`` (importing the Triton modules)."""
+    _import_triton_modules()
+    spec = _SPECIALIZATIONS.get(name)
+    if spec is None:
+        known = ", ".join(sorted(_SPECIALIZATIONS))
+        raise ValueError(f"op {name!r} declares no specialization with its Triton launcher (known: {known})")
+    return spec
+
+
+def int_class(value: int, *, specialized: bool = True) -> str:
+    """Triton's specialisation class of an integer kernel argument: "1", "16" (divisible by 16, zero
+    included), "n" (anything else), with "64" appended from 2**31 on (the argument becomes i64).
+
+    specialized=False: an argument in the kernel's ``do_not_specialize``, whose class is its type only
+    ("i32" or "i64").
+    """
+    if not specialized:
+        return "i64" if value >= 2**31 else "i32"
+    cls = "1" if value == 1 else "16" if value % 16 == 0 else "n"
+    return cls + "64" if value >= 2**31 else cls
+
+
+def dtype_name(tensor: Any) -> str:
+    """A tensor's dtype as a short name ("bfloat16", "int64"), for class keys."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def launch_key(kernel: Any, args: dict[str, Any], options: dict[str, Any], *, unspecialized=()) -> tuple:
+    """The compile class of one launch ``kernel[grid](**args, **options)``, as a :class:`Specialization` key:
+    the kernel's name, each tensor argument's dtype (None for an absent one), :func:`int_class` of each integer
+    argument (``unspecialized``: the names in the kernel's ``do_not_specialize``), the options sorted."""
+    parts: list[Any] = [kernel.fn.__name__]
+    for name, value in args.items():
+        if value is None or isinstance(value, bool):
+            parts.append(value)
+        elif isinstance(value, float):
+            parts.append("fp32")  # the JIT does not specialise on a float's value
+        elif isinstance(value, int):
+            parts.append(int_class(value, specialized=name not in unspecialized))
+        else:
+            parts.append(dtype_name(value))
+    return (*parts, *sorted(options.items()))
+
+
+@contextlib.contextmanager
+def intercept(wrap: Callable[[str, Callable], Callable]) -> Iterator[None]:
+    """While open, :func:`implementation` returns ``wrap(name, impl)`` instead of ``impl``: every call through
+    :mod:`kernels.ops` (and :mod:`kernels.functional`, which calls it) goes through ``wrap``'s function. The
+    warm-up records classes so, or replaces the kernels by their meta results. Nests (the innermost wraps
+    last); process-wide while open."""
+    _INTERCEPTORS.append(wrap)
+    try:
+        yield
+    finally:
+        _INTERCEPTORS.remove(wrap)
 
 
 def op_names(backend: Backend = "torch") -> list[str]:
@@ -65,7 +196,10 @@ def implementation(name: str, backend: Backend) -> Callable:
     if where is None:
         raise NotImplementedError(f"op {name!r} has no {backend} implementation (registered: {sorted(_TABLE)})")
     module, attribute = where
-    return getattr(sys.modules[module], attribute)
+    fn = getattr(sys.modules[module], attribute)
+    for wrap in _INTERCEPTORS:
+        fn = wrap(name, fn)
+    return fn
 
 
 @functools.cache

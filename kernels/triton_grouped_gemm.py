@@ -21,13 +21,17 @@ the groups are neither read nor written, and the grid is sized from the static M
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels._launch import BlockConfig, num_programs, validate_counts
-from kernels.registry import register
+from kernels.registry import Specialization, dtype_name, int_class, register, register_aot
+
+if TYPE_CHECKING:
+    from kernels.warmup import KernelShapes
 
 __all__ = ["grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad"]
 
@@ -238,7 +242,70 @@ def _check_operands(name: str, a: torch.Tensor, b: torch.Tensor, counts_E: torch
     validate_counts(name, counts_E)
 
 
-@register("triton")
+# --- what the warm-up and kernels.aot need of these ops (kernels.registry.Specialization, register_aot) ---
+
+
+def _gemm_key(x_MK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, **_) -> tuple:
+    # The autotune key (N, K, stride_wk, stride_wn) plus what else the JIT specialises on: E (1 is folded) and
+    # the tensors' dtypes (triton.autotune adds every tensor argument's dtype to its key). M is no argument.
+    e, k, n = w_EKN.shape
+    return (n, k, w_EKN.stride(1), w_EKN.stride(2), int_class(e), dtype_name(x_MK), dtype_name(tokens_per_expert_E))
+
+
+def _wgrad_key(x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_expert_E: torch.Tensor, **_) -> tuple:
+    counts = tokens_per_expert_E
+    return (dy_MN.shape[1], x_MK.shape[1], int_class(counts.shape[0]), dtype_name(x_MK), dtype_name(counts))
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+_GEMM = Specialization(key=_gemm_key, meta=lambda rows, x, w, counts, **_: _meta(x.shape[0], w.shape[2], dtype=x.dtype))
+_DGRAD = Specialization(
+    key=lambda dy, w, counts, **_: _gemm_key(dy, w.transpose(1, 2), counts),
+    meta=lambda rows, dy, w, counts, **_: _meta(dy.shape[0], w.shape[1], dtype=dy.dtype),
+    kernel="grouped_gemm",  # the forward kernel on a transposed view of w
+)
+_WGRAD = Specialization(
+    key=_wgrad_key, meta=lambda rows, x, dy, counts, **_: _meta(counts.shape[0], x.shape[1], dy.shape[1], dtype=x.dtype)
+)
+
+
+@register_aot
+def _aot_specs(shapes: KernelShapes) -> list:
+    """The grouped GEMMs with every config the CUDA autotuner may pick (forward D -> F, its input gradient on
+    the transposed view, the weight gradient), and the fp32 fallback."""
+    from kernels.aot import KernelSpec, pointer_type
+
+    d, f, e = shapes.hidden, shapes.expert_intermediate, shapes.num_local_experts
+
+    def launch(name, kernel, cfg, dtype, ints, ieee=False):
+        meta = cfg.to_triton(with_group="GROUP_M" in kernel.arg_names)
+        tag = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+        pointers = dict.fromkeys(kernel.arg_names[:3], dtype) | {"counts_ptr": "i64"}
+        return KernelSpec(
+            name=f"{name} {dtype} {tag}", kernel=kernel, pointers=pointers, ints={"E": e, **ints},
+            constexprs={**meta.kwargs, "BLOCK_E": triton.next_power_of_2(e), "IEEE": ieee},
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    fwd = {"N": f, "K": d, "stride_we": d * f, "stride_wk": f, "stride_wn": 1}
+    dgrad = {"N": d, "K": f, "stride_we": d * f, "stride_wk": 1, "stride_wn": f}  # w^T as a view
+    wgrad = {"N": f, "K": d}
+    dt = pointer_type(shapes.dtype)
+    return (
+        [launch("grouped_gemm", _grouped_gemm_kernel, cfg, dt, fwd) for cfg in _CUDA_CONFIGS]
+        + [launch("grouped_gemm_dgrad", _grouped_gemm_kernel, cfg, dt, dgrad) for cfg in _CUDA_CONFIGS]
+        + [launch("grouped_gemm_wgrad", _grouped_wgrad_kernel, cfg, dt, wgrad) for cfg in _CUDA_WGRAD_CONFIGS]
+        + [
+            launch("grouped_gemm", _grouped_gemm_kernel, _CUDA_FP32_CONFIG, "fp32", fwd, ieee=True),
+            launch("grouped_gemm_wgrad", _grouped_wgrad_kernel, _CUDA_FP32_CONFIG, "fp32", wgrad, ieee=True),
+        ]
+    )
+
+
+@register("triton", specialization=_GEMM)
 def grouped_gemm(
     x_MK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
 ) -> torch.Tensor:
@@ -277,7 +344,7 @@ def grouped_gemm(
     return y_MN
 
 
-@register("triton")
+@register("triton", specialization=_DGRAD)
 def grouped_gemm_dgrad(
     dy_MN: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
 ) -> torch.Tensor:
@@ -285,7 +352,7 @@ def grouped_gemm_dgrad(
     return grouped_gemm(dy_MN, w_EKN.transpose(1, 2), tokens_per_expert_E, comm_sms=comm_sms)
 
 
-@register("triton")
+@register("triton", specialization=_WGRAD)
 def grouped_gemm_wgrad(
     x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
 ) -> torch.Tensor:

@@ -30,11 +30,16 @@ read, and none of them reads a device value on the host.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.registry import register
+from kernels.registry import Specialization, dtype_name, int_class, register, register_aot
+
+if TYPE_CHECKING:
+    from kernels.warmup import KernelShapes
 
 __all__ = ["permute", "permute_backward", "unpermute", "unpermute_backward"]
 
@@ -251,7 +256,100 @@ def _combine(y_MD, row_id_M, num_tokens, top_k, weights_S=None):
     return out_TD
 
 
-@register("triton")
+# --- what the warm-up and kernels.aot need of these ops (kernels.registry.Specialization, register_aot) ---
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _permute_key(x_TD, topk_idx_TK, num_experts, num_rows=None) -> tuple:
+    r, k = topk_idx_TK.shape
+    m = r * k if num_rows is None else num_rows  # the output rows: every slot, or the sync-free bound
+    return (x_TD.shape[1], k, num_experts, dtype_name(x_TD), dtype_name(topk_idx_TK), int_class(r), int_class(m))
+
+
+def _permute_meta(rows, x_TD, topk_idx_TK, num_experts, num_rows=None) -> tuple[torch.Tensor, ...]:
+    m = rows if num_rows is None else num_rows  # without a static bound M is the routed slots' count
+    return _meta(m, x_TD.shape[1], dtype=x_TD.dtype), _meta(m, dtype=torch.int64), _meta(num_experts, dtype=torch.int64)
+
+
+def _combine_key(dx_sorted_MD, row_id_M, num_tokens, top_k) -> tuple:
+    dx = dx_sorted_MD
+    return (dx.shape[1], top_k, dtype_name(dx), int_class(dx.shape[0]), int_class(num_tokens))
+
+
+def _unpermute_key(y_MD, row_id_M, topk_weights_TK) -> tuple:
+    r, k = topk_weights_TK.shape
+    return (y_MD.shape[1], k, dtype_name(y_MD), dtype_name(topk_weights_TK), int_class(y_MD.shape[0]), int_class(r))
+
+
+def _unpermute_backward_key(dout_TD, y_MD, row_id_M, topk_weights_TK) -> tuple:
+    r, k = topk_weights_TK.shape
+    dweights = "dweights" if y_MD is not None else "no-dweights"  # a constexpr of the kernel
+    m = row_id_M.shape[0]
+    return (dout_TD.shape[1], k, dtype_name(dout_TD), dtype_name(topk_weights_TK), int_class(m), int_class(r), dweights)
+
+
+def _unpermute_backward_meta(rows, dout_TD, y_MD, row_id_M, topk_weights_TK) -> tuple:
+    dy = _meta(row_id_M.shape[0], dout_TD.shape[1], dtype=dout_TD.dtype if y_MD is None else y_MD.dtype)
+    return dy, None if y_MD is None else _meta(*topk_weights_TK.shape, dtype=topk_weights_TK.dtype)
+
+
+_PERMUTE = Specialization(key=_permute_key, meta=_permute_meta)
+_PERMUTE_BACKWARD = Specialization(
+    key=_combine_key, meta=lambda rows, dx, row_id, num_tokens, top_k: _meta(num_tokens, dx.shape[1], dtype=dx.dtype)
+)
+_UNPERMUTE = Specialization(
+    key=_unpermute_key, meta=lambda rows, y, row_id, w: _meta(w.shape[0], y.shape[1], dtype=y.dtype)
+)
+_UNPERMUTE_BACKWARD = Specialization(key=_unpermute_backward_key, meta=_unpermute_backward_meta)
+
+
+@register_aot
+def _aot_specs(shapes: KernelShapes) -> list:
+    """Permute and unpermute over T tokens of width D with top-k slots (M = T x top-k) to the local experts."""
+    from kernels.aot import KernelSpec, pointer_type
+
+    t, d, e, k = shapes.tokens, shapes.hidden, shapes.num_local_experts, shapes.top_k
+    m, dt, i64 = t * k, pointer_type(shapes.dtype), "i64"
+    cuda = torch.device("cuda")  # only its type is read: nothing touches a device
+    block_s, block_e = _sort_blocks(e)
+    sort = {"BLOCK_S": block_s, "BLOCK_E": block_e}
+    block_t, block_d = _row_blocks(cuda, d)
+    rows = {"T": t, "D": d}
+    scatter = {"TOP_K": k, "BLOCK_T": block_t, "BLOCK_K": triton.next_power_of_2(k), "BLOCK_D": block_d}
+    combine = {"TOP_K": k, "BLOCK_T": block_t, "BLOCK_D": block_d}
+    no_dscale = {"scale_ptr": None, "y_ptr": None, "dscale_ptr": None}
+    return [
+        KernelSpec(name="permute histogram", kernel=_block_histogram_kernel,
+                   pointers={"idx_ptr": i64, "counts_ptr": "i32"}, ints={"S": m, "E": e}, constexprs=sort),
+        KernelSpec(name="permute rank+scatter", kernel=_rank_scatter_kernel,
+                   pointers={"idx_ptr": i64, "start_ptr": i64, "row_id_ptr": i64, "slot_row_ptr": i64},
+                   ints={"S": m, "E": e, "M": m}, constexprs=sort),
+        KernelSpec(name="permute scatter rows", kernel=_scatter_rows_kernel,
+                   pointers={"src_ptr": dt, "slot_row_ptr": i64, "dst_ptr": dt, **no_dscale}, ints=rows,
+                   constexprs={**scatter, "SCALED": False, "WITH_DSCALE": False}),
+        KernelSpec(name="unpermute_backward scatter", kernel=_scatter_rows_kernel,
+                   pointers={"src_ptr": dt, "slot_row_ptr": i64, "dst_ptr": dt, "scale_ptr": "fp32",
+                             "y_ptr": dt, "dscale_ptr": "fp32"}, ints=rows,
+                   constexprs={**scatter, "SCALED": True, "WITH_DSCALE": True}),
+        KernelSpec(name="combine_rows backward scatter", kernel=_scatter_rows_kernel,
+                   pointers={"src_ptr": dt, "slot_row_ptr": i64, "dst_ptr": dt, "scale_ptr": "fp32",
+                             "y_ptr": None, "dscale_ptr": None}, ints=rows,
+                   constexprs={**scatter, "SCALED": True, "WITH_DSCALE": False}),
+        KernelSpec(name="unpermute invert", kernel=_invert_kernel,
+                   pointers={"row_id_ptr": i64, "slot_row_ptr": i64}, ints={"M": m}, constexprs={"BLOCK": 1024}),
+        KernelSpec(name="unpermute combine", kernel=_combine_kernel,
+                   pointers={"y_ptr": dt, "slot_row_ptr": i64, "w_ptr": "fp32", "out_ptr": dt}, ints=rows,
+                   constexprs={**combine, "WEIGHTED": True}),
+        KernelSpec(name="permute_backward combine", kernel=_combine_kernel,
+                   pointers={"y_ptr": dt, "slot_row_ptr": i64, "w_ptr": None, "out_ptr": dt}, ints=rows,
+                   constexprs={**combine, "WEIGHTED": False}),
+    ]  # fmt: skip
+
+
+@register("triton", specialization=_PERMUTE)
 def permute(
     x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int, num_rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -272,14 +370,14 @@ def permute(
     return x_sorted_MD, row_id_M, tokens_per_expert_E
 
 
-@register("triton")
+@register("triton", specialization=_PERMUTE_BACKWARD)
 def permute_backward(dx_sorted_MD: torch.Tensor, row_id_M: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     """Gradient of :func:`permute` w.r.t. x: dx[t] = sum of the sorted rows that came from t -> [T, D]."""
     _check_rows("permute_backward", dx_sorted_MD, row_id_M, "row_id")
     return _combine(dx_sorted_MD, row_id_M, num_tokens, top_k)
 
 
-@register("triton")
+@register("triton", specialization=_UNPERMUTE)
 def unpermute(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k w[t, k] * y[row of (t, k)] -> [T, D] in y.dtype (fp32 accumulation)."""
     _check_rows("unpermute", y_MD, row_id_M, "row_id")
@@ -291,7 +389,7 @@ def unpermute(y_MD: torch.Tensor, row_id_M: torch.Tensor, topk_weights_TK: torch
     return _combine(y_MD, row_id_M, num_tokens, top_k, topk_weights_TK.reshape(-1))
 
 
-@register("triton")
+@register("triton", specialization=_UNPERMUTE_BACKWARD)
 def unpermute_backward(
     dout_TD: torch.Tensor, y_MD: torch.Tensor | None, row_id_M: torch.Tensor, topk_weights_TK: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

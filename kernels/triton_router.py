@@ -11,12 +11,17 @@ indices are the same.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.registry import register
+from kernels.registry import Specialization, dtype_name, int_class, register, register_aot
+
+if TYPE_CHECKING:
+    from kernels.warmup import KernelShapes
 
 __all__ = ["router_topk"]
 
@@ -145,7 +150,40 @@ def _check(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, n_group: i
         )
 
 
-@register("triton")
+# --- what the warm-up and kernels.aot need of this op (kernels.registry.Specialization, register_aot) ---
+
+
+def _router_key(logits_TE, bias_E, top_k, n_group=1, topk_group=1, route_scale=1.0) -> tuple:
+    t, e = logits_TE.shape
+    return (e, top_k, n_group, topk_group, dtype_name(logits_TE), dtype_name(bias_E), int_class(t))
+
+
+def _router_meta(rows, logits_TE, bias_E, top_k, *args, **kwargs) -> tuple[torch.Tensor, ...]:
+    t = logits_TE.shape[0]
+    return (
+        torch.empty(t, top_k, dtype=torch.float32, device="meta"),
+        torch.empty(t, top_k, dtype=torch.int64, device="meta"),
+        torch.empty(*logits_TE.shape, dtype=torch.float32, device="meta"),
+    )
+
+
+@register_aot
+def _aot_specs(shapes: KernelShapes) -> list:
+    """The router over a micro-batch's T tokens and all routed experts, with group-limited routing."""
+    from kernels.aot import KernelSpec, pointer_type
+
+    e, k, groups = shapes.num_experts, shapes.top_k, shapes.n_group
+    block_t, block_e = _blocks(torch.device("cuda"), e)  # only the device's type is read
+    constexprs = {"TOP_K": k, "N_GROUP": groups, "TOPK_GROUP": shapes.topk_group, "GROUP_SIZE": e // groups,
+                  "BLOCK_T": block_t, "BLOCK_E": block_e, "BLOCK_K": triton.next_power_of_2(k),
+                  "BLOCK_G": triton.next_power_of_2(groups), "PRECISE": True}  # fmt: skip
+    pointers = {"logits_ptr": pointer_type(shapes.dtype), "bias_ptr": "fp32", "weights_ptr": "fp32", "idx_ptr": "i64",
+                "scores_ptr": "fp32"}  # fmt: skip
+    return [KernelSpec(name=f"router_topk E{e} top-{k}", kernel=_router_topk_kernel, pointers=pointers,
+                       ints={"T": shapes.tokens, "E": e}, floats=("route_scale",), constexprs=constexprs)]  # fmt: skip
+
+
+@register("triton", specialization=Specialization(key=_router_key, meta=_router_meta))
 def router_topk(
     logits_TE: torch.Tensor,
     bias_E: torch.Tensor,

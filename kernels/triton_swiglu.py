@@ -14,11 +14,16 @@ walks a row block's F columns in one program (the dot product's sum stays in reg
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.registry import register
+from kernels.registry import Specialization, dtype_name, int_class, register, register_aot
+
+if TYPE_CHECKING:
+    from kernels.warmup import KernelShapes
 
 __all__ = ["swiglu", "swiglu_backward", "swiglu_scaled_backward"]
 
@@ -107,7 +112,61 @@ def _check_scale(name: str, scale_M: torch.Tensor, m: int, device: torch.device)
         raise ValueError(f"{name}: scale {tuple(scale_M.shape)} must be a contiguous [{m}] on {device}")
 
 
-@register("triton")
+# --- what the warm-up and kernels.aot need of these ops (kernels.registry.Specialization, register_aot) ---
+
+
+def _swiglu_key(x_MF2: torch.Tensor, scale_M: torch.Tensor | None = None) -> tuple:
+    scaled = "scaled" if scale_M is not None else "plain"  # a constexpr of the kernel: its own compile
+    return (x_MF2.shape[1] // 2, dtype_name(x_MF2), int_class(x_MF2.shape[0]), scaled)
+
+
+def _backward_key(dy_MF: torch.Tensor, x_MF2: torch.Tensor, scale_M: torch.Tensor | None = None) -> tuple:
+    return (x_MF2.shape[1] // 2, dtype_name(x_MF2), int_class(x_MF2.shape[0]))
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _swiglu_meta(rows: int, x_MF2: torch.Tensor, scale_M: torch.Tensor | None = None) -> torch.Tensor:
+    return _meta(x_MF2.shape[0], x_MF2.shape[1] // 2, dtype=x_MF2.dtype)
+
+
+_FORWARD = Specialization(key=_swiglu_key, meta=_swiglu_meta)
+_BACKWARD = Specialization(key=_backward_key, meta=lambda rows, dy_MF, x_MF2: _meta(*x_MF2.shape, dtype=x_MF2.dtype))
+_SCALED_BACKWARD = Specialization(
+    key=_backward_key,
+    meta=lambda rows, dy_MF, x_MF2, scale_M: (
+        _meta(*x_MF2.shape, dtype=x_MF2.dtype),
+        _meta(*scale_M.shape, dtype=scale_M.dtype),
+    ),
+)
+
+
+@register_aot
+def _aot_specs(shapes: KernelShapes) -> list:
+    """The SwiGLU kernels over the M = T x top-k routed rows of the expert MLP (F = expert_intermediate)."""
+    from kernels.aot import KernelSpec, pointer_type
+
+    m, f, dt = shapes.tokens * shapes.top_k, shapes.expert_intermediate, pointer_type(shapes.dtype)
+    block_m, block_f = _blocks(torch.device("cuda"), f)  # only the device's type is read
+    blocks, ints = {"BLOCK_M": block_m, "BLOCK_F": block_f}, {"M": m, "F": f}
+    return [
+        KernelSpec(name="swiglu forward", kernel=_swiglu_fwd_kernel,
+                   pointers={"x_ptr": dt, "y_ptr": dt, "scale_ptr": None}, ints=ints,
+                   constexprs={**blocks, "SCALED": False}),
+        KernelSpec(name="swiglu forward, routing weights", kernel=_swiglu_fwd_kernel,
+                   pointers={"x_ptr": dt, "y_ptr": dt, "scale_ptr": "fp32"}, ints=ints,
+                   constexprs={**blocks, "SCALED": True}),
+        KernelSpec(name="swiglu backward", kernel=_swiglu_bwd_kernel,
+                   pointers={"dy_ptr": dt, "x_ptr": dt, "dx_ptr": dt}, ints=ints, constexprs=blocks),
+        KernelSpec(name="swiglu backward, routing weights", kernel=_swiglu_scaled_bwd_kernel,
+                   pointers={"dy_ptr": dt, "x_ptr": dt, "scale_ptr": "fp32", "dx_ptr": dt, "dscale_ptr": "fp32"},
+                   ints=ints, constexprs=blocks),
+    ]  # fmt: skip
+
+
+@register("triton", specialization=_FORWARD)
 def swiglu(x_MF2: torch.Tensor, scale_M: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up (times scale[m] per row when given): [M, 2F] contiguous -> [M, F] in x.dtype."""
     f = _check_x("swiglu", x_MF2)
@@ -123,7 +182,7 @@ def swiglu(x_MF2: torch.Tensor, scale_M: torch.Tensor | None = None) -> torch.Te
     return y_MF
 
 
-@register("triton")
+@register("triton", specialization=_BACKWARD)
 def swiglu_backward(dy_MF: torch.Tensor, x_MF2: torch.Tensor) -> torch.Tensor:
     """Input gradient of :func:`swiglu`: dy [M, F], x [M, 2F] (both contiguous) -> dx [M, 2F] in x.dtype."""
     f = _check_x("swiglu_backward", x_MF2)
@@ -139,7 +198,7 @@ def swiglu_backward(dy_MF: torch.Tensor, x_MF2: torch.Tensor) -> torch.Tensor:
     return dx_MF2
 
 
-@register("triton")
+@register("triton", specialization=_SCALED_BACKWARD)
 def swiglu_scaled_backward(
     dy_MF: torch.Tensor, x_MF2: torch.Tensor, scale_M: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

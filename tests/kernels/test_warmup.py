@@ -126,6 +126,18 @@ def test_warm_up_is_a_noop_off_cuda(recorded, monkeypatch, kernels_env):
     assert recorded == []
 
 
+def test_every_triton_op_declares_what_the_warm_up_and_aot_need():
+    # The warm-up and kernels.aot keep no list of kernels: each Triton launcher declares its classes and
+    # meta results, and each Triton module its AOT launches, so a module that forgets shows here.
+    pytest.importorskip("triton")
+    triton_ops = registry.op_names("triton")
+    for name in triton_ops:
+        spec = registry.specialization(name)
+        assert spec.kernel is None or spec.kernel in triton_ops, name
+    modules = {registry.implementation(name, "triton").__module__ for name in triton_ops}
+    assert modules == {build.__module__ for build in registry.aot_spec_builders()}
+
+
 def test_unknown_op_is_refused():
     with pytest.raises(ValueError, match="unknown op"):
         shape_class("matmul", torch.empty(1))
