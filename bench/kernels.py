@@ -13,6 +13,12 @@ the GEMMs) and ``torch._grouped_mm`` where torch has it. Targets on an H100 (fro
 GEMM at least as fast as ``torch._grouped_mm`` and at least 60% of the dense rate; permute and unpermute
 at least 70% of the copy bandwidth.
 
+FP8 rows (CUDA only; on CPU a note says why they are missing): ``fp8_gemm`` (1x128 activations, 128x128 weight
+blocks, :mod:`kernels.triton_fp8_gemm`) against ``torch._scaled_mm`` in each scaling recipe this torch runs
+(blockwise 1x128 x 128x128 is the same recipe; rowwise and tensorwise are coarser) and against the bf16 matmul
+of the same size; ``fp8_grouped_gemm`` against the bf16 grouped GEMM. Operands are quantized before the clock
+starts: the rows time the GEMMs alone.
+
 ``--costs-out FILE`` also writes the planner's costs file (:mod:`moe.plan.measured`, its ``ops`` section)
 for one shape of the set (``--costs-shape``), from the rows of the path this run benchmarks (``ops[triton]``
 on a GPU with Triton, ``ops[torch]`` elsewhere). Planner ops it covers (:data:`PLANNER_OPS`): the routed
@@ -35,6 +41,7 @@ import torch
 
 from bench.harness import Bench, Row
 from kernels import ops, reference
+from kernels.reference_fp8 import TILE
 from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS
 from moe.plan.measured import MeasuredCosts, measured_ops, save_costs, work_ratio
@@ -188,6 +195,108 @@ def bench_memory_bound(bench: Bench, shape: MoEShape, dtype: torch.dtype) -> Non
         bench.compare(ours, ref, "speedup_vs_reference")
 
 
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def _scaled_mm_fns(x_MK: torch.Tensor, w_NK: torch.Tensor, ref_MN: torch.Tensor) -> tuple[dict, list[str]]:
+    """``torch._scaled_mm`` on x @ w^T in each scaling recipe this torch runs here -> ({recipe: fn}, notes).
+
+    Scales are decoding scales (``amax / 448``) from :func:`kernels.ops.quantize_fp8` in the recipe's tiles.
+    A recipe is kept only if it runs and lands within 10% (relative norm) of the bf16 product, so that a scale
+    layout torch reads differently is not timed as if it were right.
+    """
+    m, k = x_MK.shape
+    n = w_NK.shape[0]
+    # 1x128 activation scales outer-dim-major (M contiguous), as cuBLAS's block scaling reads them.
+    blockwise = [
+        lambda xs, ws: (xs.t().contiguous().t(), ws.t()),
+        lambda xs, ws: (xs, ws.t().contiguous()),
+    ]
+    recipes = {
+        "blockwise": ((1, TILE), (TILE, TILE), blockwise),
+        "rowwise": ((1, k), (1, k), [lambda xs, ws: (xs, ws.t().contiguous())]),
+        "tensorwise": ((m, k), (n, k), [lambda xs, ws: (xs.reshape(()), ws.reshape(()))]),
+    }
+    fns, notes = {}, []
+    for recipe, (x_block, w_block, layouts) in recipes.items():
+        xq, x_scale = ops.quantize_fp8(x_MK, x_block)
+        wq, w_scale = ops.quantize_fp8(w_NK, w_block)
+        error = "no scale layout ran"
+        for layout in layouts:
+            scale_a, scale_b = layout(x_scale, w_scale)
+
+            def fn(xq=xq, wq=wq, scale_a=scale_a, scale_b=scale_b):
+                return torch._scaled_mm(xq, wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+            try:
+                err = _relative_error(fn(), ref_MN)
+            except (RuntimeError, ValueError, NotImplementedError) as exc:
+                error = str(exc).splitlines()[0][:120]
+                continue
+            if err < 0.1:
+                fns[recipe] = fn
+                break
+            error = f"relative error {err:.2f} against bf16 (a scale layout read differently)"
+        if recipe not in fns:
+            notes.append(f"torch._scaled_mm {recipe}: not timed ({error})")
+    return fns, notes
+
+
+def bench_fp8(bench: Bench, shape: MoEShape, comm_sms: int) -> None:
+    """The FP8 GEMMs against their peers, CUDA only: fp8_gemm (M = routed rows, hidden -> inter, like the dense
+    baseline) vs ``torch._scaled_mm`` and the bf16 matmul; fp8_grouped_gemm vs the bf16 grouped GEMM."""
+    dev, gen = bench.device, torch.Generator().manual_seed(2)
+    if dev.type != "cuda":
+        bench.notes.append("fp8 rows skipped: no CUDA device (the FP8 GEMMs are sm_90 Triton kernels)")
+        return
+    idx_TK = _routing(shape, torch.device("cpu"), gen)
+    counts_E = torch.bincount(idx_TK.flatten(), minlength=shape.num_experts).to(dev)
+    m, k, n, e = idx_TK.numel(), shape.hidden, shape.inter, shape.num_experts
+    bf16 = torch.bfloat16
+    x_MK = torch.randn(m, k, generator=gen).to(dev, bf16)
+    w_NK = (torch.randn(n, k, generator=gen) / k**0.5).to(dev, bf16)
+    w_EKN = (torch.randn(e, k, n, generator=gen) / k**0.5).to(dev, bf16)
+    flops = 2.0 * m * k * n
+    # One byte per FP8 operand element, bf16 out, float32 scales (1x128 for x, 128x128 per weight matrix).
+    x_scales, w_scales = 4.0 * m * _scale_tiles(k), 4.0 * _scale_tiles(n) * _scale_tiles(k)
+    fp8_bytes = m * k + n * k + 2.0 * m * n + x_scales + w_scales
+    dense = bench.measure("fp8_gemm", "torch.matmul bf16", shape.label, lambda: x_MK @ w_NK.t(), flops=flops,
+                          bytes=2.0 * (m * k + n * k + m * n), baseline=True)  # fmt: skip
+    xq, x_scale = ops.quantize_fp8(x_MK)
+    wq, w_scale = ops.quantize_fp8(w_NK, (TILE, TILE))
+    ours_fn = lambda: ops.fp8_gemm(xq, x_scale, wq, w_scale)  # noqa: E731
+    impl = f"ops[{ops.backend_for(xq)}]"
+    ours = bench.measure("fp8_gemm", impl, shape.label, ours_fn, flops=flops, bytes=fp8_bytes)
+    bench.compare(ours, dense, "speedup_vs_bf16")
+    dense_ref = x_MK @ w_NK.t()
+    peers, notes = _scaled_mm_fns(x_MK, w_NK, dense_ref)
+    bench.notes.extend(notes)
+    ours.ratios["rel_err_vs_bf16"] = _relative_error(ours_fn(), dense_ref)
+    for recipe, fn in peers.items():
+        row = bench.measure("fp8_gemm", f"torch._scaled_mm {recipe}", shape.label, fn, flops=flops, bytes=fp8_bytes)
+        bench.compare(ours, row, f"speedup_vs_scaled_mm_{recipe}")
+        bench.compare(row, dense, "speedup_vs_bf16")
+
+    bf16_grouped = bench.measure(
+        "fp8_grouped_gemm", f"{impl} bf16 grouped_gemm", shape.label,
+        lambda: ops.grouped_gemm(x_MK, w_EKN, counts_E, comm_sms=comm_sms),
+        flops=flops, bytes=2.0 * (m * k + e * k * n + m * n), baseline=True,
+    )  # fmt: skip
+    wq_E, w_scale_E = ops.quantize_fp8(w_EKN, (TILE, TILE))
+    grouped = bench.measure(
+        "fp8_grouped_gemm", impl, shape.label,
+        lambda: ops.fp8_grouped_gemm(xq, x_scale, wq_E, w_scale_E, counts_E, comm_sms=comm_sms),
+        flops=flops, bytes=m * k + e * k * n + 2.0 * m * n + x_scales + e * w_scales,
+    )  # fmt: skip
+    bench.compare(grouped, bf16_grouped, "speedup_vs_bf16")
+
+
+def _scale_tiles(size: int) -> int:
+    """128-wide scale tiles along a dimension of ``size``."""
+    return -(-size // TILE)
+
+
 def check_targets(rows: list[Row]) -> list[dict]:
     """The issue's H100 targets, evaluated on the ops rows of this run (all three grouped GEMMs)."""
     wanted = {"vs_dense_rate": 0.6, "speedup_vs_grouped_mm": 1.0, "vs_copy_bw": 0.7}
@@ -277,6 +386,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--comm-sms", type=int, default=DEFAULT_COMM_SMS,
                    help="extra grouped-GEMM row with this many SMs left to communication (Triton only)")  # fmt: skip
+    p.add_argument("--no-fp8", dest="fp8", action="store_false",
+                   help="leave out the FP8 GEMM rows (CUDA only; skipped with a note elsewhere)")  # fmt: skip
     p.add_argument("--out", default="bench/results")
     p.add_argument("--costs-out", default=None, metavar="FILE",
                    help="also write the planner's costs file (python -m moe.plan --costs FILE)")  # fmt: skip
@@ -296,6 +407,8 @@ def main(argv: list[str] | None = None) -> Path:
     for shape in SHAPES[args.shapes]:
         bench_grouped_gemm(bench, shape, dtype, args.comm_sms)
         bench_memory_bound(bench, shape, dtype)
+        if args.fp8:
+            bench_fp8(bench, shape, args.comm_sms)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     targets = check_targets(bench.rows) if device.type == "cuda" else []
