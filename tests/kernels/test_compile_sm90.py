@@ -52,3 +52,15 @@ def test_bf16_grouped_gemms_use_hopper_matrix_units_and_pipelining(reports):
     for name in gemms:
         assert reports[name]["wgmma"] > 0, f"{name}: no wgmma, a slower matrix path"
         assert reports[name]["async_copies"] > 0, f"{name}: loads are not software-pipelined"
+
+
+@pytest.mark.slow
+def test_fp8_gemms_use_hopper_matrix_units(reports):
+    # Every autotune candidate of the FP8 linear GEMM, the grouped GEMM and the weight gradient multiplies
+    # e4m3 operands on the tensor cores (wgmma); the quantization kernels compile too (no spills, above).
+    gemms = [name for name in reports if name.startswith(("fp8_gemm ", "fp8_grouped_gemm ", "fp8_gemm_wgrad "))]
+    assert {name.split()[0] for name in gemms} == {"fp8_gemm", "fp8_grouped_gemm", "fp8_gemm_wgrad"}
+    for name in gemms:
+        assert reports[name]["wgmma"] > 0, f"{name}: no wgmma"
+    quantization = {"quantize_fp8 1x128", "quantize_fp8 128x128", "quantize_fp8_columns", "dequantize_fp8 1x128"}
+    assert quantization <= set(reports)
