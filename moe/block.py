@@ -271,8 +271,9 @@ class Block(nn.Module):
             return a_BSD + y_BSD
         assert self._dispatcher is not None
         z_TD = z_BSD.reshape(-1, z_BSD.shape[-1])
-        if self._dispatcher.communicates:
-            comm = _BlockingComm(self._dispatcher, self._dispatcher.plan(routing.topk_idx_TK), recorder, self.layer)
+        if self._dispatcher.communicates or self._dispatcher.fp8:  # a local FP8 dispatch still round-trips
+            rec = recorder if self._dispatcher.communicates else None
+            comm = _BlockingComm(self._dispatcher, self._dispatcher.plan(routing.topk_idx_TK), rec, self.layer)
             x_RD, weights_RK = _BlockingDispatch.apply(comm, z_TD, routing.topk_weights_TK)
             recv = Dispatched(x_RD, comm.local_idx_RK, weights_RK)
         else:

@@ -243,3 +243,23 @@ def test_every_dispatcher_sends_fp8_rows_and_half_the_bytes() -> None:
                 assert fp8[name] == bf16[name], kind
     # the sync-free exchange moves every token to every rank: its padding travels and is counted
     assert all(t["alltoall-sync-free"]["fp8"]["dispatch"]["rows"] == TOKENS[0] * 2 for t in per_rank)
+
+
+def test_one_process_blocks_round_trip_on_both_paths() -> None:
+    """A local FP8 dispatcher round-trips the rows in the plain-graph block too (it has no all-to-all to run), so
+    the oracle model and the piecewise stages compute the same thing, and that differs from bf16 dispatch."""
+    from moe.config import MoEConfig
+    from moe.stage import MoEStage
+
+    cfg = MoEConfig(num_layers=2, hidden_size=128)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for piecewise in (False, True):
+        for fp8 in (False, True):
+            dispatcher = make_dispatcher("local", cfg.num_experts, None, hidden_size=cfg.hidden_size, fp8=fp8)
+            stage = MoEStage(cfg, range(2), first=True, last=True, dispatcher=dispatcher, piecewise=piecewise)
+            stage.reset_parameters(0)
+            out[piecewise, fp8] = stage(ids)
+    assert torch.equal(out[False, True], out[True, True])
+    assert torch.equal(out[False, False], out[True, False])
+    assert not torch.equal(out[False, True], out[False, False])
