@@ -97,7 +97,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fp8-activations",
         action="store_true",
-        help="with --fp8: the FP8 GEMMs keep the inputs they save for backward in FP8 (the trainer's flag)",
+        help="with --fp8: the routed experts keep the up-projection's and the SwiGLU's inputs for backward in FP8 "
+        "with their scales (the trainer's flag)",
     )
     p.add_argument(
         "--mtp-own-copies",
@@ -125,7 +126,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         p.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
     if args.fp8_activations and not args.fp8:
-        p.error("--fp8-activations needs --fp8 (only FP8 GEMMs keep their inputs in FP8)")
+        p.error("--fp8-activations needs --fp8 (the FP8 experts keep their inputs in FP8)")
     return args
 
 

@@ -177,9 +177,9 @@ class Workload:
     state_dtype: str = "float32"
     """Dtype of the optimizer's moments (:data:`STATE_DTYPES`); ``bfloat16`` as the DeepSeek-V3 report."""
     fp8_activations: bool = False
-    """The FP8 GEMMs keep the inputs they save for backward in FP8 with their scales instead of the
-    activation dtype (the trainer's ``training.fp8_activations``; needs ``precision.fp8``; see
-    :mod:`moe.plan.footprint`)."""
+    """The routed experts keep the up-projection's input and the SwiGLU input for backward in FP8 with their
+    scales instead of the activation dtype; every other saved tensor is unchanged (the trainer's
+    ``training.fp8_activations``; needs ``precision.fp8``; see :mod:`moe.plan.footprint`)."""
     mtp_shared: bool = True
     """The MTP modules share the main model's embedding and head (the report's 3.2.3; no second copy on a
     rank that holds both); False: each module holds its own, as the published checkpoint stores them."""
@@ -193,7 +193,7 @@ class Workload:
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype={self.state_dtype!r}: choose one of {STATE_DTYPES}")
         if self.fp8_activations and not self.precision.fp8:
-            raise ValueError("fp8_activations needs fp8: only FP8 GEMMs keep their inputs in FP8")
+            raise ValueError("fp8_activations needs fp8: the FP8 experts keep their inputs in FP8")
 
     @property
     def tokens(self) -> int:

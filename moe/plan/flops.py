@@ -67,7 +67,7 @@ FP32 = 4
 INDEX = 8  # int64 indices (topk ids, row ids)
 FP8_BYTES = 1 + FP32 / TILE
 """An E4M3 activation or gradient element with its share of one fp32 scale per 1x128 tile (DeepSeek-V3 report
-3.3.2; :mod:`kernels.reference_fp8`): what an FP8 dispatch moves and an FP8-cached GEMM input keeps."""
+3.3.2; :mod:`kernels.reference_fp8`): what an FP8 dispatch moves and an FP8-cached expert input keeps."""
 FP8_WEIGHT_BYTES = 1 + FP32 / TILE**2
 """An E4M3 weight element with its share of one fp32 scale per 128x128 block."""
 

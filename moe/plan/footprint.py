@@ -25,15 +25,14 @@ count is :func:`dualpipe.simulate.simulate`'s). The memory options the DeepSeek-
 - ``state_dtype="bfloat16"``: 2-byte moments.
 - ``mtp_shared``: the MTP modules use the main embedding and head (:mod:`moe.plan.params`).
 - ``fp8_activations`` (with FP8 GEMMs; the trainer's ``training.fp8_activations``, :mod:`kernels.fp8`'s
-  ``save_fp8``): each FP8 GEMM keeps the input it needs for its weight gradient in FP8 with one fp32 scale
-  per 1x128 tile (:data:`moe.plan.flops.FP8_BYTES`) instead of the activation-dtype tensor. Each keeps its
-  own copy (``moe.layers.Linear`` quantizes per call: q, k and v's projections, or MLA's two down-projections,
-  each keep one of the normed input), and the tensor itself stays only where an op outside FP8 saves it too
-  (SDPA its output, which the output projection reads; the router's gate an MoE layer's normed input, which
-  the shared experts read). A norm output that selective recompute releases leaves its readers' FP8 copies
-  kept, unless those readers run again too (MLA's up-projections). The SwiGLU inputs stay in the activation
-  dtype (the report also caches those in FP8 and the output projection's input in E5M6, 3.3.3: the trainer
-  does neither).
+  ``save_fp8``): the routed experts keep what they save for backward, the up-projection's input (the
+  expert-sorted rows ``[M, D]``, the FP8 copy its GEMM made) and the SwiGLU input ``[M, 2F]``, in FP8 with one
+  fp32 scale per 1x128 tile along the last dim (:func:`fp8_elem_bytes`: 1 + 4/128 bytes an element when the
+  width is a multiple of 128) instead of the activation dtype, as the DeepSeek-V3 report does (3.3.3). Nothing
+  else changes: every ``moe.layers.Linear`` (attention's projections, the dense and shared-expert MLPs, MTP's
+  ``eh_proj``) saves its input in the activation dtype as without FP8 (the output projection's input too,
+  which the report keeps in E5M6). Selective recompute neither drops nor reruns the experts, so the two
+  options compose; under full recompute the rebuilt layer caches in FP8 as well.
 
 Under every option but full recompute an MoE layer keeps neither its experts' output (the routing weight is
 applied inside the experts, :func:`kernels.functional.row_weights`) nor the rows an ep > 1 dispatch received
@@ -47,14 +46,15 @@ stated allowance, not a measurement: replace it with ``cuda_peak_allocated_bytes
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dualpipe.schedule import Op, build_schedule, schedule_spec
+from kernels.reference_fp8 import TILE
 from moe.config import MoEConfig
 from moe.optimizer import OPTIMIZERS, shard_rows
 from moe.plan.costs import Parallelism, Workload, recompute_granularity
-from moe.plan.flops import FP8_BYTES
 from moe.plan.hardware import GPU
 from moe.plan.params import ParamSpec, rank_params, rank_stages
 from moe.plan.routing import expected_ranks
@@ -65,6 +65,7 @@ __all__ = [
     "Footprint",
     "Saved",
     "footprint",
+    "fp8_elem_bytes",
     "layer_activations",
     "module_activation_bytes",
     "saved_tensors",
@@ -80,7 +81,7 @@ INDEX = 8
 # Tags of a saved tensor (:class:`Saved`): what each memory option does to it.
 LEAF = "leaf"  # kept by the overlap runtime as a piece input, not saved by autograd
 NORM = "norm"  # an RMSNorm's saved tensors: selective recompute drops them
-UP = "up"  # saved inside MLA's up-projection (SDPA's q, k, v; FP8 copies): selective recompute drops them
+UP = "up"  # MLA's up-projection products that SDPA saves (q, k, v): selective recompute drops them
 SELECTIVE = "selective"  # kept only under selective recompute (what rebuilds the dropped tensors)
 
 LEAVES = frozenset({"attn.input", "mlp.routing_weights"})
@@ -112,7 +113,7 @@ def _norm(prefix: str, t: float, d: int, b: int, *, input_elems: float | None = 
     """RMSNorm (fp32 inside) over ``[t, d]``: the fp32 input (the input itself for an fp32 model, else a
     copy; ``input_elems``: the storage it is a view of), rsqrt, the fp32 normalised output and the fp32
     weight copy (bf16 models), all dropped under selective recompute (the norm keeps its input instead). Its
-    cast output, which the following linears save, is :func:`_gemm_input`'s."""
+    cast output, which the following linears save, is listed by the caller."""
     out = [
         _s(prefix + "norm_fp32_input", t * d if input_elems is None or b < FP32 else input_elems, FP32, NORM),
         _s(prefix + "norm_rsqrt", t, FP32, NORM),
@@ -123,26 +124,13 @@ def _norm(prefix: str, t: float, d: int, b: int, *, input_elems: float | None = 
     return out
 
 
-def _gemm_input(
-    name: str,
-    elements: float,
-    b: int,
-    fp8: bool,
-    readers: Sequence[str],
-    *tags: str,
-    shared: bool = False,
-    copy_tags: tuple[str, ...] = (),
-) -> list[Saved]:
-    """A tensor ``name`` that the FP8-capable GEMMs ``readers`` save for their weight gradients: one tensor of
-    ``b`` bytes an element (``tags``), or with ``fp8`` caching one FP8 copy per reader (``<reader>_input_fp8``,
-    ``copy_tags``) and the tensor itself only where an op outside FP8 saves it too (``shared``)."""
-    if not (fp8 and readers):
-        return [_s(name, elements, b, *tags)]
-    copies = [_s(r + "_input_fp8", elements, FP8_BYTES, *copy_tags) for r in readers]
-    return [*([_s(name, elements, b, *tags)] if shared else []), *copies]
+def fp8_elem_bytes(width: int) -> float:
+    """Bytes an element of a ``[rows, width]`` tensor kept in FP8 with one fp32 scale per 1x128 tile along
+    ``width`` (:func:`kernels.fp8.quantize_rows`; a partial last tile has a scale of its own)."""
+    return 1 + FP32 * math.ceil(width / TILE) / width
 
 
-def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int, fp8: bool) -> list[Saved]:
+def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int) -> list[Saved]:
     """What the attention module saves (its input, the block norm's output, is the block's)."""
     h, seqs = cfg.num_heads, t // seq_len
     lse = _s("attn.sdpa_lse", seqs * h * seq_len, FP32)
@@ -156,11 +144,10 @@ def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int, fp8: bool) -> list[
         out = [_s("attn.q_latent", q_in, b, SELECTIVE)]
         if cfg.q_lora_rank is not None:
             q = cfg.q_lora_rank
-            out += _norm("attn.q_a_", t, q, b)
-            out += _gemm_input("attn.q_a_norm_output", t * q, b, fp8, ["attn.q_b_proj"], NORM, copy_tags=(UP,))
+            out += [*_norm("attn.q_a_", t, q, b), _s("attn.q_a_norm_output", t * q, b, NORM)]
         out += [
             *_norm("attn.kv_a_", t, lat, b, input_elems=t * (lat + r)),
-            *_gemm_input("attn.kv_a_norm_output", t * lat, b, fp8, ["attn.kv_b_proj"], NORM, copy_tags=(UP,)),
+            _s("attn.kv_a_norm_output", t * lat, b, NORM),
             _s("attn.kv_latent", t * (lat + r), b, SELECTIVE),
         ]
         return [
@@ -169,7 +156,7 @@ def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int, fp8: bool) -> list[
             _s("attn.sdpa_q", t * h * c, b, UP),
             _s("attn.sdpa_k", t * h * c, b, UP),
             _s("attn.sdpa_v", t * h * (n + v), b, UP),  # a view of kv_b_proj's output, which it keeps whole
-            *_gemm_input("attn.sdpa_out", t * h * v, b, fp8, ["attn.o_proj"], shared=True),
+            _s("attn.sdpa_out", t * h * v, b),
             lse,
         ]
     c, g = cfg.attn_head_dim, cfg.num_kv_heads
@@ -187,7 +174,7 @@ def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int, fp8: bool) -> list[
         *out,
         _s("attn.rotary_tables", 2 * seq_len * (c // 2), FP32),
         _s("attn.sdpa_qkv", t * (h + 2 * g) * c, b),
-        *_gemm_input("attn.sdpa_out", t * h * c, b, fp8, ["attn.o_proj"], shared=True),
+        _s("attn.sdpa_out", t * h * c, b),
         lse,
     ]
 
@@ -217,7 +204,9 @@ def saved_tensors(
     row (applied to the SwiGLU output: no expert output is kept), permute and the combine the int64 row
     ids; the received rows' routing weights stay as a piece input; the received rows themselves are freed
     once permuted; a SwiGLU MLP saves its input, the gate/up output and the down projection's input. The
-    linears save their inputs (:func:`_gemm_input`); the router's gate saves an MoE layer's normed input.
+    linears save their inputs; the router's gate saves an MoE layer's normed input (the shared experts read
+    it too). ``fp8``: the routed experts' two tensors in FP8 (``mlp.experts_input_fp8``,
+    ``mlp.experts_gate_up_output_fp8``, :func:`fp8_elem_bytes`).
     Received rows per rank are ``T x`` :func:`moe.plan.routing.expected_ranks`; at ep = 1 they are the
     normed tokens themselves (no copy). Names ``"attn.<tensor>"`` /
     ``"mlp.<tensor>"`` after ``prefix``; :data:`LEAVES` marks the ones kept by the runtime.
@@ -227,15 +216,13 @@ def saved_tensors(
     # under selective recompute, which keeps it in place of the norm's tensors.
     out = [_s("attn.input", t * d, b, LEAF, *(() if b < FP32 else (SELECTIVE,)))]
     # selective recompute frees the attention norm's output once its readers have run (moe.layers.release)
-    out += [*_norm("attn.", t, d, b), *_gemm_input("attn.norm_output", t * d, b, fp8, _attention_readers(cfg), NORM)]
-    out += _attention(cfg, t, seq_len, b, fp8)
+    out += [*_norm("attn.", t, d, b), _s("attn.norm_output", t * d, b, NORM)]
+    out += _attention(cfg, t, seq_len, b)
     out += [*_norm("attn.mlp_", t, d, b), _s("attn.mlp_norm_input", t * d, b, SELECTIVE)]
-    moe = cfg.is_moe_layer(layer)
-    z_readers = ["mlp.gate_up"] if not moe else ["mlp.shared_gate_up"] if cfg.num_shared_experts else []
-    out += _gemm_input("attn.mlp_norm_output", t * d, b, fp8, z_readers, shared=moe)  # moe: the router's too
-    if not moe:
+    out.append(_s("attn.mlp_norm_output", t * d, b))
+    if not cfg.is_moe_layer(layer):
         f = cfg.dense_intermediate_size
-        out += [_s("mlp.swiglu_input", t * 2 * f, b), *_gemm_input("mlp.down_input", t * f, b, fp8, ["mlp.down"])]
+        out += [_s("mlp.swiglu_input", t * 2 * f, b), _s("mlp.down_input", t * f, b)]
     else:
         e, f = cfg.num_experts, cfg.moe_intermediate_size
         rows = t * expected_ranks(cfg, ep) if ep > 1 else 0.0
@@ -246,24 +233,27 @@ def saved_tensors(
             _s("mlp.routing_weights", (rows if ep > 1 else t) * k, FP32, LEAF),
             _s("mlp.row_ids", m, INDEX),
             _s("mlp.row_weights", m, FP32),
-            *_gemm_input("mlp.experts_input", m * d, b, fp8, ["mlp.experts"]),
-            _s("mlp.experts_gate_up_output", m * 2 * f, b),
+            *_experts_kept(m, d, f, b, fp8),
         ]
         if cfg.num_shared_experts:
             fs = cfg.num_shared_experts * f
             out += [
                 _s("mlp.shared_swiglu_input", t * 2 * fs, b),
-                *_gemm_input("mlp.shared_down_input", t * fs, b, fp8, ["mlp.shared_down"]),
+                _s("mlp.shared_down_input", t * fs, b),
             ]
     return [Saved(prefix + s.name, s.elements, s.elem_bytes, s.tags) for s in out]
 
 
-def _attention_readers(cfg: MoEConfig) -> list[str]:
-    """The linears that read the attention norm's output: MLA's query (or query-latent) and key/value-latent
-    projections, or the query, key and value projections (each its own linear)."""
-    if cfg.attention == "mla":
-        return ["attn.q_proj" if cfg.q_lora_rank is None else "attn.q_a_proj", "attn.kv_a_proj_with_mqa"]
-    return ["attn.q_proj", "attn.k_proj", "attn.v_proj"]
+def _experts_kept(m: float, d: int, f: int, b: int, fp8: bool) -> list[Saved]:
+    """The routed experts' up-projection input ``[M, D]`` and SwiGLU input ``[M, 2F]`` (the gate/up output):
+    in the activation dtype, or with ``fp8`` caching in FP8 with their 1x128 scales (as
+    ``kernels.functional._GroupedExperts`` saves them under ``save_fp8``)."""
+    if not fp8:
+        return [_s("mlp.experts_input", m * d, b), _s("mlp.experts_gate_up_output", m * 2 * f, b)]
+    return [
+        _s("mlp.experts_input_fp8", m * d, fp8_elem_bytes(d)),
+        _s("mlp.experts_gate_up_output_fp8", m * 2 * f, fp8_elem_bytes(2 * f)),
+    ]
 
 
 def _with_options(saved: Sequence[Saved], recompute: str) -> list[Saved]:
@@ -321,13 +311,12 @@ def _head(prefix: str, t: int, cfg: MoEConfig, b: int) -> list[Saved]:
     ]
 
 
-def _mtp_extras(cfg: MoEConfig, k: int, t: int, b: int, fp8: bool) -> list[Saved]:
+def _mtp_extras(cfg: MoEConfig, k: int, t: int, b: int) -> list[Saved]:
     """MTP module ``k`` around its block (:mod:`moe.models.mtp`): the shifted ids the shared embedding saves,
     the main final norm again (depth 0: the head's normed input feeds ``hnorm``), ``enorm`` and ``hnorm``
-    (their outputs are concatenated, not saved), ``eh_proj``'s input ``[T, 2D]`` (:func:`_gemm_input`), then
-    ``head_norm``, the
-    shared head and the loss. Under selective recompute the norms keep their inputs (the embedding rows,
-    depth 0's normed hidden state, the block's output)."""
+    (their outputs are concatenated, not saved), ``eh_proj``'s input ``[T, 2D]`` (in the activation dtype under
+    FP8 caching too), then ``head_norm``, the shared head and the loss. Under selective recompute the norms
+    keep their inputs (the embedding rows, depth 0's normed hidden state, the block's output)."""
     d, p = cfg.hidden_size, f"mtp{k}."
     out = [_s(p + "embed_ids", t, INDEX)]
     if k == 0:
@@ -336,7 +325,7 @@ def _mtp_extras(cfg: MoEConfig, k: int, t: int, b: int, fp8: bool) -> list[Saved
         *_norm(p + "enorm_", t, d, b),
         _s(p + "enorm_input", t * d, b, SELECTIVE),
         *_norm(p + "hnorm_", t, d, b),
-        *_gemm_input(p + "eh_proj_input", t * 2 * d, b, fp8, [p + "eh_proj"]),
+        _s(p + "eh_proj_input", t * 2 * d, b),
         *_head(p + "head_", t, cfg, b),
     ]
     return out
@@ -374,7 +363,7 @@ def module_activation_bytes(
     if last:
         extras += _head("head.", t, cfg, b)
     for k in range(mtp):
-        extras += _mtp_extras(cfg, k, t, b, fp8)
+        extras += _mtp_extras(cfg, k, t, b)
     return body + sum(s.nbytes for s in _with_options(extras, granularity))
 
 

@@ -320,7 +320,8 @@ def describe_precision(precision: dict, *, short: bool = False) -> str:
 V3_REPORT = {
     # 3.2: DualPipe over 16-way PP, 64-way EP over 8 nodes, ZeRO-1 DP; 3.2.2: 20 of 132 SMs communicate.
     # 3.2.3 and 3.3.3: what fits the 80 GB of an H800 (each a planner option, modelled as footprint.py says;
-    # the report caches more in FP8 than the trainer's fp8_activations does, footprint.py's docstring).
+    # fp8_activations caches the routed experts' inputs in FP8 as the report does, but keeps the output
+    # projection's input in bf16 where the report uses E5M6).
     "layout": Candidate("dualpipe", 16, 128, 64, 120, 20, "selective"),
     "options": MemoryOptions(state_dtype="bfloat16", fp8_activations=True, mtp_shared=True),
     # 3.3: FP8 GEMMs (Fprop, Dgrad, Wgrad) for the linears, 1x128 / 128x128 tiles; 3.3.4: the activation before

@@ -5,6 +5,7 @@ comparison in the report's precision."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -114,8 +115,9 @@ def test_backward_all_to_alls_go_by_direction() -> None:
     assert forward == pytest.approx(1 + 0.5 + 1 + 1.0)  # attention, dispatch, MLP, combine
 
 
-# Every dimension a multiple of 128 (no partial 1x128 tiles, whose scales the planner leaves out); MLA with an
-# MTP module (MLA's value head as wide as the query's, for the CPU's fused SDPA), and Qwen3's q, k, v.
+# MLA with an MTP module (MLA's value head as wide as the query's, for the CPU's fused SDPA) and every width a
+# multiple of 128; Qwen3 likewise, and Qwen3's tiny preset, whose expert rows [M, 32] and SwiGLU inputs [M, 32]
+# fill a fraction of one 1x128 tile (a whole fp32 scale per row each).
 ALIGNED = {
     "mla-mtp": PRESETS["deepseek-v3-tiny"].replace(
         hidden_size=128, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
@@ -126,14 +128,15 @@ ALIGNED = {
         hidden_size=128, head_dim=128, num_heads=2, num_kv_heads=1, moe_intermediate_size=128,
         dense_intermediate_size=128, num_layers=1,
     ),
+    "qwen3-partial-tiles": PRESETS["qwen3-moe-tiny"].replace(num_layers=1),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(ALIGNED))
 def test_fp8_activations_against_the_tracker(name: str) -> None:
     """FP8 GEMMs in bf16, with and without fp8_activations: the saved bytes listed change by exactly what the
-    tracker sees change (each linear keeps its own FP8 copy; SDPA's output and an MoE layer's normed input stay
-    in bf16 beside them: MLA saves less, Qwen3's three q, k, v copies of the normed input more)."""
+    tracker sees change, and that is the routed experts' two inputs going from 2 bytes an element to FP8 with
+    its scales in every MoE block (MTP's included): 64 tokens x top-2 = 128 rows of [D] and [2F]."""
     cfg = ALIGNED[name]
     layers = range(cfg.num_layers)
     blocks = [*layers, *range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers)]
@@ -150,22 +153,36 @@ def test_fp8_activations_against_the_tracker(name: str) -> None:
             v for i in blocks for k, v in layer_activations(cfg, i, 64, 32, 2, fp8=save).items() if k in LEAVES
         )
         listed[save] = total - leaves
-    assert listed[True] - listed[False] == measured[True] - measured[False] != 0
-    assert (listed[True] < listed[False]) == (name == "mla-mtp")
+    assert listed[True] - listed[False] == measured[True] - measured[False]
+    d, f2 = cfg.hidden_size, 2 * cfg.moe_intermediate_size
+    moe_blocks = sum(cfg.is_moe_layer(i) for i in blocks)
+    scales = 128 * 4 * (math.ceil(d / 128) + math.ceil(f2 / 128))  # one fp32 scale per row and 1x128 tile
+    assert measured[False] - measured[True] == moe_blocks * (128 * (d + f2) * (2 - 1) - scales) > 0
 
 
 def test_fp8_activations_by_hand() -> None:
-    """A dense layer of 64 tokens: the down projection's input [64, 64] and the normed input [64, 32] that
-    gate_up reads are kept as 1 + 4/128 bytes an element instead of 2; q, k and v each keep their own copy of
-    the attention norm's output [64, 32], o_proj one of SDPA's output [64, 32] beside SDPA's own."""
-    plain = layer_activations(CFG, 0, 64, 32, 2)
-    fp8 = layer_activations(CFG, 0, 64, 32, 2, fp8=True)
-    assert fp8["mlp.down_input_fp8"] == 64 * 64 * SCALED and "mlp.down_input" not in fp8
-    assert fp8["mlp.gate_up_input_fp8"] == 64 * 32 * SCALED and "attn.mlp_norm_output" not in fp8
-    assert fp8["attn.sdpa_out"] == plain["attn.sdpa_out"] == 64 * 32 * 2
-    copies = 64 * 32 * SCALED * (3 + 1)  # q, k, v of the normed input; o_proj of SDPA's output
-    dropped = 2 * (64 * 64 + 64 * 32 + 64 * 32)  # down's and gate_up's inputs, the attention norm's output
-    assert sum(plain.values()) - sum(fp8.values()) == pytest.approx(dropped - copies - 64 * (64 + 32) * SCALED)
+    """An MoE layer of 64 tokens, top-2: the experts' sorted rows [128, 32] and SwiGLU input [128, 2 x 16] are
+    kept as 1 byte an element plus one fp32 scale per row (a row is one partial 1x128 tile): 128 x 32 x (1 + 4/32)
+    each, instead of 2 bytes. Nothing else changes, the dense layer not at all, under selective recompute
+    neither; with an MTP module eh_proj's input stays bf16."""
+    plain = layer_activations(CFG, 1, 64, 32, 2)
+    fp8 = layer_activations(CFG, 1, 64, 32, 2, fp8=True)
+    assert fp8["mlp.experts_input_fp8"] == fp8["mlp.experts_gate_up_output_fp8"] == 128 * 32 * 1.125
+    assert plain["mlp.experts_input"] == plain["mlp.experts_gate_up_output"] == 128 * 32 * 2
+    rest = {k: v for k, v in plain.items() if not k.startswith("mlp.experts_")}
+    assert {k: v for k, v in fp8.items() if not k.startswith("mlp.experts_")} == rest
+    assert sum(plain.values()) - sum(fp8.values()) == 2 * 128 * 32 * (2 - 1.125)
+    assert layer_activations(CFG, 0, 64, 32, 2, fp8=True) == layer_activations(CFG, 0, 64, 32, 2)
+    sel = {f: sum(layer_activations(CFG, 1, 64, 32, 2, recompute="selective", fp8=f).values()) for f in (False, True)}
+    assert sel[False] - sel[True] == 2 * 128 * 32 * (2 - 1.125)
+    # MLA with MTP, every width a multiple of 128: two MoE blocks (layer 1 and MTP's) each drop
+    # 128 x (128 + 256) x (2 - 1 - 4/128) bytes, and nothing else does
+    mla = ALIGNED["mla-mtp"]
+    kept = {
+        f: module_activation_bytes(mla, range(2), 64, 32, 2, 1, first=True, last=True, recompute="none", fp8=f)
+        for f in (False, True)
+    }
+    assert kept[False] - kept[True] == 2 * 128 * 384 * (1 - 4 / 128)
     # the footprint of a DeepSeek-V3 rank at the report's layout drops too; fp8_activations needs FP8 GEMMs
     v3, par = PRESETS["deepseek-v3"], Parallelism(pp=16, dp=128, ep=64, schedule="dualpipe")
     work = Workload(seq_len=4096, micro_batch=1, comm_sms=20, precision=FP8)
