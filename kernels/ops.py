@@ -69,15 +69,16 @@ def _contiguous(value: Any) -> Any:
 def _dispatcher(name: str) -> Callable:
     """The switch for op ``name``: the implementation the current setting picks for the first tensor.
 
-    The references accept any strides; the Triton launchers insist on contiguous operands, so the Triton
-    path makes its tensor arguments contiguous (free for the contiguous tensors a model passes).
+    The references accept any strides; most Triton launchers insist on contiguous operands, so the Triton
+    path makes their tensor arguments contiguous (free for the contiguous tensors a model passes). A launcher
+    registered ``strided=True`` gets its tensors as they are.
     """
 
     @functools.wraps(registry.implementation(name, "torch"))
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         backend = backend_for(next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)))
         impl = registry.implementation(name, backend)
-        if backend == "triton":
+        if backend == "triton" and not registry.takes_strides(name):
             args = tuple(_contiguous(a) for a in args)
             kwargs = {k: _contiguous(v) for k, v in kwargs.items()}
         return impl(*args, **kwargs)

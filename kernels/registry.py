@@ -47,6 +47,7 @@ __all__ = [
     "register",
     "register_aot",
     "specialization",
+    "takes_strides",
 ]
 
 Backend = Literal["torch", "triton"]
@@ -81,20 +82,27 @@ class Specialization:
 # op name -> its Specialization (Triton ops only); module, attribute of each @register_aot function.
 _SPECIALIZATIONS: dict[str, Specialization] = {}
 _AOT: set[tuple[str, str]] = set()
+# Triton ops whose launchers take any strides.
+_STRIDED: set[str] = set()
 # Wrappers installed by intercept(), innermost last. Process-wide on purpose: autograd runs the backward
 # functions of CUDA tensors on its own device threads, which a context variable would not reach.
 _INTERCEPTORS: list[Callable[[str, Callable], Callable]] = []
 
 
-def register(backend: Backend, *, specialization: Specialization | None = None) -> Callable[[_Fn], _Fn]:
+def register(
+    backend: Backend, *, specialization: Specialization | None = None, strided: bool = False
+) -> Callable[[_Fn], _Fn]:
     """Decorator: ``fn`` is ``backend``'s implementation of the op named ``fn.__name__``.
 
     specialization (Triton implementations only): how its calls map onto compiled kernels, for the warm-up.
+    strided (Triton implementations only): the launcher takes its tensors with any strides, so the backend
+    switch passes them as they are (a transposed weight view stays a view, in the layout the kernel reads best)
+    instead of making them contiguous.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-    if specialization is not None and backend != "triton":
-        raise ValueError(f"a specialization describes a Triton launcher, not a {backend} implementation")
+    if (specialization is not None or strided) and backend != "triton":
+        raise ValueError(f"a specialization or strides describe a Triton launcher, not a {backend} implementation")
 
     def mark(fn: _Fn) -> _Fn:
         where = (fn.__module__, fn.__name__)
@@ -105,9 +113,17 @@ def register(backend: Backend, *, specialization: Specialization | None = None) 
         entries[backend] = where
         if specialization is not None:
             _SPECIALIZATIONS[fn.__name__] = specialization
+        if strided:
+            _STRIDED.add(fn.__name__)
         return fn
 
     return mark
+
+
+def takes_strides(name: str) -> bool:
+    """Whether op ``name``'s Triton launcher takes its tensors with any strides (``register(strided=True)``)."""
+    _import_triton_modules()
+    return name in _STRIDED
 
 
 def register_aot(fn: _Fn) -> _Fn:

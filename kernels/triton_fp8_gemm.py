@@ -416,7 +416,7 @@ def _aot_specs(shapes: KernelShapes) -> list:
     return specs
 
 
-@register("triton", specialization=_GEMM)
+@register("triton", specialization=_GEMM, strided=True)
 def fp8_gemm(
     a_MK: torch.Tensor,
     a_scale_MJ: torch.Tensor,
@@ -445,7 +445,7 @@ def fp8_gemm(
     return y_MN
 
 
-@register("triton", specialization=_GROUPED)
+@register("triton", specialization=_GROUPED, strided=True)
 def fp8_grouped_gemm(
     x_MK: torch.Tensor,
     x_scale_MJ: torch.Tensor,
@@ -484,7 +484,7 @@ def fp8_grouped_gemm(
     return y_MN
 
 
-@register("triton", specialization=_WGRAD)
+@register("triton", specialization=_WGRAD, strided=True)
 def fp8_gemm_wgrad(
     a_MN: torch.Tensor,
     a_scale_TN: torch.Tensor,

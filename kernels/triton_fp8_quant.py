@@ -355,7 +355,7 @@ def _aot_specs(shapes: KernelShapes) -> list:
     return [launch_spec(name, kernel, args, options) for name, (kernel, _, args, options) in launches.items()]
 
 
-@register("triton", specialization=_QUANTIZE)
+@register("triton", specialization=_QUANTIZE, strided=True)
 def quantize_fp8(x_MK: torch.Tensor, block: tuple[int, int] = (1, TILE)) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the last two dimensions in ``block`` tiles -> ``(q [..., M, K] float8_e4m3fn, scale [..., I, J]
     float32)``, bit for bit :func:`kernels.reference_fp8.quantize_fp8`.
@@ -374,7 +374,7 @@ def quantize_fp8(x_MK: torch.Tensor, block: tuple[int, int] = (1, TILE)) -> tupl
     return q, scale
 
 
-@register("triton", specialization=_DEQUANTIZE)
+@register("triton", specialization=_DEQUANTIZE, strided=True)
 def dequantize_fp8(
     q_MK: torch.Tensor,
     scale_IJ: torch.Tensor,
@@ -404,7 +404,7 @@ def dequantize_fp8(
     return y
 
 
-@register("triton", specialization=_COLUMNS)
+@register("triton", specialization=_COLUMNS, strided=True)
 def quantize_fp8_columns(
     x_MK: torch.Tensor, tokens_per_group_E: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -346,3 +346,20 @@ def test_gpu_fp8_gemms_at_v3_like_shapes():
     a = reference_fp8.quantize_fp8_columns(torch.randn(m, k, generator=gen).cuda(), counts_E)
     b = reference_fp8.quantize_fp8_columns(torch.randn(m, n, generator=gen).cuda(), counts_E)
     _assert_gemm_close(ops.fp8_gemm_wgrad(*a, *b, counts_E), reference_fp8.fp8_gemm_wgrad(*a, *b, counts_E))
+
+
+def test_the_switch_hands_strided_launchers_their_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FP8 launchers take any strides: the input gradient's transposed weight reaches the kernel as the
+    view it is (no copy into the layout FP8 tensor cores read worse); the others still get contiguous tensors."""
+    import kernels.triton_fp8_gemm as module
+    from kernels import ops, registry
+
+    monkeypatch.setenv("DUALPIPE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+    monkeypatch.setattr(module, "fp8_gemm", lambda a, sa, b, sb, **kw: seen.append(b.is_contiguous()))
+    w, scale = ops.quantize_fp8(torch.randn(256, 128), (128, 128))
+    a, sa = ops.quantize_fp8(torch.randn(4, 256))
+    ops.fp8_gemm(a, sa, w.t(), scale.t())
+    assert seen == [False]
+    assert registry.takes_strides("fp8_grouped_gemm") and not registry.takes_strides("grouped_gemm")
