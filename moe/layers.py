@@ -40,6 +40,7 @@ __all__ = [
     "accumulate_grad",
     "causal_attention",
     "defer_wgrad",
+    "fp8_linears",
     "recompute",
     "recompute_granularity",
     "release",
@@ -117,6 +118,13 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         out, inp = self.weight.shape
         return f"in_features={inp}, out_features={out}" + (", fp8" if self.fp8 is not None else "")
+
+
+def fp8_linears(*modules: nn.Module) -> tuple[tuple[int, int], ...]:
+    """The distinct ``(in_features, out_features)`` of the FP8 :class:`Linear` layers in ``modules`` (what the
+    kernel warm-up compiles the FP8 GEMMs for: :class:`kernels.warmup.KernelShapes`)."""
+    linears = (m for module in modules for m in module.modules() if isinstance(m, Linear) and m.fp8 is not None)
+    return tuple(sorted({(m.weight.shape[1], m.weight.shape[0]) for m in linears}))
 
 
 def use_fp8(model: nn.Module, recipe: FP8Recipe | None) -> nn.Module:

@@ -35,6 +35,7 @@ from moe.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, rn
 from moe.data import DataError, open_data
 from moe.grad_sync import balance_routers, make_optimizer, reduce_gradients
 from moe.guard import find_nonfinite, weights_are_finite
+from moe.layers import fp8_linears
 from moe.memory import MemoryMeter
 from moe.model import lm_loss
 from moe.optimizer import DistributedOptimizer, grad_of
@@ -124,13 +125,14 @@ class Trainer:
         its own layers and experts), else initialised from ``training.seed``."""
         dtype = getattr(torch, self.config.training.dtype)
         tr = self.config.training
+        recipe = FP8Recipe(save_fp8=tr.fp8_activations) if tr.fp8 else None
         stages = build_stages(
             self.model_config,
             self.layout,
             seed=tr.seed,
             dtype=dtype,
             device=self.device,
-            fp8=FP8Recipe(save_fp8=tr.fp8_activations) if tr.fp8 else None,
+            fp8=recipe,
             fp8_dispatch=tr.dispatch_fp8,
         )
         if self.config.model.checkpoint is not None:
@@ -144,7 +146,12 @@ class Trainer:
         # pipe.step while all-to-alls are in flight (a no-op off CUDA).
         pc = self.config.parallel
         shapes = KernelShapes.from_config(
-            self.model_config, tokens=tr.micro_batch_size * tr.seq_len, ep=pc.ep, dtype=dtype
+            self.model_config,
+            tokens=tr.micro_batch_size * tr.seq_len,
+            ep=pc.ep,
+            dtype=dtype,
+            fp8=recipe,
+            fp8_linears=fp8_linears(*stages),
         )
         warm_up(shapes, self.device, comm_sms=pc.reserved_sms)
         for stage in stages:

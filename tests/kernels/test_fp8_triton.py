@@ -262,12 +262,12 @@ def test_the_warm_up_covers_an_fp8_models_calls():
     # A tiny model in FP8 (its linears and experts, the router and head kept in precision), forward and backward
     # on the reference: every kernel call it makes has a class the warm-up compiles, given the model's linears.
     from moe import MoEModel, lm_loss
-    from moe.layers import Linear, use_fp8
+    from moe.layers import fp8_linears, use_fp8
     from tests.moe.helpers import batch
 
     cfg = tiny_config()
     model = use_fp8(MoEModel(cfg, seed=0), fp8.FP8Recipe(save_fp8=True))
-    linears = [(m.weight.shape[1], m.weight.shape[0]) for m in model.modules() if isinstance(m, Linear) and m.fp8]
+    linears = fp8_linears(model)
     ids, labels = batch(cfg, size=2, seq=16)
     seen: set = set()
 
