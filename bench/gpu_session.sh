@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checklist (../shared/GPU_CHECKLIST.md) in calls of the device tool, one per argument:
-#   bash bench/gpu_session.sh 1   # does it work at all: versions, pytest -m gpu, a one-GPU training run (~8 min)
+#   bash bench/gpu_session.sh 1   # does it work at all: versions, pytest -m gpu, one-GPU training runs in bf16 and FP8 (~10 min)
 #   bash bench/gpu_session.sh 2   # how fast: kernels at V3 shapes, the overlap trace, host vs GPU per sub-stage
 #   bash bench/gpu_session.sh 3   # measure again after a fix: kernels, the overlap at the full small preset,
 #                                 # and the multigpu tier's collection (it skips on one GPU, saying why)
@@ -94,18 +94,30 @@ EOF
 }
 
 # The main job on one GPU: torchrun with NCCL, pp=1, ep=1, DualPipeV with overlap, bf16; the loss must fall.
-train() {
-    local metrics="$out/train-metrics-$tag.jsonl"
+train() {  # train NAME [FLAG...]: the one-GPU run (bf16) with extra flags; its loss must fall
+    local name=$1
+    shift
+    local metrics="$out/train-$name-metrics-$tag.jsonl"
     rm -f "$metrics"
     torchrun --standalone --nproc-per-node 1 examples/train.py --preset small --layers 4 --pp 1 --ep 1 \
         --schedule dualpipev --overlap --dtype bfloat16 --steps 30 --seq-len 256 --micro-batch-size 2 \
-        --val-every 0 --log-every 5 --metrics-file "$metrics" || return $?
+        --val-every 0 --log-every 5 --metrics-file "$metrics" "$@" || return $?
     "$py" - "$metrics" <<'EOF'
 import json, sys
 losses = [json.loads(line)["loss"] for line in open(sys.argv[1])]
 first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
 print(f"loss: first 3 steps {first:.4f}, last 3 steps {last:.4f} over {len(losses)} steps")
 sys.exit(0 if last < first else "the loss did not fall")
+EOF
+}
+
+fp8_tracks_bf16() {  # the Triton FP8 run's loss within 1% (relative) of the bf16 run's after step 5, as on CPU
+    "$py" - "$out/train-bf16-metrics-$tag.jsonl" "$out/train-fp8-metrics-$tag.jsonl" <<'EOF'
+import json, sys
+bf16, fp8 = ({r["step"]: r["loss"] for r in map(json.loads, open(path))} for path in sys.argv[1:])
+worst = max(abs(fp8[s] - bf16[s]) / bf16[s] for s in bf16 if s > 5)
+print(f"FP8 vs bf16: worst relative loss difference after step 5: {worst:.4f} (CPU tests hold 0.01)")
+sys.exit(0 if worst < 0.01 else "FP8 drifts from bf16")
 EOF
 }
 
@@ -291,7 +303,9 @@ case "$call" in
 1)
     step versions versions
     step "pytest -m gpu" "$py" -m pytest -m gpu -q -p no:cacheprovider -rs tests
-    step "train (1 GPU, NCCL)" train
+    step "train (1 GPU, NCCL)" train bf16
+    step "train FP8 (1 GPU, Triton FP8 GEMMs, FP8 activations)" train fp8 --fp8 --fp8-activations
+    step "FP8 loss tracks bf16" fp8_tracks_bf16
     ;;
 2)
     step versions versions

@@ -111,7 +111,16 @@ def test_call_4_runs_only_the_parts_asked_for_in_its_own_order(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("call", "expected"),
     [
-        ("1", ["versions", "pytest -m gpu", "train (1 GPU, NCCL)"]),
+        (
+            "1",
+            [
+                "versions",
+                "pytest -m gpu",
+                "train (1 GPU, NCCL)",
+                "train FP8 (1 GPU, Triton FP8 GEMMs, FP8 activations)",
+                "FP8 loss tracks bf16",
+            ],
+        ),
         ("2", ["versions", "kernels v3", "overlap trace + host vs GPU (small, 2 layers)", "gzip the trace"]),
         ("3", ["versions", "kernels v3", "overlap trace + host vs GPU (small, all layers)", "gzip the trace",
                "pytest -m multigpu (collection; skips on one GPU)"]),
