@@ -97,6 +97,8 @@ class OverlapReport:
     rtol: float
     atol: float
     checks: list[Check] = field(default_factory=list)
+    title: str = "overlapped_forward_backward"
+    """What was checked (the report's first words): the hook, or the ``pieces`` (:mod:`dualpipe.piece_check`)."""
 
     @property
     def ok(self) -> bool:
@@ -121,8 +123,16 @@ class OverlapReport:
 
     def __str__(self) -> str:
         verdict = "ok" if self.ok else f"FAILED, {len(self.failures)} of {len(self.checks)} checks"
-        head = f"overlapped_forward_backward of {self.subject}: {verdict} (rtol={self.rtol:g}, atol={self.atol:g})"
-        rows = [("after", "check", "max abs err", "rel err", "result")]
+        head = f"{self.title} of {self.subject}: {verdict} (rtol={self.rtol:g}, atol={self.atol:g})"
+        rows = [
+            (
+                "after" if self.title == "overlapped_forward_backward" else "where",
+                "check",
+                "max abs err",
+                "rel err",
+                "result",
+            )
+        ]
         for c in self.checks:
             result = ("ok" if c.ok else "FAIL") + (f"  {c.note}" if c.note else "")
             rows.append((c.phase, c.name, _num(c.max_abs), _num(c.rel), result))
