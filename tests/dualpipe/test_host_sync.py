@@ -20,7 +20,7 @@ def test_flags_the_syncing_ops_and_not_their_sync_free_forms():
         torch.unique(idx)
         torch.repeat_interleave(idx, idx)
         y = x.clone()
-        y[x > 3] = 0.0
+        y[x > 3] = torch.tensor([7.0, 8.0])  # a scatter of several values: nonzero() first
     assert [f.op for f in syncs.flagged] == [
         "Tensor.tolist",
         "aten._local_scalar_dense",
@@ -39,6 +39,8 @@ def test_flags_the_syncing_ops_and_not_their_sync_free_forms():
         torch.repeat_interleave(idx, idx, output_size=2)
         torch.sort(x, stable=True)
         x.to("cpu")
+        y[x > 3] = 0.0  # one mask, a host scalar: ATen runs masked_fill_, no nonzero()
+        x.masked_fill(x > 3, 0.0)
     assert clean.flagged == [], clean.summary()
 
 
