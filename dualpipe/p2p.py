@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dualpipe.host_sync import to_device
+
 __all__ = ["HEADER_LEN", "P2P", "Message", "PendingRecv", "PipelineCommError", "wait_work"]
 
 # A header holds 1 + per tensor (3 + ndim) int64 entries: 256 covers e.g. 30 tensors of rank 5.
@@ -202,7 +204,7 @@ class P2P:
         """Operations that send ``tensors`` to ``peer`` (validated against the declaration)."""
         ops: list[dist.P2POp] = []
         if self.declared is None:
-            header = encode_header(tensors).to(self.device)
+            header = to_device(encode_header(tensors), self.device)  # pinned, non-blocking: no host wait
             ops.append(self._op(dist.isend, header, peer, message, 0))
             payload = [(i, t) for i, t in enumerate(tensors) if t is not None]
         else:

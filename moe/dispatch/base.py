@@ -106,6 +106,39 @@ class TokenDispatcher(ABC):
         that profiling records a transfer's end there; None: not exposed (NCCL's is internal) or not CUDA."""
         return None
 
+    def warm_up(
+        self, num_tokens: int, top_k: int, hidden_size: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        """Run every transfer once at a step's shapes, so that the first step builds and compiles nothing.
+
+        ``num_tokens`` tokens per rank (a micro-batch's batch x sequence), each routed to ``top_k`` experts, rows of
+        ``hidden_size`` in ``dtype`` (sent as FP8 when the dispatcher was built with :attr:`fp8`): dispatch,
+        combine and both backward directions run once on random routing (its own generator; the global RNG is
+        untouched) and nothing is counted in :attr:`traffic`. That builds what a backend builds lazily and
+        compiles what it compiles on first use (DeepEP V2's buffer and JIT kernels, NCCL's communicators), and
+        waits for the device to finish. Collective over the group: every rank calls it with the same shapes.
+        Without communication (:attr:`communicates` False) there is nothing to warm.
+        """
+        if not self.communicates:
+            return
+        device = torch.device(device)
+        gen = torch.Generator(device).manual_seed(self.ep_rank)
+        scores_TE = torch.rand(num_tokens, self.num_experts, generator=gen, device=device)
+        topk_idx_TK = scores_TE.topk(top_k, dim=1).indices  # distinct experts per token, as a router picks
+        weights_TK = torch.full((num_tokens, top_k), 1.0 / top_k, device=device)
+        x_TD = torch.zeros(num_tokens, hidden_size, dtype=dtype, device=device)
+        traffic, self.traffic = self.traffic, None
+        try:
+            route = self.plan(topk_idx_TK)
+            got = self.dispatch(route, x_TD, weights_TK).wait()
+            self.combine(route, got.x_RD).wait()
+            self.dispatch_backward(route, got.x_RD, got.weights_RK).wait()
+            self.combine_backward(route, x_TD).wait()
+        finally:
+            self.traffic = traffic
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     def close(self) -> None:
         """Release what the backend holds beyond Python objects; the clean path calls it once on every rank
         before ``destroy_process_group`` (it may synchronise with peers). Default: nothing to release."""

@@ -9,7 +9,7 @@ Source references are to deepseek-ai/DeepEP (V2, ``__version__ = '2.1.0'``): ``d
 How it maps onto :class:`~moe.dispatch.base.TokenDispatcher`:
 
 * There is no layout call: ``ElasticBuffer.dispatch`` computes the routing itself, so :meth:`plan` only
-  builds the buffer the first time and puts the expert ids in the dtype DeepEP asserts.
+  puts the expert ids in the dtype DeepEP asserts (and builds the buffer if :meth:`warm_up` did not).
 * Every call passes ``async_with_compute_stream=True``: the kernels run on DeepEP's communication stream,
   which first waits for the compute stream (``stream_control_prologue``, buffer.hpp:542-547, so no
   ``previous_event`` is needed), and the returned ``EventOverlap`` is waited in ``Pending.wait()`` where the
@@ -32,8 +32,13 @@ How it maps onto :class:`~moe.dispatch.base.TokenDispatcher`:
 
 ``ElasticBuffer`` sizes itself from ``num_max_tokens_per_rank`` (equal on every rank: a token's global id is
 ``src_rank * num_max_tokens_per_rank + index``, elastic.py:25-57 and ``deep_ep/utils/refs.py``) and the top-k.
-The buffer is therefore built at the first :meth:`plan`, when the top-k is known; ``max_tokens_per_rank=None``
-takes the largest token count of that first call over the group (one all-reduce and host sync, once).
+Building it is a barrier with every peer, and each kernel is JIT-compiled (NVCC, into the user's cache) the first
+time a combination of its template arguments runs (csrc/kernels/elastic/dispatch.hpp and combine.hpp
+``generate_impl``: SMs, row bytes, FP8 scale packs, token capacity, experts, top-k, ``do_cpu_sync``, cached
+mode), which can take longer than the peers' GPU-side timeout (``num_gpu_timeout_secs=100``). The trainer
+therefore builds and warms it at setup, at the step's shapes: :meth:`DeepEPV2Dispatcher.warm_up`. Otherwise it
+is built at the first :meth:`plan`, when the top-k is known. ``max_tokens_per_rank=None`` takes the largest
+token count of the build over the group (one all-reduce and host sync, once).
 
 FP8 dispatch (``fp8=True``): the buffer is built with ``use_fp8_dispatch=True`` (elastic.py:258: "the received
 data will be a tuple of FP8 tensor and scaling factors"), and dispatch and the gradient of combine (a cached
@@ -108,7 +113,8 @@ class _V2Route(Route):
 
 
 class DeepEPV2Dispatcher(TokenDispatcher):
-    """Expert parallelism through one ``deep_ep.ElasticBuffer`` over ``group`` (built at the first plan).
+    """Expert parallelism through one ``deep_ep.ElasticBuffer`` over ``group`` (built by :meth:`warm_up`, else at
+    the first plan).
 
     ``hidden_size``: width of the bf16 rows. ``comm_sms``: SMs of every dispatch and combine (0: DeepEP
     picks). ``max_tokens_per_rank``: the most tokens one rank dispatches at once, equal on every rank (None:
@@ -167,11 +173,25 @@ class DeepEPV2Dispatcher(TokenDispatcher):
             buffer, self.buffer = self.buffer, None
             buffer.destroy()
 
-    def _build_buffer(self, topk_idx_TK: torch.Tensor) -> None:
-        num_tokens, num_topk = topk_idx_TK.shape
+    def warm_up(
+        self, num_tokens: int, top_k: int, hidden_size: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        """Build the ElasticBuffer for ``num_tokens`` per rank and ``top_k`` (``max_tokens_per_rank=None``: the
+        group's largest ``num_tokens``), then run dispatch, combine and their backward once at these shapes
+        (:meth:`TokenDispatcher.warm_up`), so that every JIT kernel the step runs is compiled. Collective."""
+        if self._closed:
+            raise RuntimeError("this deepep-v2 dispatcher was closed (its ElasticBuffer destroyed)")
+        if top_k > MAX_TOPK:
+            raise ValueError(f"DeepEP V2 takes at most {MAX_TOPK} experts per token, got top-k {top_k}")
+        if self.buffer is None:
+            self._build_buffer(num_tokens, top_k, torch.device(device))
+        super().warm_up(num_tokens, top_k, hidden_size, dtype=dtype, device=device)
+
+    def _build_buffer(self, num_tokens: int, num_topk: int, device: torch.device) -> None:
         if self.max_tokens_per_rank is None:
-            # Every rank must pass the same num_max_tokens_per_rank: agree on the largest first batch.
-            count = torch.tensor([num_tokens], dtype=torch.int64, device=topk_idx_TK.device)
+            # Every rank must pass the same num_max_tokens_per_rank: agree on the largest first batch. The count is
+            # filled on the device (no upload); reading the maximum back is this build's one host sync.
+            count = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
             self.max_tokens_per_rank = max(1, int(count.item()))
         self.buffer = self._deep_ep.ElasticBuffer(
@@ -192,8 +212,8 @@ class DeepEPV2Dispatcher(TokenDispatcher):
         num_tokens, num_topk = topk_idx_TK.shape
         if num_topk > MAX_TOPK:
             raise ValueError(f"DeepEP V2 takes at most {MAX_TOPK} experts per token, got top-k {num_topk}")
-        if self.buffer is None:
-            self._build_buffer(topk_idx_TK)
+        if self.buffer is None:  # not warmed up: built now, in the step
+            self._build_buffer(num_tokens, num_topk, topk_idx_TK.device)
         if num_tokens > self.max_tokens_per_rank:
             raise ValueError(
                 f"{num_tokens} tokens on this rank, more than the {self.max_tokens_per_rank} the ElasticBuffer was "

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dualpipe import Pipeline
+from dualpipe.host_sync import to_device
 from dualpipe.observer import ProfilerObserver
 from kernels.fp8 import FP8Recipe
 from kernels.warmup import KernelShapes, warm_up
@@ -70,6 +71,8 @@ class Trainer:
         self.rank = dist.get_rank()
         torch.manual_seed(config.training.seed)
         self.layout = init_layout(config.parallel, self.device.type)
+        self.dispatcher_warm_up_s = 0.0
+        """Seconds :meth:`build_stages` took to warm the dispatcher up (the banner says it)."""
         self.stages = self.build_stages()
         self.pipe = self.build_pipeline()
         self.optimizer = self.build_optimizer()
@@ -154,6 +157,17 @@ class Trainer:
             fp8_linears=fp8_linears(*stages),
         )
         warm_up(shapes, self.device, comm_sms=pc.reserved_sms)
+        # The dispatcher too (one for all stages): DeepEP V2 builds its buffer and JIT-compiles its kernels on first
+        # use, NCCL creates communicators on first use; here, at the step's shapes, not inside step 1.
+        t0 = time.monotonic()
+        stages[0].dispatcher.warm_up(
+            tr.micro_batch_size * tr.seq_len,
+            self.model_config.top_k,
+            self.model_config.hidden_size,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.dispatcher_warm_up_s = time.monotonic() - t0
         for stage in stages:
             # The step averages the LM loss over micro-batches (loss_reduction="mean"); the balance loss, added
             # inside each stage per micro-batch, must be averaged the same way.
@@ -217,7 +231,9 @@ class Trainer:
         """(inputs, labels) this pipeline rank feeds ``pipe.step``: its data-parallel slice of the global batch,
         cut by the pipeline (``Pipeline.split_batch``: DualPipe feeds half at each end)."""
         ids, labels = loader.batch(first_sample)
-        return self.pipe.split_batch((ids.to(self.device),), (labels.to(self.device),))
+        # Uploaded from pinned memory without a wait: a blocking copy would sync the stream, and the host could
+        # not queue this step while the last one's work runs.
+        return self.pipe.split_batch((to_device(ids, self.device),), (to_device(labels, self.device),))
 
     def train(self) -> None:
         """Train from the current step (0, or the resumed checkpoint's) to ``training.steps``."""
@@ -265,8 +281,11 @@ class Trainer:
     def print_banner(self) -> None:
         c, pc, tr = self.config, self.config.parallel, self.config.training
         fp8 = ("+fp8-gemm" if tr.fp8 else "") + ("+fp8-dispatch" if tr.dispatch_fp8 else "")
+        ep = f"ep={pc.ep}"
+        if pc.ep > 1:  # the warm-up at setup (DeepEP V2: its buffer built and kernels compiled)
+            ep += f" ({pc.dispatcher}, built and warmed up in {self.dispatcher_warm_up_s:.1f} s)"
         print(
-            f"MoE {c.model.name}: pp={pc.pp} dp={pc.dp} ep={pc.ep} {pc.schedule} overlap={pc.overlap} "
+            f"MoE {c.model.name}: pp={pc.pp} dp={pc.dp} {ep} {pc.schedule} overlap={pc.overlap} "
             f"chunks={pc.num_chunks} tokens/step={c.global_batch * tr.seq_len} {tr.dtype}{fp8} "
             f"memory estimate {self.memory_estimate / 2**20:.0f} MiB/rank, MFU against {self.peak_source}; "
             f"data: {self.data.description}",

@@ -200,6 +200,11 @@ class ElasticBuffer:
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
         self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
         self.calls: list[str] = []  # for tests: which entry points ran, in order
+        self.compiled: list[tuple] = []
+        """For tests: the JIT kernels built, in order, each as (kernel, template arguments its call fixes). V2
+        compiles a kernel the first time a combination runs (csrc/kernels/elastic/dispatch.hpp, combine.hpp
+        ``generate_impl``: SMs, row bytes, scale packs, token capacity, experts, top-k, ``do_cpu_sync``, cached
+        mode); the emulation keeps that key and compiles nothing."""
         dist.barrier(group=group)  # elastic.py:364-367: every peer must come
 
     def destroy(self) -> None:
@@ -267,6 +272,11 @@ class ElasticBuffer:
         if previous_event is not None:  # stream_control_prologue, buffer.hpp:539-540
             _host_assert(allocate_on_comm_stream, "allocate_on_comm_stream")
             previous_event.current_stream_wait()
+
+    def _jit(self, kernel: str, *template: object) -> None:
+        """The JIT build of ``kernel`` for these template arguments, the first time they occur."""
+        if (key := (kernel, *template)) not in self.compiled:
+            self.compiled.append(key)
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> dist.Work:
         return _a2a(out, inp, out_splits, in_splits, self.group)
@@ -381,6 +391,10 @@ class ElasticBuffer:
             "ptx::deduplicate(dst_expert_idx, lane_idx) or dst_expert_idx == -1",
         )
         self.calls.append("dispatch(cached)" if cached else "dispatch")
+        sf_packs = 0 if sf is None else sf.shape[1]
+        template = (num_sms, hidden * x.element_size(), sf_packs, num_max_tokens_per_rank, num_experts, num_topk)
+        self._jit("dispatch_impl", *template, expert_alignment, do_cpu_sync, cached)
+        self._jit("dispatch_copy_epilogue_impl", *template, expert_alignment, cached)
 
         send_token, send_counts = self._routes(topk_idx, num_experts)
         if cached:
@@ -502,6 +516,8 @@ class ElasticBuffer:
             "get_combine_buffer_size(...) <= num_buffer_bytes",
         )
         self.calls.append("combine")
+        self._jit("combine_impl", num_sms, hidden, handle.num_max_tokens_per_rank, handle.num_experts, num_topk)
+        self._jit("combine_reduce_epilogue_impl", num_sms, hidden, handle.num_max_tokens_per_rank, num_topk)
 
         w = self.num_ranks
         e_local = handle.num_experts // w
