@@ -250,6 +250,10 @@ class ParallelLayout:
     """The ``DeviceMesh`` over (pp, edp, ep)."""
     timeout: datetime.timedelta | None = None
     """How long a collective of any of these groups waits (:func:`with_schedule`'s new groups get it too)."""
+    counts_group: dist.ProcessGroup | None = None
+    """A duplicate of :attr:`ep_group` (same ranks, its own communicator and stream) for the row-count exchange
+    of a dispatcher that has one (``alltoall`` outside sync-free mode): on the expert group the counts of one
+    micro-batch would queue behind the other's all-to-all, and the host reading them would wait for it."""
 
     @property
     def dp_rank(self) -> int:
@@ -336,6 +340,10 @@ def init_layout(
         lines = grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist()
         dims.append(new_groups(lines, timeout=timeout, options=group_options(config, dim)))
     dp_group = new_groups(grid.reshape(config.pp, -1).tolist(), timeout=timeout, options=group_options(config))
+    counts_group = None
+    if config.ep > 1 and DISPATCHERS.lookup(config.dispatcher).exchanges_counts and not config.sync_free:
+        ep_lines = grid.reshape(-1, config.ep).tolist()  # ep is the grid's last axis
+        counts_group = new_groups(ep_lines, timeout=timeout, options=group_options(config, "ep"))
     mesh = DeviceMesh.from_group(dims, device_type, mesh=grid.contiguous(), mesh_dim_names=MESH_DIMS)
     pp_rank, edp_rank, ep_rank = mesh.get_coordinate()
     return ParallelLayout(
@@ -351,6 +359,7 @@ def init_layout(
         embed_group=_embed_group(config, grid, timeout),
         mesh=mesh,
         timeout=timeout,
+        counts_group=counts_group,
     )
 
 
@@ -443,6 +452,7 @@ def build_stages(
         sync_free=pc.sync_free,
         deterministic=pc.deterministic_dispatch,
         fp8=fp8_dispatch,
+        counts_group=layout.counts_group,
     )
     plans = pc.stage_plans(cfg)
     stage_layout = pc.stage_layout

@@ -9,7 +9,11 @@ Combine and the gradient of dispatch are :meth:`AllToAll.backward` of the dispat
 
 Row counts travel first (``W`` integers, started in :meth:`plan` right after routing) because the receiving
 buffers must be allocated before the data exchange starts; the host reads them once per layer, from pinned
-memory (:func:`exchange_counts_to_host`), when the dispatch starts. The send order is computed on the device
+memory (:func:`exchange_counts_to_host`), when the dispatch starts. They travel on ``counts_group``, a duplicate
+of the expert group (same ranks, its own communicator, so on NCCL its own stream): on the expert group itself
+the count exchange of one micro-batch would queue behind the other micro-batch's all-to-all in flight (NCCL runs
+a communicator's collectives in issue order on one stream), and the host, which reads the counts, would wait
+for that transfer inside the overlapped pair. The send order is computed on the device
 (a stable sort, no ``nonzero``). ``sync_free=True`` pads every per-peer block to the worst case instead and
 reads nothing on the host (:class:`AllToAllDispatcher`).
 
@@ -98,6 +102,10 @@ def _local_ids(topk_idx_SK: torch.Tensor, dest_S: torch.Tensor, e_local: int) ->
     return torch.where((local_SK >= 0) & (local_SK < e_local), local_SK, torch.full_like(local_SK, -1))
 
 
+def _ranks(group: dist.ProcessGroup | None) -> list[int]:
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
 def _row_bytes(t_NX: torch.Tensor) -> int:
     return t_NX.shape[1] * t_NX.element_size()
 
@@ -119,13 +127,29 @@ class AllToAllDispatcher(TokenDispatcher):
     a pipeline's equal micro-batches do). Losses and gradients equal the normal mode's exactly.
 
     ``fp8``: FP8 dispatch (see the module docstring).
+
+    ``counts_group``: where the row counts are exchanged, a duplicate of ``group`` (the same ranks in the same
+    order; :attr:`moe.parallel.ParallelLayout.counts_group`); None: on ``group`` itself, behind its transfers.
     """
 
     def __init__(
-        self, num_experts: int, group: dist.ProcessGroup | None = None, *, sync_free: bool = False, fp8: bool = False
+        self,
+        num_experts: int,
+        group: dist.ProcessGroup | None = None,
+        *,
+        sync_free: bool = False,
+        fp8: bool = False,
+        counts_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
+        if counts_group is not None and _ranks(counts_group) != _ranks(group):
+            raise ValueError(
+                f"counts_group must hold the expert group's ranks in its order, {_ranks(group)}; got "
+                f"{_ranks(counts_group)}"
+            )
         self.group = group
+        self.counts_group = counts_group if counts_group is not None else group
+        """The group the row counts travel on (``group`` when no duplicate was given)."""
         self.sync_free = sync_free
         self.fp8 = fp8
 
@@ -154,7 +178,7 @@ class AllToAllDispatcher(TokenDispatcher):
         # A stable sort of "not sent" puts the sent (rank, token) pairs first, by rank then token: the send
         # order nonzero() gives, without its data-dependent output size.
         pairs_WT = torch.sort((~in_rank_WT).reshape(-1).to(torch.uint8), stable=True).indices
-        counts = exchange_counts_to_host(in_rank_WT.sum(1), self.group)
+        counts = exchange_counts_to_host(in_rank_WT.sum(1), self.counts_group)
         return _A2ARoute(topk_idx_TK, e_local, pairs_WT, counts, self.group)
 
     def dispatch(self, route: Route, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending[Dispatched]:
@@ -210,8 +234,11 @@ def _make_alltoall(
     comm_sms: int,
     sync_free: bool = False,
     fp8: bool = False,
+    counts_group: dist.ProcessGroup | None = None,
 ) -> TokenDispatcher:
-    return AllToAllDispatcher(num_experts, group, sync_free=sync_free, fp8=fp8)
+    return AllToAllDispatcher(num_experts, group, sync_free=sync_free, fp8=fp8, counts_group=counts_group)
 
 
-register_dispatcher(DispatcherSpec(name="alltoall", factory=_make_alltoall, sync_free=True, fp8=True))
+register_dispatcher(
+    DispatcherSpec(name="alltoall", factory=_make_alltoall, sync_free=True, fp8=True, exchanges_counts=True)
+)

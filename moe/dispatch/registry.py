@@ -45,6 +45,7 @@ class DispatcherFactory(Protocol):
         sync_free: bool = False,
         deterministic: bool = False,
         fp8: bool = False,
+        counts_group: dist.ProcessGroup | None = None,
     ) -> TokenDispatcher: ...
 
 
@@ -109,6 +110,10 @@ class DispatcherSpec:
     fp8: bool = False
     """The backend can send the dispatch direction in FP8 (``make_dispatcher(..., fp8=True)``, which its factory
     takes): :mod:`moe.dispatch.fp8`."""
+    exchanges_counts: bool = False
+    """Outside its sync-free mode the backend exchanges row counts in a collective of their own before each
+    dispatch, and its factory takes ``counts_group``, a duplicate of the expert group for them (its own
+    communicator and stream, so the counts do not queue behind the other micro-batch's all-to-all)."""
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -187,6 +192,7 @@ def make_dispatcher(
     sync_free: bool = False,
     deterministic: bool = False,
     fp8: bool = False,
+    counts_group: dist.ProcessGroup | None = None,
 ) -> TokenDispatcher:
     """Build the registered dispatcher ``kind`` over the expert-parallel ``group`` (``local`` ignores it).
 
@@ -198,8 +204,9 @@ def make_dispatcher(
     bit, from a backend whose order otherwise follows arrival (:attr:`DispatcherSpec.deterministic`); the
     others give that order always. ``fp8`` sends the dispatch direction (dispatch, and the gradient of combine)
     as FP8 rows with 1x128 scales, dequantized on arrival (:mod:`moe.dispatch.fp8`); ``local`` applies the same
-    round trip, so one process computes what the expert-parallel run does. A launch the backend cannot run
-    raises ValueError before the backend builds anything.
+    round trip, so one process computes what the expert-parallel run does. ``counts_group``: a duplicate of
+    ``group`` for the row-count exchange of a backend that has one (:attr:`DispatcherSpec.exchanges_counts`;
+    the others ignore it). A launch the backend cannot run raises ValueError before the backend builds anything.
     """
     spec = DISPATCHERS.lookup(kind)
     if sync_free and not spec.sync_free:
@@ -227,4 +234,6 @@ def make_dispatcher(
         modes["deterministic"] = True
     if fp8:
         modes["fp8"] = True  # spec.fp8: the violations above refused a backend without it
+    if counts_group is not None and spec.exchanges_counts:
+        modes["counts_group"] = counts_group
     return spec.factory(num_experts, group, hidden_size=hidden_size, dtype=dtype, comm_sms=comm_sms, **modes)
