@@ -45,17 +45,8 @@ def main(argv: list[str] | None = None) -> None:
         if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
             print(dump_toml(config), end="", flush=True)
         return
-    owned = not dist.is_initialized()  # the trainer makes the process group; it then releases it
-    try:
-        trainer = Trainer(config)
-        trainer.train()
-    except SystemExit:
-        # A user-caused failure, met by every rank alike (nothing in flight): release the group here rather
-        # than in the interpreter's exit, where a backend thread still running can abort the process and turn
-        # the one-line error's status into a signal.
-        if owned and dist.is_initialized():
-            dist.destroy_process_group()
-        raise
+    trainer = Trainer(config)
+    trainer.train()
     trainer.close()
 
 
@@ -71,4 +62,13 @@ def cli(argv: list[str] | None = None) -> None:
     exit with the same status, silently. ``--debug`` prints every rank's traceback instead. Real bugs keep
     theirs."""
     argv = sys.argv[1:] if argv is None else argv
-    run_command(lambda: main(argv), debug=_debug(argv))
+    owned = not dist.is_initialized()  # the trainer makes the process group; the clean path releases it
+    try:
+        run_command(lambda: main(argv), debug=_debug(argv))
+    except SystemExit:
+        # A user-caused failure, met by every rank alike (nothing in flight), its message already printed:
+        # release the group here rather than in the interpreter's exit, where a backend thread still running
+        # can abort the process and turn the error's exit status into a signal.
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+        raise

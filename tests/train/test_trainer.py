@@ -214,9 +214,9 @@ def test_a_user_error_after_the_group_exists_releases_it(tmp_path: Path) -> None
     tear a live gloo group down (which once aborted with SIGABRT instead of exiting 1)."""
     code = (
         "import sys, torch.distributed as dist\n"
-        "from moe.train.launch import main\n"
+        "from moe.train.launch import cli\n"
         "try:\n"
-        "    main(sys.argv[1:])\n"
+        "    cli(sys.argv[1:])\n"
         "except SystemExit as exc:\n"
         "    print('error:', exc.code is not None, 'group alive:', dist.is_initialized())\n"
     )
