@@ -56,6 +56,15 @@ SPAN_FIELDS = {
 }
 """Recorded compute span (name, direction) -> the planner's field (:data:`moe.plan.costs.COMPUTE_FIELDS`)."""
 
+PART_FIELDS = {
+    ("residual", "fwd"): "attn_F",
+    ("shared", "fwd"): "mlp_F",
+    ("shared.dx", "bwd"): "mlp_dX",
+    ("shared.dw", "bwd"): "mlp_dW",
+}
+"""Spans that are part of another's field, adding no instance of it: the residual sum before a block's
+attention, and the shared experts (a piece of their own; the planner's MLP sub-stage includes them)."""
+
 _UNITS = {  # tc(8): SI multiples; "bit" units are bits per second, "bps" units bytes per second
     "bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
     "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12,
@@ -114,15 +123,12 @@ def _step_fields(ranks: Iterable[RankSteps]) -> tuple[dict[str, float], dict[str
             for spans, seconds in _segment_time(r, window):
                 recorded = sum(c.end - c.start for c in spans)
                 for c in spans:
-                    key = (
-                        "attn_F"
-                        if (c.name, c.direction) == ("residual", "fwd")
-                        else SPAN_FIELDS.get((c.name, c.direction))
-                    )
+                    part = PART_FIELDS.get((c.name, c.direction))
+                    key = part or SPAN_FIELDS.get((c.name, c.direction))
                     if key is None or recorded <= 0:
                         continue
                     total[key] = total.get(key, 0.0) + seconds * (c.end - c.start) / recorded
-                    if (c.name, c.direction) != ("residual", "fwd"):
+                    if part is None:
                         count[key] = count.get(key, 0) + 1
         for c in r.comm:
             kind = f"{c.name}.{c.direction}"

@@ -12,22 +12,23 @@ stage output through one autograd node (:func:`stage_output`) whose backward rep
 so the pipeline's ``run_backward(outputs, grads)`` or ``loss.backward()`` works unchanged.
 
 **The overlapped pair.** ``overlapped_forward_backward`` runs the forward of one micro-batch (F) and the
-backward of an earlier one (B) interleaved, in DeepSeek-V3's order (Figure 4; Megatron-Core's combined 1F1B
-uses the same). Forward block i is paired with backward block L-1-i; within a pair the compute pieces
-alternate, F first: F's in forward order, B's in reverse (dX, then dW). For an attention / dispatch / MLP
-/ combine block that gives::
+backward of an earlier one (B) interleaved, in the order :mod:`dualpipe.pair_order` writes down
+(DeepSeek-V3 Figure 4; Megatron-Core's combined 1F1B uses the same). Forward block i is paired with
+backward block L-1-i; within a pair the steps of :data:`~dualpipe.pair_order.PAIR_ORDER` run the pieces of
+each role. For an attention / dispatch / shared expert / MLP / combine block that gives::
 
-    comm:     B.combine        | F.dispatch   B.dispatch      | F.combine  (next B.combine)
-    compute:  F.attention      | B.mlp (dX, dW)  F.mlp        | B.attention (dX | dW)
+    comm:     B.combine              | F.dispatch   B.dispatch            | F.combine  (next B.combine)
+    compute:  F.attention  B.shared  | B.mlp (dX, dW)  F.shared  F.mlp    | B.attention (dX | dW)
 
 Every communication starts as soon as its inputs exist (for B: between the dX that completes its gradient
 and that piece's dW) and is waited where its result is consumed, so each is in flight during the other
 micro-batch's compute. A communication whose ``prepare`` left an exchange in flight (row counts) starts
-after the other micro-batch's next compute instead, so that wait is hidden too. The pairs straddle block
-boundaries by themselves: B's next combine starts once this block's input gradient exists, behind
+after B's next dX or at the order's ``START_PREPARED`` step, whichever comes first: its exchange flies
+under B's side pieces (the shared expert's backward), and the transfer under B's MLP. The pairs straddle
+block boundaries by themselves: B's next combine starts once this block's input gradient exists, behind
 B.attention dW and the next F.attention. Unpaired blocks (embedding, head) run alone at the ends: B's head
 first, then F's embedding; B's embedding backward and the input-gradient delivery run while F's last
-combine is in flight.
+combine is in flight. Outside a pair (a plain forward or backward) the pieces run in declaration order.
 
 Every rank of an expert-parallel group walks the same sequence, so all ranks issue their collectives in
 the same order; that is what lets gloo and NCCL match them.
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dualpipe.pair_order import PAIR_ORDER, START_PREPARED, Roles, Step, roles
 from dualpipe.pieces import BlockRun, Compute, Pieces, Recorder
 from dualpipe.utils import run_backward
 
@@ -95,31 +97,36 @@ def _check_blocks(owner: str, decls: Sequence[Pieces]) -> None:
         raise ValueError(f"{owner}.pieces(): unpaired blocks (paired=False) may only come first or last")
 
 
-def _computes(block: BlockRun) -> list[int]:
-    return [i for i, p in enumerate(block.decl.pieces) if isinstance(p, Compute)]
-
-
 class _Side:
-    """One micro-batch's walk through a stage's blocks: ``steps`` are its compute pieces in walking order."""
+    """One micro-batch's walk through a stage's blocks, one compute piece per step: in a pair, a paired block's
+    pieces by role (:mod:`dualpipe.pair_order`), otherwise in declaration order (reversed for the backward)."""
 
-    def __init__(self, run: StageRun, steps: list[tuple[int, int]]) -> None:
+    def __init__(self, run: StageRun, direction: str, pair: bool) -> None:
         self.blocks = run.blocks
-        self.steps = steps
+        self._roles = [roles(blk.decl) for blk in run.blocks]
+        walk = range(len(self.blocks)) if direction == "fwd" else reversed(range(len(self.blocks)))
+        self.steps = [(b, i) for b in walk for i in self._order(b, direction, pair)]
         self.pos = 0
-        self._per_block = [len(_computes(blk)) for blk in self.blocks]
 
-    def steps_in(self, b: int) -> int:
-        """Compute pieces of block ``b``."""
-        return self._per_block[b]
+    def _order(self, b: int, direction: str, pair: bool) -> tuple[int, ...]:
+        decl = self.blocks[b].decl
+        if pair and decl.paired:
+            return self._roles[b].order(direction)
+        computes = tuple(i for i, p in enumerate(decl.pieces) if isinstance(p, Compute))
+        return computes if direction == "fwd" else computes[::-1]
+
+    def roles(self, b: int) -> Roles:
+        """Block ``b``'s compute pieces by role."""
+        return self._roles[b]
 
 
 class _Forward(_Side):
     """F: one micro-batch's forward through a stage, one compute piece per :meth:`step`."""
 
-    def __init__(self, run: StageRun) -> None:
-        super().__init__(run, [(b, i) for b, blk in enumerate(run.blocks) for i in _computes(blk)])
+    def __init__(self, run: StageRun, pair: bool = False) -> None:
+        super().__init__(run, "fwd", pair)
         self.cur = 0
-        self.due: list[int] = []  # comms of the current block waiting for one compute of the other side
+        self.due: list[int] = []  # comms of the current block whose prepare left an exchange in flight
         self.blocks[0].begin(run.inputs[0])
 
     def _enter(self, b: int) -> None:
@@ -169,10 +176,9 @@ class _Forward(_Side):
 class _Backward(_Side):
     """B: one micro-batch's backward through a stage, one compute piece (dX, then dW) per step."""
 
-    def __init__(self, run: StageRun, grad_out: torch.Tensor | None) -> None:
-        blocks = run.blocks
-        super().__init__(run, [(b, i) for b in reversed(range(len(blocks))) for i in reversed(_computes(blocks[b]))])
-        self.cur = len(blocks) - 1
+    def __init__(self, run: StageRun, grad_out: torch.Tensor | None, pair: bool = False) -> None:
+        super().__init__(run, "bwd", pair)
+        self.cur = len(run.blocks) - 1
         self.blocks[-1].begin_backward(grad_out)
 
     def _propagate(self, force_to: int | None = None) -> None:
@@ -234,9 +240,30 @@ def _paired(blocks: list[BlockRun]) -> list[int]:
     return [b for b, blk in enumerate(blocks) if blk.decl.paired]
 
 
+def _pair(fwd: _Forward, fb: int, bwd: _Backward, bb: int) -> None:
+    """Forward block ``fb`` beside backward block ``bb``, step by step of :data:`PAIR_ORDER`."""
+    for step in PAIR_ORDER:
+        if step == START_PREPARED:
+            fwd.start_due()
+            continue
+        assert isinstance(step, Step)
+        if step.direction == "fwd":
+            for i in fwd.roles(fb).of(step):
+                assert fwd.steps[fwd.pos] == (fb, i)
+                fwd.step()
+                fwd.start_ready()
+        else:
+            for i in bwd.roles(bb).of(step):
+                assert bwd.steps[bwd.pos] == (bb, i)
+                at = bwd.dx()
+                fwd.start_due()  # (backward communications have no prepare step: nothing of B is ever due)
+                bwd.start_ready()
+                bwd.dw(at)
+
+
 def _interleave(run0: StageRun, run1: StageRun, grad1: torch.Tensor | None) -> Any:
     """F of ``run0`` and B of ``run1`` interleaved; B's input gradient is delivered; returns F's output."""
-    fwd, bwd = _Forward(run0), _Backward(run1, grad1)
+    fwd, bwd = _Forward(run0, pair=True), _Backward(run1, grad1, pair=True)
     f_pairs, b_pairs = _paired(run0.blocks), _paired(run1.blocks)[::-1]
     bwd.start_ready()  # the output gradient is there: B's first communication starts at once
     if b_pairs:
@@ -244,15 +271,7 @@ def _interleave(run0: StageRun, run1: StageRun, grad1: torch.Tensor | None) -> A
     if f_pairs:
         fwd.alone(until=f_pairs[0])  # the embedding
     for fb, bb in zip(f_pairs, b_pairs):
-        for k in range(max(fwd.steps_in(fb), bwd.steps_in(bb))):
-            if k < fwd.steps_in(fb):
-                fwd.step()  # (backward communications have no prepare step: nothing of B is ever due)
-                fwd.start_ready()
-            if k < bwd.steps_in(bb):
-                at = bwd.dx()
-                fwd.start_due()
-                bwd.start_ready()
-                bwd.dw(at)
+        _pair(fwd, fb, bwd, bb)
     if len(b_pairs) <= len(f_pairs):
         # B is done with its blocks: its input gradient is computed while F's last communication flies.
         run1.deliver(bwd.finish())

@@ -3,10 +3,11 @@
     torchrun --standalone --nproc-per-node 4 examples/overlap_moe.py --pp 2 --ep 2 --steps 20
 
 Nothing here comes from ``moe/``: LayerNorm, causal attention, a softmax top-2 router, ``E`` GELU experts
-sharded over the expert-parallel ranks, no shared expert, and an all-to-all of its own (one row per
-(token, slot), sorted by expert). :class:`Model` is the plain single-process model. The overlap-specific code
-is the section marked below: :meth:`MoEBlock.pieces` names the block's four pieces and the two
-communication pieces say how to start each all-to-all and its gradient, built on
+sharded over the expert-parallel ranks, a shared GELU expert every token goes through, and an all-to-all of
+its own (one row per (token, slot), sorted by expert). :class:`Model` is the plain single-process model. The
+overlap-specific code is the section marked below: :meth:`MoEBlock.pieces` names the block's five pieces
+(three compute: attention, shared expert, routed experts) and the two communication pieces say how to start
+each all-to-all and its gradient, built on
 :mod:`dualpipe.collectives`. :class:`Stage` subclasses :class:`dualpipe.overlap.OverlapStage`, which turns
 those pieces into the forward, the backward and ``overlapped_forward_backward``. docs/overlap.md walks
 through it.
@@ -44,7 +45,8 @@ class Config:
 
 
 class MoEBlock(nn.Module):
-    """``a = x + attn(ln1(x))``; ``out = a + sum_k w_k expert_k(ln2(a))`` over the top-2 softmax experts.
+    """``a = x + attn(ln1(x))``; ``out = a + sum_k w_k expert_k(z) + shared(z)``, ``z = ln2(a)``, over the
+    top-2 softmax experts.
 
     ``group`` is the expert-parallel group; this rank holds experts ``[rank * E_local, (rank + 1) * E_local)``.
     """
@@ -59,6 +61,7 @@ class MoEBlock(nn.Module):
         self.gate = nn.Linear(cfg.dim, cfg.experts, bias=False)
         self.w1 = nn.Parameter(torch.randn(self.local, cfg.dim, cfg.ffn) * cfg.dim**-0.5)
         self.w2 = nn.Parameter(torch.randn(self.local, cfg.ffn, cfg.dim) * cfg.ffn**-0.5)
+        self.shared = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn, bias=False), nn.GELU(), nn.Linear(cfg.ffn, cfg.dim))
 
     def attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual ``a`` and the experts' input ``z = ln2(a)``."""
@@ -88,14 +91,16 @@ class MoEBlock(nn.Module):
         order = idx.flatten().argsort(stable=True)
         rows = z.flatten(0, 1)[order // self.cfg.top_k]
         y = self.experts(rows, idx.flatten()[order]) * w.flatten()[order, None]
-        return a + to_tokens(y, order, idx.shape).view_as(a)
+        return a + to_tokens(y, order, idx.shape).view_as(a) + self.shared(z)
 
     # ---- overlap: the block as pieces (everything overlap-specific is in this section) ---------------------
     def pieces(self) -> Pieces:
+        attn = Compute("attn", self._attn, "x", ("a", "z", "w"))
         dispatch = Comm("dispatch", self._dispatch, self._dispatch_grad, ("z", "w"), ("x_r", "w_r"), prepare=self._plan)
+        shared = Compute("shared", lambda ctx, z: self.shared(z), "z", "s")  # beside the routed path
+        mlp = Compute("mlp", self._mlp, ("x_r", "w_r"), "y_r")
         combine = Comm("combine", self._combine, self._combine_grad, "y_r", "y")
-        attn, mlp = Compute("attn", self._attn, "x", ("a", "z", "w")), Compute("mlp", self._mlp, ("x_r", "w_r"), "y_r")
-        return Pieces([attn, dispatch, mlp, combine], input="x", output=("a", "y"), layer=self.layer)
+        return Pieces([attn, dispatch, shared, mlp, combine], input="x", output=("a", "y", "s"), layer=self.layer)
 
     def _attn(self, ctx: Context, x: torch.Tensor):
         a, z = self.attention(x)

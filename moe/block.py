@@ -4,11 +4,12 @@ Legend for shape suffixes: B batch, S sequence, T tokens (B*S), D hidden, R rows
 experts, K top-k slots.
 
 :class:`Block` holds the parameters and two pure compute functions (``attn_compute``, ``mlp_compute``).
-:meth:`Block.pieces` declares the block for the overlap runtime (:mod:`dualpipe.pieces`): the two compute
-pieces, with the two all-to-alls between them as communication pieces whose backward is the opposite
-all-to-all. The runtime runs them on detached leaves, splits each compute backward into dX and dW, and
-interleaves two micro-batches (:mod:`dualpipe.overlap`). :meth:`Block.forward` is the same block as one
-ordinary autograd graph (blocking all-to-alls), the oracle and the graph torch's schedules take apart.
+:meth:`Block.pieces` declares the block for the overlap runtime (:mod:`dualpipe.pieces`): the compute
+pieces (attention, the shared experts, the routed MLP), with the two all-to-alls around the routed MLP as
+communication pieces whose backward is the opposite all-to-all. The runtime runs them on detached leaves,
+splits each compute backward into dX and dW, and interleaves two micro-batches (:mod:`dualpipe.overlap`).
+:meth:`Block.forward` is the same block as one ordinary autograd graph (blocking all-to-alls), the oracle
+and the graph torch's schedules take apart.
 """
 
 from __future__ import annotations
@@ -109,12 +110,12 @@ class Block(nn.Module):
         return a_BSD, z_BSD, routing
 
     def mlp_compute(
-        self, recv: Dispatched | None, z_BSD: torch.Tensor, *, free_received: bool = False
+        self, recv: Dispatched | None, z_BSD: torch.Tensor, *, free_received: bool = False, shared: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MLP sub-stage: (routed rows ``[R, D]`` or the dense output ``[B, S, D]``, shared output or None).
 
         free_received: free the received rows' storage once permute has copied them (the caller reads them no
-        more; see :meth:`_mlp_moe`)."""
+        more; see :meth:`_mlp_moe`). shared=False leaves the shared experts out (a piece of their own)."""
         if not self.is_moe:
             return self.mlp(z_BSD), None
         assert recv is not None
@@ -123,15 +124,17 @@ class Block(nn.Module):
         y_RD = self.experts(
             recv.x_RD, recv.local_idx_RK, recv.weights_RK, self.comm_sms, static_rows=static, free_input=free_received
         )
-        shared_BSD = self.shared(z_BSD) if self.shared is not None else None
+        shared_BSD = self.shared(z_BSD) if shared and self.shared is not None else None
         return y_RD, shared_BSD
 
     def pieces(self, aux_scale: float = 1.0) -> Pieces:
         """The block as pieces for :mod:`dualpipe.overlap`.
 
         MoE: ``attn`` (attention, router, routing plan) -> ``dispatch`` (its row-count exchange is the
-        prepare step) -> ``mlp`` (routed and shared experts) -> ``combine``; output ``a + y (+ shared)``.
-        Dense: ``attn`` -> ``mlp``; output ``a + y``.
+        prepare step) -> ``shared`` (the shared experts, when the layer has them) -> ``mlp`` (the routed
+        experts) -> ``combine``; output ``a + y (+ shared)``. The shared experts read only ``z`` and only the
+        output reads theirs: a side piece the pair order runs beside the routed path
+        (:mod:`dualpipe.pair_order`). Dense: ``attn`` -> ``mlp``; output ``a + y``.
         """
         if not self.is_moe:
             return Pieces(
@@ -143,6 +146,7 @@ class Block(nn.Module):
         dispatcher = self._dispatcher
         assert dispatcher is not None
         shared = ("shared",) if self.shared is not None else ()
+        side = (Compute("shared", self._shared_moe, "z", "shared"),) if shared else ()
         communicates = dispatcher.communicates
         return Pieces(
             (
@@ -157,10 +161,10 @@ class Block(nn.Module):
                     communicates=communicates,
                     stream=lambda: dispatcher.comm_stream,
                 ),
-                # z feeds only the shared experts: without them it gets no gradient here (the dispatch gives one)
-                Compute(
-                    "mlp", self._mlp_moe, ("x_recv", "w_recv", "z"), ("y_recv", *shared), no_grad=() if shared else "z"
-                ),
+                *side,
+                # z: read for its storage only (the received rows may be z itself, then not freed), so no
+                # gradient from here; kept as a piece input, as the planner's full-recompute figure counts it
+                Compute("mlp", self._mlp_moe, ("x_recv", "w_recv", "z"), "y_recv", no_grad="z"),
                 Comm(
                     "combine",
                     self._combine,
@@ -242,8 +246,12 @@ class Block(nn.Module):
             and self._dispatcher.communicates
             and x_RD.untyped_storage().data_ptr() != z_BSD.untyped_storage().data_ptr()
         )
-        y_RD, shared_BSD = self.mlp_compute(Dispatched(x_RD, ctx.local_idx_RK, w_RK), z_BSD, free_received=free)
-        return y_RD if shared_BSD is None else (y_RD, shared_BSD)
+        recv = Dispatched(x_RD, ctx.local_idx_RK, w_RK)
+        return self.mlp_compute(recv, z_BSD, free_received=free, shared=False)[0]
+
+    def _shared_moe(self, ctx: Context, z_BSD: torch.Tensor) -> torch.Tensor:
+        assert self.shared is not None
+        return self.shared(z_BSD)
 
     def _combine(self, ctx: Context, y_RD: torch.Tensor):
         assert self._dispatcher is not None

@@ -8,10 +8,12 @@ each stream in issue order, each sub-stage starting when its stream is free and 
 
 - a lone forward waits for every all-to-all it issues (the next compute needs its result); a lone backward
   hides what its weight gradients cover (dX, the transfer starts, dW runs under it);
-- the overlapped pair follows the runtime's interleave (DeepSeek-V3 Figure 4; :mod:`dualpipe.overlap`):
-  forward block i is paired with backward block L-1-i, computes alternate F.attn, B.mlp, F.mlp, B.attn,
-  and each all-to-all starts as soon as its input exists, so one micro-batch's transfer runs under the
-  other's compute. What the pair's compute cannot cover stays exposed.
+- the overlapped pair follows the order the runtime runs, read from the same table
+  (:data:`dualpipe.pair_order.PAIR_ORDER`; DeepSeek-V3 Figure 4): forward block i is paired with backward
+  block L-1-i, computes run F.attn, B.shared, B.mlp, F.shared, F.mlp, B.attn, and each all-to-all starts as
+  soon as its input exists (the forward dispatch, whose row counts are exchanged first, at the table's
+  ``START_PREPARED``), so one micro-batch's transfer runs under the other's compute. What the pair's
+  compute cannot cover stays exposed.
 
 The results are the per-action costs :mod:`dualpipe.simulate` takes (``F``, ``B``, ``W``, ``F&B``) plus the
 all-to-all time each hides and exposes, which the planner sums into the step's exposed fraction.
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from dualpipe.pair_order import FIRST, MAIN, PAIR_ORDER, SIDE, START_PREPARED, Step
 
 __all__ = ["BlockTimes", "ChunkTimes", "chunk_times", "two_stream_schedule"]
 
@@ -41,14 +45,18 @@ class BlockTimes:
     (the output gradient sent back along the dispatch's routes, as many bytes: FP8 under FP8 dispatch)."""
     combine: float
     """One all-to-all in the combine direction: the forward combine, and in backward the dispatch's gradient."""
+    shared_f: float = 0.0
+    """The shared experts, when timed apart from ``mlp_*`` (the runtime's side piece; 0: inside ``mlp_*``)."""
+    shared_dx: float = 0.0
+    shared_dw: float = 0.0
 
     @property
     def compute_f(self) -> float:
-        return self.attn_f + self.mlp_f
+        return self.attn_f + self.shared_f + self.mlp_f
 
     @property
     def compute_b(self) -> float:
-        return self.attn_dx + self.attn_dw + self.mlp_dx + self.mlp_dw
+        return self.attn_dx + self.attn_dw + self.shared_dx + self.shared_dw + self.mlp_dx + self.mlp_dw
 
     @property
     def comm(self) -> float:
@@ -105,6 +113,7 @@ def _forward_ops(blocks: Sequence[BlockTimes], tag: str) -> list[dict[str, _Op]]
             {
                 "attn": _Op(p + "attn", "compute", b.attn_f, (prev,) if prev else ()),
                 "dispatch": _Op(p + "dispatch", "comm", b.dispatch, (p + "attn",)),
+                "shared": _Op(p + "shared", "compute", b.shared_f, (p + "attn",)),
                 "mlp": _Op(p + "mlp", "compute", b.mlp_f, (p + "dispatch",)),
                 "combine": _Op(p + "combine", "comm", b.combine, (p + "mlp",)),
             }
@@ -127,6 +136,8 @@ def _backward_ops(blocks: Sequence[BlockTimes], tag: str) -> list[dict[str, _Op]
                 "mlp_dx": _Op(p + "mlp_dx", "compute", b.mlp_dx, (p + "combine",)),
                 "dispatch": _Op(p + "dispatch", "comm", b.combine, (p + "mlp_dx",)),
                 "mlp_dw": _Op(p + "mlp_dw", "compute", b.mlp_dw),
+                "shared_dx": _Op(p + "shared_dx", "compute", b.shared_dx, (prev,) if prev else ()),
+                "shared_dw": _Op(p + "shared_dw", "compute", b.shared_dw),
                 "attn_dx": _Op(p + "attn_dx", "compute", b.attn_dx, (p + "dispatch",)),
                 "attn_dw": _Op(p + "attn_dw", "compute", b.attn_dw),
             }
@@ -135,8 +146,18 @@ def _backward_ops(blocks: Sequence[BlockTimes], tag: str) -> list[dict[str, _Op]
     return out
 
 
-_F_ALONE = ("attn", "dispatch", "mlp", "combine")
-_B_ALONE = ("combine", "mlp_dx", "dispatch", "mlp_dw", "attn_dx", "attn_dw")
+_F_ALONE = ("attn", "dispatch", "shared", "mlp", "combine")
+_B_ALONE = ("combine", "mlp_dx", "dispatch", "mlp_dw", "shared_dx", "shared_dw", "attn_dx", "attn_dw")
+# What each step of the pair order issues for one of our blocks, compute and the transfers it makes ready, in
+# issue order (the forward dispatch is issued at START_PREPARED: its row counts are exchanged first).
+_STEP_OPS = {
+    Step("fwd", FIRST): ("F", "attn"),
+    Step("fwd", SIDE): ("F", "shared"),
+    Step("fwd", MAIN): ("F", "mlp", "combine"),
+    Step("bwd", SIDE): ("B", "shared_dx", "shared_dw"),
+    Step("bwd", MAIN): ("B", "mlp_dx", "dispatch", "mlp_dw"),
+    Step("bwd", FIRST): ("B", "attn_dx", "attn_dw"),
+}
 
 
 def _end(placed: dict[str, tuple[float, float]]) -> float:
@@ -144,15 +165,22 @@ def _end(placed: dict[str, tuple[float, float]]) -> float:
 
 
 def _pair_ops(f_blocks: list[dict[str, _Op]], b_blocks: list[dict[str, _Op]]) -> list[_Op]:
-    """The runtime's interleave (:func:`dualpipe.overlap._interleave`) of paired blocks: computes F.attn,
-    B.mlp dX, B.mlp dW, F.mlp, B.attn dX, B.attn dW; communications B.combine (at once), F.dispatch (its
-    row counts are exchanged during B.mlp dX, so it starts after it), B.dispatch, F.combine. Unpaired
-    blocks run alone after the pairs (the longer module's extra blocks)."""
+    """The runtime's pair order (:data:`dualpipe.pair_order.PAIR_ORDER`) over paired blocks: B.combine at
+    once (its input is the previous pair's B.attn dX), then the table's steps; F.dispatch is issued at
+    ``START_PREPARED``, after the compute issued before it. Unpaired blocks run alone after the pairs (the
+    longer module's extra blocks)."""
     ops: list[_Op] = []
     for f, b in zip(f_blocks, b_blocks):
-        f_dispatch = _Op(f["dispatch"].name, "comm", f["dispatch"].seconds, (*f["dispatch"].after, b["mlp_dx"].name))
-        ops += [b["combine"], f["attn"], b["mlp_dx"], f_dispatch, b["dispatch"], b["mlp_dw"]]
-        ops += [f["mlp"], f["combine"], b["attn_dx"], b["attn_dw"]]
+        ops.append(b["combine"])
+        issued = f["attn"].name  # the last compute issued
+        for step in PAIR_ORDER:
+            if step == START_PREPARED:
+                d = f["dispatch"]
+                ops.append(_Op(d.name, d.stream, d.seconds, (*d.after, issued)))
+                continue
+            side, *names = _STEP_OPS[step]
+            ops += [(f if side == "F" else b)[n] for n in names]
+            issued = next(op.name for op in reversed(ops) if op.stream == "compute")
     n = min(len(f_blocks), len(b_blocks))
     for f in f_blocks[n:]:
         ops += [f[k] for k in _F_ALONE]

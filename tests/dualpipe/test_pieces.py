@@ -4,8 +4,9 @@ generic stages written here in plain torch (float64), checked against plain-torc
 Legend: T rows (tokens), D hidden width, V vocabulary, W ranks.
 
 The test stage :class:`Net` is ``[embedding] -> block x L -> [head]``; a block is ``attn -> dispatch ->
-mlp -> combine`` with output ``a + y``, where the two communications are local stand-ins for all-to-alls:
-a fixed row permutation (and a scale), returned as :class:`Pending` results computed only when waited.
+mlp -> combine`` with output ``a + y`` (``shared=True`` adds a side piece ``shared`` reading ``z``, as a shared
+expert, summed into the output), where the two communications are local stand-ins for all-to-alls: a fixed
+row permutation (and a scale), returned as :class:`Pending` results computed only when waited.
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ def _param(gen: torch.Generator, *shape: int) -> nn.Parameter:
 
 
 class _Block(nn.Module):
-    def __init__(self, layer: int, gen: torch.Generator) -> None:
+    def __init__(self, layer: int, gen: torch.Generator, shared: bool = False) -> None:
         super().__init__()
         self.layer = layer
         self.wa = _param(gen, D, D)  # autograd weight gradient (part of dX)
         self.wm = _param(gen, D, D)  # deferred weight gradient (dW)
+        self.ws = _param(gen, D, D) if shared else None  # a side piece beside the MLP (a shared expert)
 
     def pieces(self, net: Net) -> Pieces:
+        side = (Compute("shared", self._shared, "z", "s"),) if self.ws is not None else ()
         return Pieces(
             (
                 Compute("attn", self._attn, "h", ("a", "z")),
@@ -77,6 +80,7 @@ class _Block(nn.Module):
                     prepare=net._counts if net.prepare else None,
                     communicates=net.communicates,
                 ),
+                *side,
                 Compute("mlp", self._mlp, "zr", "yr", recompute=net.recompute_mlp),
                 Comm(
                     "combine",
@@ -88,7 +92,7 @@ class _Block(nn.Module):
                 ),
             ),
             input="h",
-            output=("a", "y"),
+            output=("a", "y", *(p.outputs[0] for p in side)),
             layer=self.layer,
         )
 
@@ -99,10 +103,14 @@ class _Block(nn.Module):
     def _mlp(self, ctx: Context, zr_TD: torch.Tensor) -> torch.Tensor:
         return torch.sin(DeferredLinearFn.apply(zr_TD, self.wm))
 
+    def _shared(self, ctx: Context, z_TD: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(DeferredLinearFn.apply(z_TD, self.ws))
+
     def reference(self, h_TD: torch.Tensor) -> torch.Tensor:
         a_TD = torch.tanh(h_TD @ self.wa.t())
         zr_TD = (a_TD * h_TD)[PERM] * SEND_SCALE
-        return a_TD + torch.sin(zr_TD @ self.wm.t())[INV]
+        out = a_TD + torch.sin(zr_TD @ self.wm.t())[INV]
+        return out if self.ws is None else out + torch.tanh((a_TD * h_TD) @ self.ws.t())
 
 
 class Net(OverlapStage):
@@ -118,11 +126,12 @@ class Net(OverlapStage):
         prepare: bool = False,
         communicates: bool = True,
         recompute_mlp: bool | None = None,
+        shared: bool = False,
     ) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.embed = _param(gen, V, D) if embed else None
-        self.blocks = nn.ModuleList(_Block(i, gen) for i in range(layers))
+        self.blocks = nn.ModuleList(_Block(i, gen, shared) for i in range(layers))
         self.head = _param(gen, D, D) if head else None
         self.prepare, self.communicates, self.recompute_mlp = prepare, communicates, recompute_mlp
         self.pendings: list[Pending[Any]] = []  # every "transfer" started, to check each is waited
@@ -386,8 +395,16 @@ def _check(make: Callable[[], Any], last: bool, ids: bool = True) -> OverlapRepo
 @pytest.mark.parametrize("last", [True, False], ids=["from-loss", "from-outputs"])
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"recompute": True}, {"recompute_mlp": True}, {"prepare": True}, {"communicates": False}],
-    ids=["plain", "recompute", "recompute-one-piece", "prepare", "local"],
+    [
+        {},
+        {"recompute": True},
+        {"recompute_mlp": True},
+        {"prepare": True},
+        {"communicates": False},
+        {"shared": True, "prepare": True},
+        {"shared": True, "recompute": True},
+    ],
+    ids=["plain", "recompute", "recompute-one-piece", "prepare", "local", "side-piece", "side-piece-recompute"],
 )
 def test_hook_matches_plain_backward(kwargs: dict, last: bool) -> None:
     def make() -> Net:
@@ -462,33 +479,55 @@ def test_overlapped_pair_order() -> None:
     ]
 
 
+def test_overlapped_pair_order_with_a_side_piece() -> None:
+    # dualpipe.pair_order: B's side piece (the shared expert) right after F.attn, F's before F.mlp
+    _, log = _overlapped_hook(shared=True)
+    pair = ("F.attn{f}", "B.shared.dx{b}", "B.shared.dw{b}", "B.mlp.dx{b}", "B.mlp.dw{b}", "F.shared{f}", "F.mlp{f}")
+    assert _begins(log) == [
+        "B.head",
+        "F.embed",
+        *(step.format(f=0, b=1) for step in pair),
+        *("B.attn.dx1", "B.attn.dw1", "F.residual0"),
+        *(step.format(f=1, b=0) for step in pair),
+        *("B.attn.dx0", "B.attn.dw0", "B.embed", "F.residual1", "F.head"),
+    ]
+
+
 def _compute_between(events: list, start: int, stop: int, direction: str) -> bool:
     return any(e[3] == "begin" and e[1] == direction for e in events[start + 1 : stop])
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["two-computes", "side-piece"])
 @pytest.mark.parametrize("prepare", [False, True], ids=["plain", "prepare"])
-def test_every_communication_hides_behind_the_other_micro_batch(prepare: bool) -> None:
-    _, log = _overlapped_hook(prepare=prepare)
+def test_every_communication_hides_behind_the_other_micro_batch(prepare: bool, shared: bool) -> None:
+    _, log = _overlapped_hook(prepare=prepare, shared=shared)
     ev = log.events
     comms = [e for e in ev if e[3] == "start"]
     assert len(comms) == 8 + 2 * prepare  # F and B, dispatch and combine, two blocks (+ F's counts)
     for name, d, layer, _ in comms:
         start, wait = ev.index((name, d, layer, "start")), ev.index((name, d, layer, "wait"))
         other = "bwd" if d == "fwd" else "fwd"
+        if name == "counts" and not shared:  # nothing of B before its MLP: the exchange is waited at once
+            assert wait == start + 1
+            continue
         assert _compute_between(ev, start, wait, other), (name, d, layer, ev[start : wait + 1])
 
 
-def test_prepare_starts_the_transfer_after_the_other_side_computes() -> None:
-    _, log = _overlapped_hook(prepare=True)
+@pytest.mark.parametrize("shared", [False, True], ids=["two-computes", "side-piece"])
+def test_prepare_starts_the_transfer_before_the_backward_mlp(shared: bool) -> None:
+    _, log = _overlapped_hook(prepare=True, shared=shared)
     ev = log.events
     for layer, b_layer in ((0, 1), (1, 0)):
         counts = ev.index(("counts", "fwd", layer, "start"))
         assert ev[counts - 1] == ("attn", "fwd", layer, "end")  # right after the compute that produced z
         start = ev.index(("dispatch", "fwd", layer, "start"))
-        dx_end = ev.index(("mlp.dx", "bwd", b_layer, "end"))
-        assert (
-            dx_end < ev.index(("counts", "fwd", layer, "wait")) < start < ev.index(("mlp.dw", "bwd", b_layer, "begin"))
-        )
+        waited = ev.index(("counts", "fwd", layer, "wait"))
+        if shared:  # the exchange flies under B's side piece, started after its dX
+            assert ev.index(("shared.dx", "bwd", b_layer, "end")) < waited
+        else:
+            assert waited == counts + 1
+        # the transfer flies under B's MLP, dX and dW
+        assert waited < start < ev.index(("mlp.dx", "bwd", b_layer, "begin"))
     # the backward has no prepare step: nothing but the transfers
     assert not [e for e in ev if e[0] == "counts" and e[1] == "bwd"]
     # a prepare that returns a Pending is still waited once, before its transfer starts

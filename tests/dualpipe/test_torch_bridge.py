@@ -171,15 +171,17 @@ def test_moe_stages_pp2_ep2_match_without_bridge_and_dualpipev():
     results = run_ranks(_moe_rank, world_size=PP * EP, timeout=120)
     for rank, r in enumerate(results):
         plain, bridged, ours = r["torch"], r["torch-overlap"], r["dualpipev"]
-        # all-to-alls under compute: only in overlapped pairs, the same pairs in both pipelines, so the forward
-        # micro-batch's run under as much in torch's schedule with the bridge as in ours, kind by kind. (Unpaired
-        # backward chunks differ: ours runs a full backward's dW while its dispatch gradient is in flight, torch
-        # runs W as an action of its own.)
+        # all-to-alls under compute: outside pairs only under a chunk's own pieces (the shared expert under its
+        # dispatch), the rest in overlapped pairs, the same pairs in both pipelines, so the forward micro-batch's
+        # run under as much in torch's schedule with the bridge as in ours, kind by kind. (Unpaired backward
+        # chunks differ: ours runs a full backward's dW while its dispatch gradient is in flight, torch runs W
+        # as an action of its own.)
         forward = {
             run: {k: (h.count, h.covered) for k, h in r[run]["hidden"].kinds.items() if k.endswith(".fwd")} for run in r
         }
-        assert plain["hidden"].covered == 0 and plain["hidden"].hidden_s == 0, rank
-        assert bridged["hidden"].covered > 0 and bridged["hidden"].fraction > 0, rank
+        alone = {k for k, h in plain["hidden"].kinds.items() if h.covered}
+        assert alone <= {"dispatch.fwd", "dispatch.bwd"}, (rank, alone)
+        assert bridged["hidden"].covered > plain["hidden"].covered and bridged["hidden"].fraction > 0, rank
         assert forward["torch-overlap"] == forward["dualpipev"], (rank, forward)
         if plain["loss"] is not None:  # the forward computes in the same order in every run
             assert torch.equal(bridged["loss"], plain["loss"]) and torch.equal(ours["loss"], plain["loss"]), rank

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dualpipe.pieces import BlockRun
+from dualpipe.pieces import BlockRun, Compute
 from dualpipe.weight_grad import GradStore
 from kernels import functional
 from moe import MoEStage
@@ -79,12 +79,15 @@ def test_received_rows_are_freed_once_permuted(recompute: bool):
     g = torch.randn(2, 8, cfg.hidden_size, generator=gen)
 
     stage, block = _moe_block(DeliveringDispatcher(cfg.num_experts))
-    run = BlockRun(block.pieces(), recompute=recompute)
+    decl = block.pieces()
+    run = BlockRun(decl, recompute=recompute)
     run.begin(h)
-    run.compute(0)
-    run.start(1)
-    run.compute(2)
-    run.start(3)
+    computes = [i for i, p in enumerate(decl.pieces) if isinstance(p, Compute)]  # attention, shared, MLP
+    for i, piece in enumerate(decl.pieces):
+        if isinstance(piece, Compute):
+            run.compute(i)
+        else:
+            run.start(i)
     out = run.output()
     rows = run.values["x_recv"]
     full = rows.numel() * rows.element_size()
@@ -92,7 +95,7 @@ def test_received_rows_are_freed_once_permuted(recompute: bool):
     if not recompute:  # the shared expert's and the router's input stays (under recompute it is rebuilt)
         assert run.values["z"].untyped_storage().nbytes() > 0
     run.begin_backward(g)
-    for i in (2, 0):
+    for i in reversed(computes):
         run.compute_dx(i)
         run.compute_dw(i)
     assert run.input_grad_final() and rows.untyped_storage().nbytes() == 0
