@@ -178,6 +178,8 @@ class _Backward(_Side):
 
     def __init__(self, run: StageRun, grad_out: torch.Tensor | None, pair: bool = False) -> None:
         super().__init__(run, "bwd", pair)
+        for blk in self.blocks:  # events go to the stage's recorder of the moment, attached after the forward too
+            blk.recorder = run.stage.recorder
         self.cur = len(run.blocks) - 1
         self.blocks[-1].begin_backward(grad_out)
 

@@ -482,11 +482,11 @@ class BlockRun:
             del outs
             outer = active_store()
             if outer.enabled:  # the pipeline defers weight gradients to its own W action
-                run_backward(roots, grads)
+                self._backward(i, roots, grads)
             else:
                 store = GradStore()
                 with store.activate(enabled=True):
-                    run_backward(roots, grads)
+                    self._backward(i, roots, grads)
                 # None: the layers handed over no closures (autograd did their weight gradients in dX)
                 self._stores[i] = None if store.is_empty() else store
                 store.flush()
@@ -495,6 +495,29 @@ class BlockRun:
             self._check_grad(i, name, grad)
             self._give(name, grad)
         self.bwd_done.add(i)
+
+    def _backward(self, i: int, roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Compute ``i``'s backward from its outputs, stopping with one line where it reaches another piece's
+        graph: a tensor with autograd history went from one piece to the other outside the named values
+        (through ``ctx``), which would give the other piece's inputs gradients twice, or none."""
+        piece = self.decl.pieces[i]
+        where = f"block {self.decl.layer}: the backward of Compute {piece.name!r}"
+        fix = (
+            "a tensor with autograd history went from one piece to another outside the named values (through "
+            "ctx?); pass it as a named value (an output of the piece that makes it, an input of the one that "
+            "reads it), or keep it in ctx detached"
+        )
+        try:
+            run_backward(roots, grads)
+        except RuntimeError as e:
+            if "backward through the graph a second time" not in str(e):
+                raise
+            raise RuntimeError(f"{where} ran into a graph another piece's backward had freed: {fix}") from e
+        for j, leaves in self._leaves.items():  # pieces whose dX is still to come
+            for name, leaf in zip(self.decl.pieces[j].inputs, leaves):
+                if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
+                    other = self.decl.pieces[j].name
+                    raise RuntimeError(f"{where} reached the input {name!r} of Compute {other!r}: {fix}")
 
     def compute_dw(self, i: int, record: bool = True) -> None:
         if i not in self._stores:
