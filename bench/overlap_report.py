@@ -71,6 +71,8 @@ class KindExposure:
     exposed_ms: float
     hidden: float
     """The kind's hidden fraction (:func:`dualpipe.events.hidden_fraction`), pooled over ranks and steps."""
+    under_work: float
+    """Of the kind's all-to-alls, the share that had compute doing work under some of their flight."""
     share: float
     """Of the mode's exposed all-to-all time."""
     peer_wait_ms: float
@@ -228,6 +230,7 @@ def _exposure(steps: list[tuple[int, dict[int, RankSteps]]], pp: int) -> dict:
             in_flight_ms=sums[k][1] / rank_steps * 1e3,
             exposed_ms=sums[k][2] / rank_steps * 1e3,
             hidden=hidden.kinds[k].fraction,
+            under_work=hidden.kinds[k].covered / hidden.kinds[k].count if hidden.kinds[k].count else math.nan,
             share=sums[k][2] / exposed if exposed > 0 else math.nan,
             peer_wait_ms=sums[k][3] / rank_steps * 1e3,
         )
@@ -388,7 +391,7 @@ def rows_json(rows: list[ModeRow]) -> list[dict]:
 def kind_table(rows: list[ModeRow]) -> str:
     """Markdown table of the exposed all-to-all time by kind, a line per mode and kind."""
     header = (
-        "mode | all-to-all | per rank & step | in flight ms | exposed ms | exposed ms each | hidden "
+        "mode | all-to-all | per rank & step | in flight ms | exposed ms | exposed ms each | hidden | under work "
         "| share of exposed | waiting for a peer ms"
     )
     cells = []
@@ -404,6 +407,7 @@ def kind_table(rows: list[ModeRow]) -> str:
                     f"{k.exposed_ms:.1f}",
                     f"{each:.2f}",
                     f"{k.hidden:.2f}",
+                    f"{k.under_work:.2f}",
                     f"{k.share:.2f}",
                     f"{k.peer_wait_ms:.1f}",
                 ]
@@ -431,7 +435,7 @@ def breakdown(rows: list[ModeRow]) -> str:
     """What exposes the all-to-all: the per-kind table and the peer-skew table, titled."""
     return (
         "\nall-to-all by kind (means per rank and timed step; hidden: dualpipe.events.hidden_fraction per kind, "
-        "pooled over ranks and steps):\n\n"
+        "pooled over ranks and steps; under work: the share of them with working compute under their flight):\n\n"
         + kind_table(rows)
         + "\n\nexpert-parallel peer skew (every all-to-all of the timed steps, matched across its group):\n\n"
         + skew_table(rows)

@@ -118,13 +118,25 @@ def test_mode_rows_carry_the_breakdown_and_the_skew():
     # per rank and step = over 2 rank-steps; exposed 2 + 2 + 3 = 7 s in all, 2 + 0 + 1 = 3 s waiting for a peer
     assert row.exposed_by_kind == {
         "dispatch.fwd": KindExposure(
-            count=1.0, in_flight_ms=1000.0, exposed_ms=1000.0, hidden=0.0, share=2 / 7, peer_wait_ms=0.0
+            count=1.0, in_flight_ms=1000.0, exposed_ms=1000.0, hidden=0.0, under_work=0.0, share=2 / 7, peer_wait_ms=0.0
         ),
         "combine.fwd": KindExposure(
-            count=1.0, in_flight_ms=1500.0, exposed_ms=1500.0, hidden=0.0, share=3 / 7, peer_wait_ms=500.0
+            count=1.0,
+            in_flight_ms=1500.0,
+            exposed_ms=1500.0,
+            hidden=0.0,
+            under_work=0.0,
+            share=3 / 7,
+            peer_wait_ms=500.0,
         ),
         "counts.fwd": KindExposure(
-            count=1.0, in_flight_ms=1000.0, exposed_ms=1000.0, hidden=0.0, share=2 / 7, peer_wait_ms=1000.0
+            count=1.0,
+            in_flight_ms=1000.0,
+            exposed_ms=1000.0,
+            hidden=0.0,
+            under_work=0.0,
+            share=2 / 7,
+            peer_wait_ms=1000.0,
         ),
     }
     assert list(row.exposed_by_kind) == ["dispatch.fwd", "combine.fwd", "counts.fwd"]  # the report's order
@@ -141,8 +153,9 @@ def test_tables_and_the_command_reproduce_them_from_saved_events(tmp_path, capsy
     for rank, ev in enumerate((RANK0, RANK1)):
         (events / f"rank{rank}.json").write_text(json.dumps(_rank_file(rank, ev)))
     rows = summarise([_rank_file(0, RANK0), _rank_file(1, RANK1)])
-    assert "| torch-dualpipev | row-count exchange | 1.0 | 1000.0 | 1000.0 | 1000.00 | 0.00 | 0.29 | 1000.0 |" in (
-        kind_table(rows)
+    assert (
+        "| torch-dualpipev | row-count exchange | 1.0 | 1000.0 | 1000.0 | 1000.00 | 0.00 | 0.00 | 0.29 | 1000.0 |"
+        in (kind_table(rows))
     )
     assert "| torch-dualpipev | 1000.00 | 1800.00 | 1500.0 | 0.43 |" in skew_table(rows)
     assert main([str(events), "--json", str(tmp_path / "summary.json")]) == 0
