@@ -42,7 +42,16 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Event", "EventRecorder", "HiddenFraction", "Recorder", "hidden_fraction", "record_edge", "record_span"]
+__all__ = [
+    "Event",
+    "EventRecorder",
+    "HiddenFraction",
+    "Recorder",
+    "hidden_fraction",
+    "record_edge",
+    "record_span",
+    "timeline_text",
+]
 
 
 class Recorder(Protocol):
@@ -181,26 +190,72 @@ def hidden_fraction(source: EventRecorder | Iterable[Event | Sequence[Any]]) -> 
     """
     comm: dict[str, list[tuple[float, float]]] = {}
     work: list[tuple[float, float]] = []
-    started: dict[tuple[str, str, int], list[float]] = {}
-    begun: dict[tuple[str, str, int], list[float]] = {}
-    for name, direction, layer, edge, t in _rows(source):
-        key = (name, direction, layer)
-        if edge in ("start", "begin"):
-            (started if edge == "start" else begun).setdefault(key, []).append(t)
-        elif edge == "wait":
-            if not started.get(key):
-                raise ValueError(f"hidden_fraction: {name}.{direction} (layer {layer}) was waited without a start")
-            comm.setdefault(f"{name}.{direction}", []).append((started[key].pop(0), t))
-        elif edge in ("end", "empty"):
-            if not begun.get(key):
-                raise ValueError(f"hidden_fraction: {name}.{direction} (layer {layer}) ended without a begin")
-            t0 = begun[key].pop()
-            if edge == "end" and direction in COMPUTE_DIRECTIONS:
-                work.append((t0, t))
+    for (name, direction, _), closed_by, t0, t, _ in _spans(_rows(source), "hidden_fraction"):
+        if closed_by == "wait":
+            comm.setdefault(f"{name}.{direction}", []).append((t0, t))
+        elif closed_by == "end" and direction in COMPUTE_DIRECTIONS:
+            work.append((t0, t))
     worked = _union(work)
     kinds = {kind: _hidden(spans, worked) for kind, spans in comm.items()}
     total = _hidden([s for spans in comm.values() for s in spans], worked)
     return HiddenFraction(total.comm_s, total.hidden_s, total.count, total.covered, kinds)
+
+
+def _spans(
+    rows: Iterable[tuple[str, str, int, str, float]], caller: str
+) -> Iterator[tuple[tuple[str, str, int], str, float, float, int]]:
+    """``((name, direction, layer), closing edge, opened, closed, index of the opening row)`` of each span, in
+    the order they close: a communication's ``start`` .. ``wait`` (first started, first waited), a compute
+    span's ``begin`` .. ``end`` or ``empty`` (nested spans of one key close innermost first)."""
+    started: dict[tuple[str, str, int], list[tuple[float, int]]] = {}
+    begun: dict[tuple[str, str, int], list[tuple[float, int]]] = {}
+    for i, (name, direction, layer, edge, t) in enumerate(rows):
+        key = (name, direction, layer)
+        if edge in ("start", "begin"):
+            (started if edge == "start" else begun).setdefault(key, []).append((t, i))
+        elif edge == "wait":
+            if not started.get(key):
+                raise ValueError(f"{caller}: {name}.{direction} (layer {layer}) was waited without a start")
+            t0, at = started[key].pop(0)
+            yield key, edge, t0, t, at
+        elif edge in ("end", "empty"):
+            if not begun.get(key):
+                raise ValueError(f"{caller}: {name}.{direction} (layer {layer}) ended without a begin")
+            t0, at = begun[key].pop()
+            yield key, edge, t0, t, at
+
+
+def timeline_text(
+    source: EventRecorder | Iterable[Event | Sequence[Any]],
+    *,
+    window: tuple[float, float] | None = None,
+    width: int = 64,
+) -> str:
+    """A recorded timeline as text, one line per span in the order they began: ``F.`` or ``B.`` (direction
+    ``fwd`` or ``bwd``), the name and layer, then a bar over time: ``#`` a compute piece, ``.`` one that did
+    no work (an empty dW), ``=`` a communication in flight (start to wait). ``window``: the seconds since the
+    first event to draw (default: everything), ``width`` characters wide; spans outside it are left out.
+    ``source`` as for :func:`hidden_fraction`; spans of other directions (pipeline actions) are left out."""
+    rows = _rows(source)
+    t_first = rows[0][4] if rows else 0.0
+    spans = sorted(
+        (a - t_first, at, b - t_first, key, closed_by)
+        for key, closed_by, a, b, at in _spans(rows, "timeline_text")
+        if key[1] in COMPUTE_DIRECTIONS
+    )
+    lo, hi = window if window is not None else (0.0, max((s[2] for s in spans), default=0.0))
+    shown = [(a, b, key, closed_by) for a, _, b, key, closed_by in spans if b > lo and a < hi]
+    scale = width / (hi - lo) if hi > lo else 0.0
+    labels = [f"{'F' if d == 'fwd' else 'B'}.{n}{'' if layer < 0 else f' {layer}'}" for _, _, (n, d, layer), _ in shown]
+    pad = max(map(len, labels), default=0)
+    left, right = f"{lo * 1e3:.1f} ms", f"{hi * 1e3:.1f} ms"
+    lines = [f"{'':{pad}}  |{left}{' ' * max(1, width - len(left) - len(right))}{right}|"]
+    for (a, b, _, closed_by), label in zip(shown, labels):
+        first = min(width - 1, int((max(a, lo) - lo) * scale))
+        last = max(first + 1, min(width, round((min(b, hi) - lo) * scale)))
+        mark = {"wait": "=", "end": "#", "empty": "."}[closed_by]
+        lines.append(f"{label:<{pad}}  |{' ' * first}{mark * (last - first)}{' ' * (width - last)}|")
+    return "\n".join(lines)
 
 
 def _rows(source: Any) -> list[tuple[str, str, int, str, float]]:

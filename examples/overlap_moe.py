@@ -1,6 +1,7 @@
 """A user's own MoE transformer, in plain torch, overlapped by declaring its blocks as pieces.
 
     torchrun --standalone --nproc-per-node 4 examples/overlap_moe.py --pp 2 --ep 2 --steps 20
+    torchrun --standalone --nproc-per-node 2 examples/overlap_moe.py --timeline   # one pair, recorded
 
 Nothing here comes from ``moe/``: LayerNorm, causal attention, a softmax top-2 router, ``E`` GELU experts
 sharded over the expert-parallel ranks, a shared GELU expert every token goes through, and an all-to-all of
@@ -13,7 +14,8 @@ those pieces into the forward, the backward and ``overlapped_forward_backward``.
 through it.
 
 Runs on CPU ranks over gloo (CUDA + NCCL when every rank has a GPU). Rank (pp, ep) = (r // ep, r % ep);
-every ep rank of a pipeline rank is a data-parallel replica with its own micro-batches.
+every ep rank of a pipeline rank is a data-parallel replica with its own micro-batches. ``--timeline`` records
+one overlapped pair instead (every rank one expert-parallel group) and prints rank 0's timeline as text.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 
 from dualpipe import DualPipeV
 from dualpipe.collectives import AllToAll, Pending, exchange_counts
+from dualpipe.events import EventRecorder, hidden_fraction, timeline_text
 from dualpipe.overlap import OverlapStage
 from dualpipe.pieces import Comm, Compute, Context, Pieces
 
@@ -245,6 +248,26 @@ def average_replicas(stages: list[Stage], ep_group: dist.ProcessGroup) -> None:
         p.grad.div_(ep)
 
 
+def pair_timeline(cfg: Config, seq: int = 64, pairs: int = 3) -> str:
+    """One overlapped pair on this rank, recorded: a stage of every layer (the world is one expert-parallel
+    group) runs micro-batch A's forward, then the hook runs B's forward beside A's backward (the first pairs
+    warm up). Returns the first pair of blocks (forward block 0 beside the last backward block) as text, and
+    the pair's hidden fraction per kind."""
+    stage = Stage(cfg, list(range(cfg.layers)), True, True, dist.group.WORLD)
+    stage.recorder = recorder = EventRecorder()
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(pairs):
+        ids = torch.randint(cfg.vocab, (2, 4, seq), generator=gen)
+        loss1 = loss_fn(stage(ids[0]), ids[0].roll(1, 1))
+        recorder.clear()
+        Stage.overlapped_forward_backward(stage, [ids[1]], loss_fn, [ids[1].roll(1, 1)], stage, loss1, None, None)
+    at = {row[:4]: row[4] / 1e3 for row in recorder.timeline()}
+    window = (at["attn", "fwd", 0, "begin"], at["attn", "fwd", 1, "begin"])
+    hidden = hidden_fraction(recorder).kinds
+    kinds = ", ".join(f"{k} {h.fraction:.2f}" for k, h in hidden.items())
+    return f"{timeline_text(recorder, window=window)}\n\nhidden in this pair, by kind: {kinds}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pp", type=int, default=2)
@@ -252,11 +275,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per step and replica")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--timeline", action="store_true", help="record one overlapped pair and print it (no training)")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and "LOCAL_RANK" in os.environ
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
+    if args.timeline:
+        text = pair_timeline(Config(dim=128, ffn=256))
+        if dist.get_rank() == 0:
+            print(text, flush=True)
+        dist.destroy_process_group()
+        return
     if dist.get_world_size() != args.pp * args.ep:
         raise SystemExit(f"launch pp * ep = {args.pp * args.ep} ranks, not {dist.get_world_size()}")
     cfg = Config()
