@@ -34,7 +34,7 @@ import triton.language as tl
 from kernels._launch import BlockConfig, num_programs, validate_counts
 from kernels.reference_fp8 import FP8_DTYPE, TILE, column_tile_rows
 from kernels.registry import Specialization, launch_key, register, register_aot
-from kernels.triton_grouped_gemm import _swizzle
+from kernels.triton_grouped_gemm import _expert_tile, _expert_tiles, _swizzle
 
 if TYPE_CHECKING:
     from kernels.warmup import KernelShapes
@@ -119,21 +119,13 @@ def _fp8_grouped_gemm_kernel(
     offs_e = tl.arange(0, BLOCK_E)
     counts_E = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
     counts_E = tl.where(offs_e == E, tl.maximum(M - tl.sum(counts_E, axis=0), 0), counts_E)
-    row_end_E = tl.cumsum(counts_E, axis=0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    m_tiles_E = tl.cdiv(counts_E, BLOCK_M)
-    tiles_E = m_tiles_E * n_tiles
-    tile_end_E = tl.cumsum(tiles_E, axis=0)
-    total_tiles = tl.sum(tiles_E, axis=0)
+    row_end_E, n_tiles, m_tiles_E, tiles_E, tile_end_E, total_tiles = _expert_tiles(counts_E, N, BLOCK_M, BLOCK_N)
 
     tile = tl.program_id(0)
     while tile < total_tiles:
-        e = tl.sum((tile_end_E <= tile).to(tl.int32), axis=0)
-        is_e = offs_e == e
-        local = tile - tl.sum(tl.where(is_e, tile_end_E - tiles_E, 0), axis=0)
-        row_hi = tl.sum(tl.where(is_e, row_end_E, 0), axis=0)
-        row_lo = row_hi - tl.sum(tl.where(is_e, counts_E, 0), axis=0)
-        m_tile, n_tile = _swizzle(local, tl.sum(tl.where(is_e, m_tiles_E, 0), axis=0), n_tiles, GROUP_M)
+        e, row_lo, row_hi, m_tile, n_tile = _expert_tile(
+            tile, offs_e, counts_E, row_end_E, n_tiles, m_tiles_E, tiles_E, tile_end_E, GROUP_M
+        )
         rows = (row_lo + m_tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask, col_mask = rows < row_hi, cols < N

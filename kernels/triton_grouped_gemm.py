@@ -108,6 +108,31 @@ def _swizzle(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _expert_tiles(counts_E, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The persistent grid's work items for row groups of ``counts_E`` rows each: (group, m-tile, n-tile), group
+    by group. Returns (row_end_E, n_tiles, m_tiles_E, tiles_E, tile_end_E, total_tiles) for :func:`_expert_tile`."""
+    row_end_E = tl.cumsum(counts_E, axis=0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    m_tiles_E = tl.cdiv(counts_E, BLOCK_M)
+    tiles_E = m_tiles_E * n_tiles
+    tile_end_E = tl.cumsum(tiles_E, axis=0)
+    return row_end_E, n_tiles, m_tiles_E, tiles_E, tile_end_E, tl.sum(tiles_E, axis=0)
+
+
+@triton.jit
+def _expert_tile(tile, offs_e, counts_E, row_end_E, n_tiles, m_tiles_E, tiles_E, tile_end_E, GROUP_M: tl.constexpr):
+    """(group, first row, end row, m-tile, n-tile) of work item ``tile`` (:func:`_expert_tiles`)."""
+    # The group of this tile = number of groups whose tiles all come before it (empty ones included).
+    e = tl.sum((tile_end_E <= tile).to(tl.int32), axis=0)
+    is_e = offs_e == e
+    local = tile - tl.sum(tl.where(is_e, tile_end_E - tiles_E, 0), axis=0)
+    row_hi = tl.sum(tl.where(is_e, row_end_E, 0), axis=0)
+    row_lo = row_hi - tl.sum(tl.where(is_e, counts_E, 0), axis=0)
+    m_tile, n_tile = _swizzle(local, tl.sum(tl.where(is_e, m_tiles_E, 0), axis=0), n_tiles, GROUP_M)
+    return e, row_lo, row_hi, m_tile, n_tile
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     x_ptr, w_ptr, y_ptr, counts_ptr, N, K, E,
     stride_we, stride_wk, stride_wn,
@@ -117,22 +142,13 @@ def _grouped_gemm_kernel(
     """y[rows of e] = x[rows of e] @ w[e]; x [M, K] and y [M, N] row-major, w [E, K, N] any strides."""
     offs_e = tl.arange(0, BLOCK_E)
     counts_E = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
-    row_end_E = tl.cumsum(counts_E, axis=0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    m_tiles_E = tl.cdiv(counts_E, BLOCK_M)
-    tiles_E = m_tiles_E * n_tiles
-    tile_end_E = tl.cumsum(tiles_E, axis=0)
-    total_tiles = tl.sum(tiles_E, axis=0)
+    row_end_E, n_tiles, m_tiles_E, tiles_E, tile_end_E, total_tiles = _expert_tiles(counts_E, N, BLOCK_M, BLOCK_N)
 
     tile = tl.program_id(0)
     while tile < total_tiles:
-        # Expert of this tile = number of experts whose tiles all come before it (empty ones included).
-        e = tl.sum((tile_end_E <= tile).to(tl.int32), axis=0)
-        is_e = offs_e == e
-        local = tile - tl.sum(tl.where(is_e, tile_end_E - tiles_E, 0), axis=0)
-        row_hi = tl.sum(tl.where(is_e, row_end_E, 0), axis=0)
-        row_lo = row_hi - tl.sum(tl.where(is_e, counts_E, 0), axis=0)
-        m_tile, n_tile = _swizzle(local, tl.sum(tl.where(is_e, m_tiles_E, 0), axis=0), n_tiles, GROUP_M)
+        e, row_lo, row_hi, m_tile, n_tile = _expert_tile(
+            tile, offs_e, counts_E, row_end_E, n_tiles, m_tiles_E, tiles_E, tile_end_E, GROUP_M
+        )
         rows = row_lo + m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < row_hi
