@@ -57,6 +57,19 @@ def _wide_range(*shape: int, gen: torch.Generator) -> torch.Tensor:
         ((5, 250), (2, 200), torch.float32),  # a tile larger than a program's chunk: amax pass, then quantize
     ],
 )
+def _recording(seen: set):
+    """An interceptor (kernels.registry.intercept) adding every call's warm-up shape class to ``seen``."""
+
+    def record(name, impl):
+        def call(*args, **kwargs):
+            seen.add(warmup.shape_class(name, *args, **kwargs))
+            return impl(*args, **kwargs)
+
+        return call
+
+    return record
+
+
 def test_quantize_is_the_reference_bit_for_bit(device, shape, block, dtype):
     gen = torch.Generator().manual_seed(sum(shape))
     x = _wide_range(*shape, gen=gen).to(device, dtype)
@@ -244,15 +257,7 @@ def test_the_warm_up_covers_the_fp8_path():
     grouped = {c for c in classes if c.op == "fp8_grouped_gemm"}
     assert runs > 4 and len(grouped) <= 4, grouped  # one per GEMM layout (2 forward, 2 dgrad), whatever the rows
     seen: set = set()
-
-    def record(name, impl):
-        def call(*args, **kwargs):
-            seen.add(warmup.shape_class(name, *args, **kwargs))
-            return impl(*args, **kwargs)
-
-        return call
-
-    with pytest.MonkeyPatch.context() as mp, registry.intercept(record):
+    with pytest.MonkeyPatch.context() as mp, registry.intercept(_recording(seen)):
         mp.setenv(ops.ENV_VAR, "torch")
         warmup._run_all(shapes, torch.device("cpu"), 0)
     assert seen == classes
@@ -270,15 +275,7 @@ def test_the_warm_up_covers_an_fp8_models_calls():
     linears = fp8_linears(model)
     ids, labels = batch(cfg, size=2, seq=16)
     seen: set = set()
-
-    def record(name, impl):
-        def call(*args, **kwargs):
-            seen.add(warmup.shape_class(name, *args, **kwargs))
-            return impl(*args, **kwargs)
-
-        return call
-
-    with pytest.MonkeyPatch.context() as mp, registry.intercept(record):
+    with pytest.MonkeyPatch.context() as mp, registry.intercept(_recording(seen)):
         mp.setenv(ops.ENV_VAR, "torch")
         lm_loss(model(ids), labels).backward()
     assert {"fp8_gemm", "fp8_grouped_gemm", "fp8_gemm_wgrad", "quantize_fp8_columns"} <= {c.op for c in seen}
