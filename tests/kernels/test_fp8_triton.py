@@ -48,15 +48,6 @@ def _wide_range(*shape: int, gen: torch.Generator) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize(
-    ("shape", "block", "dtype"),
-    [
-        ((13, 300), (1, TILE), torch.float32),  # partial last column tile, 3 scales a row
-        ((2, 5, 200), (1, TILE), torch.bfloat16),  # leading dims fold into the rows
-        ((2, 130, 260), (TILE, TILE), torch.float16),  # partial blocks on both edges, one grid per expert
-        ((5, 250), (2, 200), torch.float32),  # a tile larger than a program's chunk: amax pass, then quantize
-    ],
-)
 def _recording(seen: set):
     """An interceptor (kernels.registry.intercept) adding every call's warm-up shape class to ``seen``."""
 
@@ -70,6 +61,15 @@ def _recording(seen: set):
     return record
 
 
+@pytest.mark.parametrize(
+    ("shape", "block", "dtype"),
+    [
+        ((13, 300), (1, TILE), torch.float32),  # partial last column tile, 3 scales a row
+        ((2, 5, 200), (1, TILE), torch.bfloat16),  # leading dims fold into the rows
+        ((2, 130, 260), (TILE, TILE), torch.float16),  # partial blocks on both edges, one grid per expert
+        ((5, 250), (2, 200), torch.float32),  # a tile larger than a program's chunk: amax pass, then quantize
+    ],
+)
 def test_quantize_is_the_reference_bit_for_bit(device, shape, block, dtype):
     gen = torch.Generator().manual_seed(sum(shape))
     x = _wide_range(*shape, gen=gen).to(device, dtype)
