@@ -201,16 +201,16 @@ class Block(nn.Module):
     def _plan(self, ctx: Context, z_BSD: torch.Tensor, weights_TK: torch.Tensor) -> Pending[None] | None:
         """Where every token goes; an uneven all-to-all starts its row-count exchange here.
 
-        Returns a ``Pending`` (the runtime then starts the dispatch after the other micro-batch's next compute)
-        when the dispatch must wait for counts: exchanged here, or inside the dispatch (DeepEP's non-cached
-        dispatch, :attr:`Route.defers_dispatch`).
+        Returns a ``Pending`` (in a pair the runtime then starts the dispatch after the other micro-batch's
+        shared-expert backward, before its MLP's: :mod:`dualpipe.pair_order`) when the dispatch must wait for
+        counts: exchanged here, or inside the dispatch (DeepEP's non-cached dispatch, :attr:`Route.defers_dispatch`).
         """
         assert self._dispatcher is not None
         ctx.route = route = self._dispatcher.plan(ctx.topk_idx_TK)
         if route.exchanges_counts:
             return Pending(route.wait_counts)
         # Nothing to wait for here, but the dispatch blocks the host: a pending prepare makes the runtime start
-        # it after the other micro-batch's next compute (B.mlp dX), as it does for a count exchange.
+        # it after the other micro-batch's shared-expert backward (B.shared dX), as it does for a count exchange.
         return Pending.done(None) if route.defers_dispatch else None
 
     def _dispatch(self, ctx: Context, z_BSD: torch.Tensor, weights_TK: torch.Tensor):
