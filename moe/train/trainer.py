@@ -281,11 +281,10 @@ class Trainer:
     def print_banner(self) -> None:
         c, pc, tr = self.config, self.config.parallel, self.config.training
         fp8 = ("+fp8-gemm" if tr.fp8 else "") + ("+fp8-dispatch" if tr.dispatch_fp8 else "")
-        ep = f"ep={pc.ep}"
-        if pc.ep > 1:  # the warm-up at setup (DeepEP V2: its buffer built and kernels compiled)
-            ep += f" ({pc.dispatcher}, built and warmed up in {self.dispatcher_warm_up_s:.1f} s)"
+        # the dispatcher's warm-up at setup (DeepEP V2: its buffer built and kernels compiled)
+        dispatcher = f" {pc.dispatcher} (ready in {self.dispatcher_warm_up_s:.1f} s)" if pc.ep > 1 else ""
         print(
-            f"MoE {c.model.name}: pp={pc.pp} dp={pc.dp} {ep} {pc.schedule} overlap={pc.overlap} "
+            f"MoE {c.model.name}: pp={pc.pp} dp={pc.dp} ep={pc.ep} {pc.schedule} overlap={pc.overlap}{dispatcher} "
             f"chunks={pc.num_chunks} tokens/step={c.global_batch * tr.seq_len} {tr.dtype}{fp8} "
             f"memory estimate {self.memory_estimate / 2**20:.0f} MiB/rank, MFU against {self.peak_source}; "
             f"data: {self.data.description}",

@@ -312,7 +312,7 @@ def test_deepep_v2_is_built_and_warmed_at_setup(ranks: list[dict]) -> None:
         assert after["buffers"] == 1 and len(after["calls"]) > len(before["calls"])
         assert after["compiled"] == before["compiled"], (rank, after["compiled"][len(before["compiled"]) :])
     (banner,) = trainer[0]["banner"]
-    assert " ep=2 (deepep-v2, built and warmed up in " in banner, banner
+    assert " overlap=True deepep-v2 (ready in " in banner, banner
 
 
 def test_deepep_v2_sync_free_pair_issues_no_host_sync(ranks: list[dict]) -> None:
