@@ -49,6 +49,9 @@ SPAN_FIELDS = {
     ("mlp", "fwd"): "mlp_F",
     ("mlp.dx", "bwd"): "mlp_dX",
     ("mlp.dw", "bwd"): "mlp_dW",
+    ("shared", "fwd"): "shared_F",
+    ("shared.dx", "bwd"): "shared_dX",
+    ("shared.dw", "bwd"): "shared_dW",
     ("embed", "fwd"): "embed_F",
     ("embed", "bwd"): "embed_B",
     ("head", "fwd"): "head_F",
@@ -58,12 +61,9 @@ SPAN_FIELDS = {
 
 PART_FIELDS = {
     ("residual", "fwd"): "attn_F",
-    ("shared", "fwd"): "mlp_F",
-    ("shared.dx", "bwd"): "mlp_dX",
-    ("shared.dw", "bwd"): "mlp_dW",
 }
 """Spans that are part of another's field, adding no instance of it: the residual sum before a block's
-attention, and the shared experts (a piece of their own; the planner's MLP sub-stage includes them)."""
+attention."""
 
 _UNITS = {  # tc(8): SI multiples; "bit" units are bits per second, "bps" units bytes per second
     "bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,

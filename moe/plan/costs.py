@@ -76,7 +76,21 @@ __all__ = [
 # keeps AdamW's moments in bf16, the master weights and gradients in fp32).
 
 
-COMPUTE_FIELDS = ("attn_F", "attn_dX", "attn_dW", "mlp_F", "mlp_dX", "mlp_dW", "embed_F", "embed_B", "head_F", "head_B")
+COMPUTE_FIELDS = (
+    "attn_F",
+    "attn_dX",
+    "attn_dW",
+    "shared_F",
+    "shared_dX",
+    "shared_dW",
+    "mlp_F",
+    "mlp_dX",
+    "mlp_dW",
+    "embed_F",
+    "embed_B",
+    "head_F",
+    "head_B",
+)
 """The compute fields of :class:`SubstageCosts` (seconds on the GPU's SMs)."""
 
 
@@ -352,23 +366,28 @@ class SubstageCosts:
     head_B: float
     p2p: float
     dp_reduce: float
+    shared_F: float = 0.0
+    """An MoE layer's shared experts, a compute piece of their own in the runtime (the pair runs the other
+    micro-batch's under the forward dispatch's row counts, :mod:`dualpipe.pair_order`); ``mlp_*`` is the rest."""
+    shared_dX: float = 0.0
+    shared_dW: float = 0.0
     detail: dict[str, float] = field(default_factory=dict, compare=False)
     """Per-op seconds (``"<op>.<phase>"``) behind the sums, for tables and checks."""
 
     @property
     def F(self) -> float:
         """Forward compute of the layer (no communication)."""
-        return self.attn_F + self.mlp_F
+        return self.attn_F + self.shared_F + self.mlp_F
 
     @property
     def B(self) -> float:
         """Full backward compute of the layer (dX + dW, recompute included)."""
-        return self.attn_dX + self.attn_dW + self.mlp_dX + self.mlp_dW
+        return self.attn_dX + self.attn_dW + self.shared_dX + self.shared_dW + self.mlp_dX + self.mlp_dW
 
     @property
     def W(self) -> float:
         """Weight-gradient part of :attr:`B`."""
-        return self.attn_dW + self.mlp_dW
+        return self.attn_dW + self.shared_dW + self.mlp_dW
 
     @property
     def comm(self) -> float:
@@ -381,8 +400,10 @@ def _sub_ops(
 ) -> dict[str, list]:
     attn = fl.attention_ops(cfg, tokens, seq_len, b, fp8) + (fl.router_ops(cfg, tokens, b) if moe else [])
     mlp = fl.moe_mlp_ops(cfg, tokens, rows, b, ep, fp8) if moe else fl.dense_mlp_ops(cfg, tokens, b, fp8)
+    shared = [op for op in mlp if op.name.startswith(fl.SHARED_PREFIX)]  # the runtime's side piece
+    mlp = [op for op in mlp if not op.name.startswith(fl.SHARED_PREFIX)]
     head = fl.head_ops(cfg, tokens, b) + cfg.mtp_layers * fl.mtp_ops(cfg, tokens, b, fp8)
-    return {"attn": attn, "mlp": mlp, "embed": fl.embed_ops(cfg, tokens, b), "head": head}
+    return {"attn": attn, "shared": shared, "mlp": mlp, "embed": fl.embed_ops(cfg, tokens, b), "head": head}
 
 
 def layer_ops(
@@ -415,7 +436,7 @@ def phase_work(
     measured times are scaled by (:mod:`moe.plan.measured`)."""
     subs = layer_ops(cfg, tokens, seq_len, ep=ep, act_bytes=act_bytes, moe=moe, fp8=fp8)
     out = {}
-    for sub in ("attn", "mlp"):
+    for sub in ("attn", "shared", "mlp"):
         for name, ph in (("F", "fwd"), ("dX", "dx"), ("dW", "dw")):
             out[f"{sub}_{name}"] = (fl.total(subs[sub], f"{ph}_flops"), fl.total(subs[sub], f"{ph}_bytes"))
     for sub in ("embed", "head"):
@@ -479,16 +500,20 @@ def analytic_costs(
     dispatch = all_to_all_seconds(moved, gpu) if moe else 0.0
     combine = all_to_all_seconds(back, gpu) if moe else 0.0
     subs = _sub_ops(cfg, t, work.seq_len, par.ep, t * moved.ranks_reached, b, moe, work.precision.fp8)
-    attn, mlp = subs["attn"], subs["mlp"]
-    detail = {f"{op.name}.{ph}": timer(op, ph, gpu, comm_sms) for op in attn + mlp for ph in ("fwd", "dx", "dw")}
+    attn, shared, mlp = subs["attn"], subs["shared"], subs["mlp"]
+    detail = {
+        f"{op.name}.{ph}": timer(op, ph, gpu, comm_sms) for op in attn + shared + mlp for ph in ("fwd", "dx", "dw")
+    }
     a_f, a_dx, a_dw = _phases(attn, gpu, comm_sms, timer)
+    s_f, s_dx, s_dw = _phases(shared, gpu, comm_sms, timer)
     m_f, m_dx, m_dw = _phases(mlp, gpu, comm_sms, timer)
     e_f, e_dx, e_dw = _phases(subs["embed"], gpu, 0, timer)
     h_f, h_dx, h_dw = _phases(subs["head"], gpu, 0, timer)
     if work.recompute == "full":  # the embedding and head pieces never recompute
-        a_dx, m_dx = a_dx + a_f, m_dx + m_f
+        a_dx, s_dx, m_dx = a_dx + a_f, s_dx + s_f, m_dx + m_f
     elif work.recompute == "selective":
         a_dx += _selective(attn, gpu, comm_sms, timer)
+        s_dx += _selective(shared, gpu, comm_sms, timer)
         m_dx += _selective(mlp, gpu, comm_sms, timer)
         h_dx += _selective(subs["head"], gpu, 0, timer)
     return SubstageCosts(
@@ -499,6 +524,9 @@ def analytic_costs(
         mlp_F=m_f,
         mlp_dX=m_dx,
         mlp_dW=m_dw,
+        shared_F=s_f,
+        shared_dX=s_dx,
+        shared_dW=s_dw,
         dispatch=dispatch,
         combine=combine,
         embed_F=e_f,

@@ -50,6 +50,7 @@ from moe.plan.params import active_params
 __all__ = [
     "FP8_BYTES",
     "FP8_WEIGHT_BYTES",
+    "SHARED_PREFIX",
     "Op",
     "attention_dims",
     "attention_ops",
@@ -214,6 +215,10 @@ def router_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
         # sigmoid scores and the biased top-k read the [T, E] logits; write fp32 weights and int64 ids.
         Op("router_topk", fwd_bytes=FP32 * t * e * 2 + t * k * (FP32 + INDEX), dx_bytes=FP32 * t * e * 2),
     ]
+
+
+SHARED_PREFIX = "shared_"
+"""Names of the shared experts' ops start so: the cost model times them as a sub-stage of their own."""
 
 
 def moe_mlp_ops(cfg: MoEConfig, tokens: int, rows_received: float, b: int, ep: int = 1, fp8: bool = False) -> list[Op]:

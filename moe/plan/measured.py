@@ -249,10 +249,15 @@ def scale_field(
         elem = work.dispatch_bytes if name == "dispatch" else work.act_bytes
         target = all_to_all_seconds(all_to_all_bytes(cfg, cluster, par.ep, work.tokens, elem), cluster.gpu)
         return value * target / base
-    base_work = phase_work(
-        measured.config, measured.tokens, measured.seq_len, ep=measured.ep, act_bytes=measured.act_bytes, moe=moe
+    base_work = _file_work(
+        entry,
+        phase_work(
+            measured.config, measured.tokens, measured.seq_len, ep=measured.ep, act_bytes=measured.act_bytes, moe=moe
+        ),
     )
-    target_work = phase_work(cfg, work.tokens, work.seq_len, ep=par.ep, act_bytes=work.act_bytes, moe=moe)
+    target_work = _file_work(
+        entry, phase_work(cfg, work.tokens, work.seq_len, ep=par.ep, act_bytes=work.act_bytes, moe=moe)
+    )
     if name.endswith("_dX") and measured.recompute:
         forward = name.replace("_dX", "_F")
         if forward not in entry:
@@ -341,7 +346,26 @@ def apply_measured(
             if any(op.fp8 for op in subs.get(name.rpartition("_")[0], [])):
                 raise ValueError(_FP8_REFUSED.format(what=f"{'moe' if analytic.moe else 'dense'}.{name}"))
     changes = {name: scale_field(measured, name, cfg, cluster, par, work, moe=analytic.moe) for name in entry}
+    if _shared_inside_mlp(entry):
+        changes.update(shared_F=0.0, shared_dX=0.0, shared_dW=0.0)
     return dataclasses.replace(analytic, **changes)
+
+
+def _shared_inside_mlp(entry: dict[str, float]) -> bool:
+    """A file from before the shared experts were timed apart: its ``mlp_*`` include them."""
+    return any(n.startswith("mlp_") for n in entry) and not any(n.startswith("shared_") for n in entry)
+
+
+def _file_work(entry: dict[str, float], work: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """:func:`moe.plan.costs.phase_work` as the file's fields divide it (the shared experts' work in ``mlp_*``
+    for a file that measured them there)."""
+    if not _shared_inside_mlp(entry):
+        return work
+    out = dict(work)
+    for ph in ("F", "dX", "dW"):
+        (mf, mb), (sf, sb) = work[f"mlp_{ph}"], work[f"shared_{ph}"]
+        out[f"mlp_{ph}"] = (mf + sf, mb + sb)
+    return out
 
 
 _FP8_REFUSED = (
@@ -374,8 +398,16 @@ def device_of(measured: MeasuredCosts, *, memory_bytes: float, name: str | None 
     for moe, entry in ((True, measured.moe), (False, measured.dense)):
         if not entry:
             continue
-        work = phase_work(
-            measured.config, measured.tokens, measured.seq_len, ep=measured.ep, act_bytes=measured.act_bytes, moe=moe
+        work = _file_work(
+            entry,
+            phase_work(
+                measured.config,
+                measured.tokens,
+                measured.seq_len,
+                ep=measured.ep,
+                act_bytes=measured.act_bytes,
+                moe=moe,
+            ),
         )
         for field_name, value in entry.items():
             if field_name in COMM_FIELDS:

@@ -38,6 +38,9 @@ def block_times(c: SubstageCosts) -> BlockTimes:
         mlp_dw=c.mlp_dW,
         dispatch=c.dispatch,
         combine=c.combine,
+        shared_f=c.shared_F,
+        shared_dx=c.shared_dX,
+        shared_dw=c.shared_dW,
     )
 
 

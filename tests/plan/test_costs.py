@@ -9,6 +9,7 @@ import pytest
 from moe.config import PRESETS, MoEConfig
 from moe.plan import flops as fl
 from moe.plan.costs import (
+    COMPUTE_FIELDS,
     Parallelism,
     Workload,
     all_to_all_bytes,
@@ -82,11 +83,17 @@ def test_substage_costs_recompute_and_dense() -> None:
     again = substage_costs(CFG, cluster, par, dataclasses.replace(work, recompute=True))
     assert again.attn_dX == pytest.approx(plain.attn_dX + plain.attn_F)
     assert again.mlp_dX == pytest.approx(plain.mlp_dX + plain.mlp_F)
+    assert again.shared_dX == pytest.approx(plain.shared_dX + plain.shared_F)
     assert again.W == plain.W
     assert plain.dispatch == plain.combine > 0
-    for name in ("attn_F", "attn_dX", "attn_dW", "mlp_F", "mlp_dX", "mlp_dW", "head_F", "head_B", "p2p"):
+    for name in (*COMPUTE_FIELDS[:9], "head_F", "head_B", "p2p"):
         assert getattr(plain, name) > 0, name
-    assert pytest.approx(plain.attn_dX + plain.attn_dW + plain.mlp_dX + plain.mlp_dW) == plain.B
+    # the shared experts are a sub-stage of their own (the runtime's side piece), out of mlp_*
+    assert plain.shared_F == pytest.approx(
+        sum(v for k, v in plain.detail.items() if k.startswith("shared_") and k.endswith(".fwd"))
+    )
+    parts = ("attn_dX", "attn_dW", "shared_dX", "shared_dW", "mlp_dX", "mlp_dW")
+    assert pytest.approx(sum(getattr(plain, n) for n in parts)) == plain.B
     dense = substage_costs(CFG.replace(num_dense_layers=1), cluster, par, work, moe=False)
     assert dense.dispatch == dense.combine == 0
     single = substage_costs(CFG, cluster, Parallelism(pp=2, dp=8, ep=1), work)
