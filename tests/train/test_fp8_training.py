@@ -2,7 +2,7 @@
 (relative) of bf16's at every step after the fifth, in one process and at pp=2 x ep=2 under DualPipeV with
 overlap (the report measures < 0.25% at scale; a tiny model with 128 tokens per micro-batch is noisier).
 
-Measured: 0.69% in one process and 0.19% at pp=2 x ep=2, the worst step in both a one-step blip the next step
+Measured: 0.70% in one process and 0.35% at pp=2 x ep=2 (32 tokens a sequence there), the worst step in both a one-step blip the next step
 closes; bf16 itself differs from fp32 by 0.61% at that same step of the one-process run (a routing decision
 that small rounding flips), so FP8 costs about what bf16 does here."""
 
@@ -36,13 +36,13 @@ def _close_to_bf16(bf16: dict[int, float], fp8: dict[int, float]) -> float:
 @pytest.mark.parametrize(
     ("world", "layout"),
     [
-        (1, []),
-        (4, ["--pp", "2", "--dp", "2", "--ep", "2", "--schedule", "dualpipev", "--overlap"]),
+        (1, ["--seq-len", "64"]),  # 128 tokens a micro-batch
+        (4, ["--pp", "2", "--dp", "2", "--ep", "2", "--schedule", "dualpipev", "--overlap", "--seq-len", "32"]),
     ],
     ids=["one-process", "pp2-ep2-dualpipev-overlap"],
 )
 def test_fp8_loss_tracks_bf16(tmp_path: Path, world: int, layout: list[str]) -> None:
-    args = [*layout, "--steps", str(STEPS), "--dtype", "bfloat16", "--seq-len", "64"]
+    args = [*layout, "--steps", str(STEPS), "--dtype", "bfloat16"]
     bf16 = losses(train(world, tmp_path, "bf16", *args))
     fp8 = losses(train(world, tmp_path, "fp8", *args, "--fp8", "--fp8-activations"))
     _close_to_bf16(bf16, fp8)
