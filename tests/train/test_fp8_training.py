@@ -2,9 +2,9 @@
 (relative) of bf16's at every step after the fifth, in one process and at pp=2 x ep=2 under DualPipeV with
 overlap (the report measures < 0.25% at scale; a tiny model with 128 tokens per micro-batch is noisier).
 
-Measured: 0.70% in one process and 0.35% at pp=2 x ep=2 (32 tokens a sequence there), the worst step in both a one-step blip the next step
-closes; bf16 itself differs from fp32 by 0.61% at that same step of the one-process run (a routing decision
-that small rounding flips), so FP8 costs about what bf16 does here."""
+Measured: 0.70% in one process and 0.35% at pp=2 x ep=2 (32 tokens a sequence there), the worst step in both
+a one-step blip the next step closes; bf16 itself differs from fp32 by 0.61% at that same step of the
+one-process run (a routing decision that small rounding flips), so FP8 costs about what bf16 does here."""
 
 from __future__ import annotations
 
