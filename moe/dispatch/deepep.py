@@ -17,7 +17,7 @@ states DeepEP's limits on a launch so that ``make_dispatcher`` refuses one befor
 FP8 dispatch (``fp8=True``): dispatch and the gradient of combine (a cached dispatch) pass DeepEP's FP8 input,
 the pair ``(x [T, D] float8_e4m3fn, x_scales [T, D // 128] float32)`` (deep_ep/buffer.py ``dispatch``: "the
 second must be [num_tokens, hidden // 128] (requiring divisible) with type torch.float"), from
-:func:`moe.dispatch.fp8.quantize_rows`; DeepEP returns the received pair, dequantized here once the event is
+:func:`kernels.fp8.quantize_rows`; DeepEP returns the received pair, dequantized here once the event is
 waited. Combine and the gradient of dispatch stay bf16 (V1 combine has no FP8 path).
 
 The Buffer is built with ``explicitly_destroy=True``: otherwise its destructor runs ``destroy()``, a device
@@ -44,10 +44,12 @@ from moe.dispatch.deepep_common import (
     as_topk_idx,
     as_topk_weights,
     buffer_comm_stream,
+    dispatch_input,
+    dispatch_output,
     received_rows,
     row_bytes,
 )
-from moe.dispatch.fp8 import dequantize_rows, quantize_rows, wire_row_bytes
+from moe.dispatch.fp8 import wire_row_bytes
 from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 
 __all__ = [
@@ -265,7 +267,7 @@ class DeepEPDispatcher(TokenDispatcher):
     def dispatch(self, route: Route, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending[Dispatched]:
         assert isinstance(route, _DeepEPRoute)
         hidden, dtype = x_TD.shape[1], x_TD.dtype
-        x_in, weights_TK = self._rows(x_TD), as_topk_weights(topk_weights_TK)
+        x_in, weights_TK = dispatch_input(x_TD, self.fp8), as_topk_weights(topk_weights_TK)
         if self.traffic is not None:  # ids (topk_idx_t) and weights go with every row
             meta = route.topk_idx_TK.shape[1] * (route.topk_idx_TK.element_size() + weights_TK.element_size())
             self.count("dispatch", route.is_token_in_rank.sum(), wire_row_bytes(hidden, dtype, self.fp8), meta)
@@ -291,18 +293,9 @@ class DeepEPDispatcher(TokenDispatcher):
             local_idx = as_local_idx(recv_idx)
             if self.traffic is not None:
                 route.recv_rows = received_rows(local_idx)
-            return Dispatched(self._received(recv_x, dtype), local_idx, recv_w)
+            return Dispatched(dispatch_output(recv_x, dtype, self.fp8), local_idx, recv_w)
 
         return Pending(finish)
-
-    def _rows(self, x_TD: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Rows as DeepEP's dispatch takes them: bf16, dense; or the FP8 pair ``(x, x_scales)``."""
-        return quantize_rows(x_TD) if self.fp8 else x_TD.contiguous()
-
-    def _received(self, recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Received rows in ``dtype``: the FP8 pair dequantized (rows past a sync-free dispatch's received count hold
-        whatever DeepEP left there, and no expert reads them)."""
-        return dequantize_rows(*recv_x, dtype) if self.fp8 else recv_x
 
     def _count_back(self, kind: str, route: _DeepEPRoute, x_RD: torch.Tensor, meta_row_bytes: int = 0) -> None:
         """Count a combine-direction exchange: the rows the dispatch delivered go back."""
@@ -346,12 +339,12 @@ class DeepEPDispatcher(TokenDispatcher):
             self.count("combine_backward", route.is_token_in_rank.sum(), wire_row_bytes(hidden, dtype, self.fp8))
         # Arguments are evaluated in order: the event is captured after the rows are made.
         grad_y, _, _, _, _, event = self.buffer.dispatch(
-            self._rows(grad_y_TD), handle=route.handle, **self._launch_kwargs()
+            dispatch_input(grad_y_TD, self.fp8), handle=route.handle, **self._launch_kwargs()
         )
 
         def finish() -> torch.Tensor:
             event.current_stream_wait()
-            return self._received(grad_y, dtype)
+            return dispatch_output(grad_y, dtype, self.fp8)
 
         return Pending(finish)
 

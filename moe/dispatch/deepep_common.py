@@ -13,15 +13,33 @@ from typing import Any
 
 import torch
 
+from kernels.fp8 import Quantized, quantize_rows
+
 __all__ = [
     "as_local_idx",
     "as_topk_idx",
     "as_topk_weights",
+    "dispatch_input",
+    "dispatch_output",
     "import_deep_ep",
     "received_rows",
     "row_bytes",
     "sent_rows",
 ]
+
+
+def dispatch_input(x_TD: torch.Tensor, fp8: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Rows as DeepEP's dispatch takes them: dense, in their dtype; or, with ``fp8``, the pair ``(x, scales)``
+    in 1x128 tiles (:func:`kernels.fp8.quantize_rows`)."""
+    return tuple(quantize_rows(x_TD)) if fp8 else x_TD.contiguous()
+
+
+def dispatch_output(
+    recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, fp8: bool
+) -> torch.Tensor:
+    """Received rows in ``dtype``: the FP8 pair dequantized (rows past a sync-free dispatch's received count hold
+    whatever DeepEP left there, and no expert reads them)."""
+    return Quantized(*recv_x).dequantize(dtype) if fp8 else recv_x
 
 
 def import_deep_ep(install_hint: str, *, needs: str | None = None) -> Any:

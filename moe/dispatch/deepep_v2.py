@@ -43,7 +43,7 @@ token count of the build over the group (one all-reduce and host sync, once).
 FP8 dispatch (``fp8=True``): the buffer is built with ``use_fp8_dispatch=True`` (elastic.py:258: "the received
 data will be a tuple of FP8 tensor and scaling factors"), and dispatch and the gradient of combine (a cached
 dispatch) pass the pair ``(x [T, D] float8_e4m3fn, sf [T, ceil(D / 128)] float32)`` from
-:func:`moe.dispatch.fp8.quantize_rows` (buffer.hpp:762-772: sf 2-D, one row per token, 4-byte elements, FP32
+:func:`kernels.fp8.quantize_rows` (buffer.hpp:762-772: sf 2-D, one row per token, 4-byte elements, FP32
 or packed UE8M0; row-major, not ``use_tma_aligned_col_major_sf``); the received pair is dequantized here after
 the wait. Combine and the gradient of dispatch stay bf16.
 
@@ -71,11 +71,13 @@ from moe.dispatch.deepep_common import (
     as_topk_idx,
     as_topk_weights,
     buffer_comm_stream,
+    dispatch_input,
+    dispatch_output,
     import_deep_ep,
     received_rows,
     sent_rows,
 )
-from moe.dispatch.fp8 import dequantize_rows, quantize_rows, wire_row_bytes
+from moe.dispatch.fp8 import wire_row_bytes
 from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 
 __all__ = ["DEEPEP_V2_INSTALL_HINT", "DeepEPV2Dispatcher", "deepep_v2_rules", "nvlink_domain_problem"]
@@ -232,7 +234,7 @@ class DeepEPV2Dispatcher(TokenDispatcher):
             rows = sent_rows(route.topk_idx_TK, self.num_local_experts, self.ep_size)
             self.count("dispatch", rows, wire_row_bytes(hidden, dtype, self.fp8), meta)
         recv_x, recv_idx, recv_w, handle, event = self.buffer.dispatch(
-            self._rows(x_TD),
+            dispatch_input(x_TD, self.fp8),
             topk_idx=route.topk_idx_TK,
             topk_weights=as_topk_weights(topk_weights_TK),
             num_experts=self.num_experts,
@@ -251,18 +253,9 @@ class DeepEPV2Dispatcher(TokenDispatcher):
                 local_idx, weights_RK = local_idx.masked_fill(pad_R1, -1), weights_RK.masked_fill(pad_R1, 0.0)
             if self.traffic is not None:
                 route.recv_rows = received_rows(local_idx)
-            return Dispatched(self._received(recv_x, dtype), local_idx, weights_RK)
+            return Dispatched(dispatch_output(recv_x, dtype, self.fp8), local_idx, weights_RK)
 
         return Pending(finish)
-
-    def _rows(self, x_TD: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Rows as V2's dispatch takes them: bf16, dense; or the FP8 pair ``(x, sf)``."""
-        return quantize_rows(x_TD) if self.fp8 else x_TD.contiguous()
-
-    def _received(self, recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Received rows in ``dtype``: the FP8 pair dequantized (unwritten rows of a sync-free dispatch are
-        unspecified, as they are in bf16)."""
-        return dequantize_rows(*recv_x, dtype) if self.fp8 else recv_x
 
     def _count_back(self, kind: str, route: _V2Route, x_RD: torch.Tensor, meta_row_bytes: int = 0) -> None:
         """Count a combine-direction exchange: the rows the dispatch delivered go back."""
@@ -304,11 +297,13 @@ class DeepEPV2Dispatcher(TokenDispatcher):
             rows = sent_rows(route.topk_idx_TK, self.num_local_experts, self.ep_size)
             self.count("combine_backward", rows, wire_row_bytes(hidden, dtype, self.fp8))
         # Cached mode: the forward handle's layout, no count exchange and no host wait (buffer.hpp:1011-1016).
-        grad_y, _, _, _, event = self.buffer.dispatch(self._rows(grad_y_TD), handle=route.handle, **self._calls())
+        grad_y, _, _, _, event = self.buffer.dispatch(
+            dispatch_input(grad_y_TD, self.fp8), handle=route.handle, **self._calls()
+        )
 
         def finish() -> torch.Tensor:
             event.current_stream_wait()
-            return self._received(grad_y, dtype)
+            return dispatch_output(grad_y, dtype, self.fp8)
 
         return Pending(finish)
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import ops
+from kernels.fp8 import Quantized, quantize_rows
 from kernels.reference_fp8 import FP8_DTYPE, TILE
 
-__all__ = ["num_scales", "pack_rows", "quantize_rows", "round_trip", "unpack_rows", "wire_row_bytes"]
+__all__ = ["num_scales", "pack_rows", "round_trip", "unpack_rows", "wire_row_bytes"]
 
 _SCALE_DTYPE = torch.float32
 
@@ -43,26 +43,9 @@ def wire_row_bytes(hidden: int, dtype: torch.dtype, fp8: bool) -> int:
     return hidden * dtype.itemsize
 
 
-def quantize_rows(x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q [T, D] float8_e4m3fn, scale [T, J] float32)``, 1x128 tiles (:func:`kernels.ops.quantize_fp8`)."""
-    if x_TD.dim() != 2:
-        raise ValueError(f"FP8 dispatch: token rows must be [T, D], got {tuple(x_TD.shape)}")
-    if x_TD.shape[0] == 0:  # no launch for an empty batch of rows
-        empty = x_TD.new_empty(0, x_TD.shape[1])
-        return empty.to(FP8_DTYPE), empty.new_empty(0, num_scales(x_TD.shape[1]), dtype=_SCALE_DTYPE)
-    return ops.quantize_fp8(x_TD)
-
-
-def dequantize_rows(q_RD: torch.Tensor, scale_RJ: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q * scale`` per 1x128 tile, in ``dtype`` (:func:`kernels.ops.dequantize_fp8`)."""
-    if q_RD.shape[0] == 0:
-        return torch.empty(q_RD.shape, dtype=dtype, device=q_RD.device)
-    return ops.dequantize_fp8(q_RD, scale_RJ, out_dtype=dtype)
-
-
 def round_trip(x_TD: torch.Tensor) -> torch.Tensor:
     """What a rank receives for ``x_TD`` under FP8 dispatch: quantized, dequantized, in ``x_TD``'s dtype."""
-    return dequantize_rows(*quantize_rows(x_TD), x_TD.dtype)
+    return quantize_rows(x_TD).dequantize(x_TD.dtype)
 
 
 def pack_rows(x_TD: torch.Tensor) -> torch.Tensor:
@@ -81,4 +64,4 @@ def unpack_rows(packed_RB: torch.Tensor, hidden: int, dtype: torch.dtype) -> tor
         )
     q_RD = packed_RB[:, :hidden].view(FP8_DTYPE)
     scale_RJ = packed_RB[:, hidden:].contiguous().view(_SCALE_DTYPE)
-    return dequantize_rows(q_RD, scale_RJ, dtype)
+    return Quantized(q_RD, scale_RJ).dequantize(dtype)
