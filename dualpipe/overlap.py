@@ -23,8 +23,8 @@ each role. For an attention / dispatch / shared expert / MLP / combine block tha
 Every communication starts as soon as its inputs exist (for B: between the dX that completes its gradient
 and that piece's dW) and is waited where its result is consumed, so each is in flight during the other
 micro-batch's compute. A communication whose ``prepare`` left an exchange in flight (row counts) starts
-after B's next dX or at the order's ``START_PREPARED`` step, whichever comes first: its exchange flies
-under B's side pieces (the shared expert's backward), and the transfer under B's MLP. The pairs straddle
+at the order's ``START_PREPARED`` step: its exchange flies under B's side pieces (the shared expert's
+backward, dX and dW), and the transfer under B's MLP. The pairs straddle
 block boundaries by themselves: B's next combine starts once this block's input gradient exists, behind
 B.attention dW and the next F.attention. Unpaired blocks (embedding, head) run alone at the ends: B's head
 first, then F's embedding; B's embedding backward and the input-gradient delivery run while F's last
@@ -258,7 +258,6 @@ def _pair(fwd: _Forward, fb: int, bwd: _Backward, bb: int) -> None:
             for i in bwd.roles(bb).of(step):
                 assert bwd.steps[bwd.pos] == (bb, i)
                 at = bwd.dx()
-                fwd.start_due()  # (backward communications have no prepare step: nothing of B is ever due)
                 bwd.start_ready()
                 bwd.dw(at)
 

@@ -27,9 +27,9 @@ shared expert, routed MLP; DeepSeek-V3 Figure 4, the shared expert placed beside
     B first            B.attention (dX, dW)      F.combine; the next block's B.combine from the dX on
 
 The backward MLP runs under the forward dispatch, as in DeepSeek-V3, with or without a ``prepare`` step. A
-communication whose ``prepare`` left an exchange in flight (row counts) starts at ``START_PREPARED``, or
-after B's next dX if that comes first, so the exchange flies under B's side pieces; a block without side
-pieces waits the exchange right after F's first piece, and its dispatch still gets the backward MLP.
+communication whose ``prepare`` left an exchange in flight (row counts) starts at ``START_PREPARED``, so
+the exchange flies under B's side pieces, dX and dW (the dX alone is too short to cover it); a block without
+side pieces waits the exchange right after F's first piece, and its dispatch still gets the backward MLP.
 """
 
 from __future__ import annotations

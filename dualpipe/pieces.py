@@ -74,7 +74,7 @@ class Comm:
     *output_grads)`` starts the gradient's transfer and returns a ``Pending`` of one gradient (or None) per
     input. ``prepare(ctx, *inputs)``, when given, is called as soon as the inputs exist and may return a
     ``Pending`` that ``forward`` needs finished first (e.g. a row-count exchange): in a pair the runtime then
-    starts ``forward`` after the other micro-batch's next dX, at the latest before its main pieces' backward
+    starts ``forward`` after the other micro-batch's side pieces' backward, before its main pieces'
     (:mod:`dualpipe.pair_order`), so that wait flies under the other's compute. ``no_grad``: inputs
     whose gradient ``backward`` gives as None by design; every other floating-point input must get a tensor
     of its shape and dtype, or the step raises naming the block, the piece and the input. ``communicates``

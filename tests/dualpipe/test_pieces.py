@@ -522,8 +522,9 @@ def test_prepare_starts_the_transfer_before_the_backward_mlp(shared: bool) -> No
         assert ev[counts - 1] == ("attn", "fwd", layer, "end")  # right after the compute that produced z
         start = ev.index(("dispatch", "fwd", layer, "start"))
         waited = ev.index(("counts", "fwd", layer, "wait"))
-        if shared:  # the exchange flies under B's side piece, started after its dX
-            assert ev.index(("shared.dx", "bwd", b_layer, "end")) < waited
+        if shared:  # the exchange flies under B's side piece, its dX and its dW
+            assert counts < ev.index(("shared.dx", "bwd", b_layer, "begin"))
+            assert ev.index(("shared.dw", "bwd", b_layer, "begin")) < waited
         else:
             assert waited == counts + 1
         # the transfer flies under B's MLP, dX and dW
