@@ -291,8 +291,9 @@ def _report(args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict
     floor = cpu_floor(rows)
     if floor is not None:
         cores = rank_files[0].get("cores", 1)
-        print(f"  CPU floor: dualpipev-overlap's CPU time per step over all {cores} cores is {floor:.2f}x torch's "
-              "step time; overlap hides waiting, not work, so no schedule gets below it here"
+        print(f"  CPU floor: dualpipev-overlap's CPU time per step (over all {cores} cores, or its busiest rank's "
+              f"compute thread if more) is {floor:.2f}x torch's step time; overlap hides waiting, not work, so no "
+              "schedule gets below it here"
               + (" (the 0.80x goal is out of reach on this machine)" if floor > 0.8 else ""))  # fmt: skip
     today = datetime.date.today().isoformat()
     record = {

@@ -276,17 +276,19 @@ def _timed_step(mode: _Mode, step: int, ids: torch.Tensor, labels: torch.Tensor,
         torch.cuda.synchronize(device)
     host_t0 = time.perf_counter()
     cpu_t0 = time.process_time()  # this process's CPU time, gloo's threads included
+    thread_t0 = time.thread_time()  # this thread's: the rank's compute and host work, which nothing else can run
     mode.recorder.record("step", mode.name, step, "begin")
     with profiler:
         losses = mode.step(ids, labels)
     mode.recorder.record("step", mode.name, step, "end")
-    cpu_s = time.process_time() - cpu_t0
+    cpu_s, thread_s = time.process_time() - cpu_t0, time.thread_time() - thread_t0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if profile_to is not None:
         profiler.export_chrome_trace(str(profile_to))
     traffic = None if mode.traffic is None else mode.traffic.summary()
-    return {"losses": losses, "cpu_s": cpu_s, "events": _absolute_events(mode.recorder, host_t0), "traffic": traffic}
+    events = _absolute_events(mode.recorder, host_t0)
+    return {"losses": losses, "cpu_s": cpu_s, "thread_s": thread_s, "events": events, "traffic": traffic}
 
 
 def _grad_sq(mode: _Mode) -> float:

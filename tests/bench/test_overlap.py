@@ -257,7 +257,7 @@ def _row(mode: str, **kw) -> ModeRow:
         schedule="dualpipev", overlap=True, steps=3, step_ms=80.0, step_ms_min=78.0, step_ms_max=90.0,
         tokens_per_s=1e4, vs_torch=0.8, bubble=0.10, bubble_predicted=0.09,
         bubble_predicted_mean=0.05, a2a_ms=50.0, a2a_exposed_ms=5.0,
-        hidden=0.9, hidden_in_pairs=0.95, cpu_use=0.5, costs_ms={}, loss=5.0,
+        hidden=0.9, hidden_in_pairs=0.95, cpu_use=0.5, rank_use=0.3, costs_ms={}, loss=5.0,
     )  # fmt: skip
     base.update(kw)
     return ModeRow(mode=mode, **base)
@@ -280,6 +280,10 @@ def test_targets_are_evaluated_not_asserted():
 def test_cpu_floor_is_our_cpu_time_over_torchs_step():
     # 80 ms at 0.5 of all cores = 40 ms of CPU per core; torch's step is 100 ms
     assert cpu_floor([_row("dualpipev-overlap", vs_torch=0.8, cpu_use=0.5), _row("torch-dualpipev")]) == 0.4
+    # one rank's compute thread busy 0.75 of our step: no core can run it faster (one rank per core, its
+    # experts given more tokens), so the floor is 0.75 x 80 ms, not the cores' mean
+    assert cpu_floor([_row("dualpipev-overlap", vs_torch=0.8, cpu_use=0.5, rank_use=0.75)]) == pytest.approx(0.6)
+    assert cpu_floor([_row("dualpipev-overlap", vs_torch=0.8, cpu_use=0.5, rank_use=math.nan)]) == 0.4  # older runs
     assert cpu_floor([_row("dualpipev-overlap", vs_torch=None)]) is None
     assert cpu_floor([_row("dualpipev", vs_torch=0.8)]) is None
 
