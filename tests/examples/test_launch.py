@@ -90,14 +90,14 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
 
 
 def test_a_killed_rank_restarts_from_the_last_checkpoint(tmp_path: Path) -> None:
-    """8 ranks at (pp=2, dp=4, ep=2) with ZeRO-1: one SIGKILLed rank, torchrun restarts the job, it resumes
+    """4 ranks at (pp=2, dp=2, ep=2) with ZeRO-1: one SIGKILLed rank, torchrun restarts the job, it resumes
     from the step-2 checkpoint and ends with the uninterrupted run's losses."""
     base = [
         *COMMON,
         "--pp",
         "2",
         "--dp",
-        "4",
+        "2",
         "--ep",
         "2",
         "--zero",
@@ -113,10 +113,10 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint(tmp_path: Path) -> None
         "--resume",
     ]
     metrics = ["--metrics-file", str(tmp_path / "killed.jsonl")]
-    log = _train(8, *base, "--kill-rank-at-step", "4", *metrics, restarts=1, timeout=400)
+    log = _train(4, *base, "--kill-rank-at-step", "4", *metrics, restarts=1, timeout=400)
     assert "failure drill: killing rank 1 at step 4" in log
-    assert "(step 2, written at pp=2 dp=4 ep=2)" in log  # the restart resumed from the step-2 checkpoint
-    _train(8, *base[:-5], "--metrics-file", str(tmp_path / "clean.jsonl"))
+    assert "(step 2, written at pp=2 dp=2 ep=2)" in log  # the restart resumed from the step-2 checkpoint
+    _train(4, *base[:-5], "--metrics-file", str(tmp_path / "clean.jsonl"))
     recovered, uninterrupted = _metrics(tmp_path / "killed.jsonl"), _metrics(tmp_path / "clean.jsonl")
     assert sorted(recovered) == list(range(1, 7))
     assert recovered[6] == uninterrupted[6]

@@ -54,6 +54,17 @@ def train(world: int, tmp: Path, name: str, *extra: str, timeout: float = 240) -
     return run_ranks(_train, world, args=(argv,), timeout=timeout)[0]
 
 
+def _train_each(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dict[str, list[dict]]:
+    return {name: _train(rank, world, argv) for name, argv in runs}
+
+
+def train_each(world: int, tmp: Path, runs: dict[str, list[str]], timeout: float = 240) -> dict[str, dict[int, float]]:
+    """Several runs in turn on one set of ``world`` ranks (one spawn: the imports are paid once); rank 0's
+    losses per run."""
+    argvs = [(name, [*COMMON, "--metrics-file", str(tmp / f"{name}.jsonl"), *extra]) for name, extra in runs.items()]
+    return {name: losses(r) for name, r in run_ranks(_train_each, world, args=(argvs,), timeout=timeout)[0].items()}
+
+
 def losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
@@ -62,15 +73,17 @@ def test_schedules_do_not_change_the_math(tmp_path: Path) -> None:
     from dualpipe.schedule import SCHEDULES
     from tests.train.test_v_schedules import V_FAMILY  # trained there: pp=2 x ep=2 and pp=4, in one spawn
 
-    steps = ["--steps", "3", "--num-chunks", "4"]
-    v = losses(train(4, tmp_path, "v", "--pp", "2", "--ep", "2", "--schedule", "dualpipev", "--overlap", *steps))
-    assert sorted(v) == [1, 2, 3]
+    layout = ["--pp", "2", "--ep", "2", "--steps", "3", "--num-chunks", "4"]
+    others = sorted(set(SCHEDULES) - {"dualpipev", *V_FAMILY})  # every registered schedule, through train.py
+    runs = {"v": [*layout, "--schedule", "dualpipev", "--overlap"], **{n: [*layout, "--schedule", n] for n in others}}
+    got = train_each(4, tmp_path, runs)
+    v = got["v"]
+    assert sorted(v) == [1, 2, 3] and len(others) >= 3
     # the single process: the same global batch (4 micro-batches x 2 ep ranks = 8 micro-batches)
     one = losses(train(1, tmp_path, "one", "--schedule", "1f1b", "--steps", "3", "--num-chunks", "8"))
-    for name in sorted(set(SCHEDULES) - {"dualpipev", *V_FAMILY}):  # every registered schedule, through train.py
-        other = losses(train(4, tmp_path, name, "--pp", "2", "--ep", "2", "--schedule", name, *steps))
+    for name in others:
         for step in v:
-            assert other[step] == pytest.approx(v[step], rel=2e-5), name
+            assert got[name][step] == pytest.approx(v[step], rel=2e-5), name
     for step in v:
         assert one[step] == pytest.approx(v[step], rel=2e-5)
     assert v[3] < v[1]
@@ -78,8 +91,10 @@ def test_schedules_do_not_change_the_math(tmp_path: Path) -> None:
 
 def test_a_checkpoint_loads_at_another_layout(tmp_path: Path) -> None:
     ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
-    full = losses(train(4, tmp_path, "full", "--pp", "2", "--ep", "2", "--steps", "4", "--num-chunks", "4"))
-    train(4, tmp_path, "first", "--pp", "2", "--ep", "2", "--steps", "2", "--num-chunks", "4", *ckpt)
+    layout = ["--pp", "2", "--ep", "2", "--num-chunks", "4"]
+    full = train_each(4, tmp_path, {"full": [*layout, "--steps", "4"], "first": [*layout, "--steps", "2", *ckpt]})[
+        "full"
+    ]
     # Written at pp=2 x ep=2 (4 ranks), continued at pp=1 x ep=2 (2 ranks): same global batch, same math.
     resumed = losses(
         train(2, tmp_path, "moved", "--pp", "1", "--ep", "2", "--steps", "4", "--num-chunks", "4", *ckpt, "--resume")
@@ -320,17 +335,19 @@ def test_a_checkpoint_reshards_across_pp_dp_ep(tmp_path: Path) -> None:
     sequences per step (micro-batches x size x dp), so the same losses."""
     ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
     written = ["--pp", "2", "--dp", "2", "--ep", "2", "--num-chunks", "4", "--micro-batch-size", "2"]
-    full = losses(train(4, tmp_path, "full", *written, "--steps", "4"))
-    train(4, tmp_path, "first", *written, "--steps", "2", "--zero", "1", *ckpt)
-    layouts = {
-        "wide-ep": (4, ["--pp", "1", "--dp", "4", "--ep", "4", "--num-chunks", "2", "--micro-batch-size", "2"]),
-        "no-ep": (
-            8,
-            ["--pp", "2", "--dp", "4", "--ep", "1", "--num-chunks", "4", "--micro-batch-size", "1", "--zero", "1"],
-        ),
+    resume = ["--steps", "4", *ckpt[:2], "--resume"]
+    wide_ep = ["--pp", "1", "--dp", "4", "--ep", "4", "--num-chunks", "2", "--micro-batch-size", "2", *resume]
+    on_4 = {  # in turn, on one set of 4 ranks
+        "full": [*written, "--steps", "4"],
+        "first": [*written, "--steps", "2", "--zero", "1", *ckpt],
+        "wide-ep": wide_ep,
     }
-    for name, (world, layout) in layouts.items():
-        resumed = losses(train(world, tmp_path, name, *layout, "--steps", "4", *ckpt[:2], "--resume"))
+    got = train_each(4, tmp_path, on_4)
+    full = got["full"]
+    no_ep = ["--pp", "2", "--dp", "4", "--ep", "1", "--num-chunks", "4", "--micro-batch-size", "1", "--zero", "1"]
+    got["no-ep"] = losses(train(8, tmp_path, "no-ep", *no_ep, *resume))
+    for name in ("wide-ep", "no-ep"):
+        resumed = got[name]
         assert sorted(resumed) == [3, 4], name
         for step in (3, 4):
             assert resumed[step] == pytest.approx(full[step], rel=5e-5), (name, step)
