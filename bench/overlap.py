@@ -51,7 +51,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
@@ -59,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from bench import process_tree
 from bench.overlap_costs import calibration_costs
 from bench.overlap_report import breakdown, collect, cpu_floor, loss_check, rows_json, summarise, table, targets
 from bench.overlap_run import CALIBRATION_MODE, MODES, PLAIN_MODES, WorkerOptions
@@ -150,7 +150,7 @@ def _launch_local(opts: WorkerOptions, timeout: float) -> None:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
     }
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = process_tree.run(cmd, cwd=REPO_ROOT, env=env, timeout=timeout)  # no worker outlives a timeout
     if proc.returncode != 0:
         raise SystemExit(
             f"error: the benchmark ranks failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-6000:]}"

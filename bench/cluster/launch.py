@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from typing import IO
 
 from bench.cluster import net
 from bench.cluster.net import ClusterConfig, ClusterError
+from bench.process_tree import kill_tree
 
 __all__ = ["EmulatedCluster", "JobResult", "NodeResult", "torchrun_argv"]
 
@@ -79,48 +79,6 @@ def torchrun_argv(
     ]
 
 
-# ---------------------------------------------------------------------------------------------- processes
-
-
-def _descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (children first found through /proc, depth-first, bounded)."""
-    found: list[int] = []
-    todo = [pid]
-    while todo and len(found) < 10_000:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                kids = [int(k) for k in (task / "children").read_text().split()]
-                found += kids
-                todo += kids
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie waiting for its parent's wait() (a zombie still has a /proc entry)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def _kill_tree(pid: int, grace_s: float = 3.0) -> None:
-    """SIGTERM ``pid`` (torchrun then stops its workers), then SIGKILL whatever of its tree is left.
-
-    torchrun starts each worker in a new session, so a process-group kill would miss them: the tree is
-    collected from /proc first."""
-    tree = [pid, *_descendants(pid)]
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in tree):
-        time.sleep(0.05)
-    for p in [*tree, *_descendants(pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-
-
 # ---------------------------------------------------------------------------------------------- the cluster
 
 
@@ -167,7 +125,7 @@ class EmulatedCluster:
         Safe to call twice and after a failed setup."""
         for proc in self._procs:
             if proc.poll() is None:
-                _kill_tree(proc.pid, grace_s=1.0)
+                kill_tree(proc.pid, grace_s=1.0)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5)
         self._procs.clear()
@@ -246,7 +204,7 @@ class EmulatedCluster:
             finally:
                 for proc in procs:
                     if proc.poll() is None:
-                        _kill_tree(proc.pid)
+                        kill_tree(proc.pid)
                         proc.wait(timeout=5)
                     self._procs.remove(proc)
             results = []

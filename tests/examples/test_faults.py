@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from bench import process_tree
 from tests.examples.test_launch import ROOT, _env, _free_port
 from tests.train.test_trainer import COMMON
 
@@ -24,7 +25,7 @@ TRAIN = str(ROOT / "examples/train.py")
 
 def _fails(argv: list[str], timeout: float = 120) -> str:
     """Run ``argv`` from the repository root; it must fail. Returns stdout + stderr."""
-    done = subprocess.run(argv, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    done = process_tree.run(argv, env=_env(), cwd=ROOT, timeout=timeout)  # no worker outlives a timeout
     log = done.stdout + done.stderr
     assert done.returncode != 0, log[-3000:]
     return log

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import process_tree
 from tests.train.test_trainer import COMMON
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,7 @@ def _metrics(path: Path) -> dict[int, float]:
 
 def _run(argv: list[str], timeout: float = 300) -> str:
     """Run a command from the repository root; fail with the tail of its output unless it exits 0."""
-    done = subprocess.run(argv, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    done = process_tree.run(argv, env=_env(), cwd=ROOT, timeout=timeout)  # no worker outlives a timeout
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     return log
@@ -82,7 +83,12 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
                 text=True,
             )
         )
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:  # torchrun's workers run in sessions of their own: a timeout must not leave them behind
+        for p in procs:
+            if p.poll() is None:
+                process_tree.kill_tree(p.pid, grace_s=1.0)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     two_nodes = _metrics(tmp_path / "two.jsonl")
     _train(4, *train_args, "--metrics-file", str(tmp_path / "one.jsonl"))
@@ -182,7 +188,7 @@ def test_the_minimal_dualpipev_example_learns() -> None:
 def test_a_bad_flag_is_reported_once_not_per_rank() -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv = [*torchrun, str(ROOT / "examples/train.py"), "--pp", "2", "--ep", "1", "--num-chunks", "3"]
-    done = subprocess.run(argv, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = process_tree.run(argv, env=_env(), cwd=ROOT, timeout=120)
     log = done.stdout + done.stderr
     assert done.returncode != 0
     assert log.count("DualPipeV needs num_chunks >= 2 * ranks = 4 (got 3)") == 1, log[-3000:]
