@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dualpipe.events import HiddenFraction, hidden_fraction
+from dualpipe.events import HiddenFraction, hidden_fraction, interval_overlap, interval_union
 from kernels.warmup import KernelShapes, warm_up
 from moe import MoEStage, lm_loss, next_token_batch
 from moe.config import PRESETS, preset
@@ -88,16 +88,6 @@ class HostDeviceRecorder:
         return out
 
 
-def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
 def comm_under_compute(trace: dict) -> dict:
     """From a Chrome trace of torch's profiler: NCCL kernel time, and how much of it lies under compute kernels.
 
@@ -106,9 +96,9 @@ def comm_under_compute(trace: dict) -> dict:
     kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
     comm = [e for e in kernels if e.get("name", "").lower().startswith("nccl")]
     compute = [e for e in kernels if not e.get("name", "").lower().startswith("nccl")]
-    busy = _merge([(e["ts"], e["ts"] + e["dur"]) for e in compute])
-    comm_union = _merge([(e["ts"], e["ts"] + e["dur"]) for e in comm])
-    hidden = sum(max(0.0, min(end, b) - max(start, a)) for start, end in comm_union for a, b in busy)
+    busy = interval_union([(e["ts"], e["ts"] + e["dur"]) for e in compute])
+    comm_union = interval_union([(e["ts"], e["ts"] + e["dur"]) for e in comm])
+    hidden = interval_overlap(comm_union, busy)
     return {
         "comm_us": sum(b - a for a, b in comm_union),
         "hidden_us": hidden,

@@ -20,7 +20,7 @@ import math
 import statistics
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from bench.overlap_run import MODES, TORCH_MODE, TORCH_MODES
@@ -28,6 +28,7 @@ from bench.overlap_stats import (
     COMM_KINDS,
     PeerSkew,
     RankSteps,
+    StepParts,
     comm_by_kind,
     comm_totals,
     measured_bubble,
@@ -37,6 +38,7 @@ from bench.overlap_stats import (
     predicted_bubble,
     rank_hidden,
     replayed_bubble,
+    step_parts,
     step_window,
 )
 from dualpipe.events import HiddenFraction
@@ -125,15 +127,22 @@ class ModeRow:
     """Exposed time per rank and step (mean) that is a rank waiting for an expert-parallel peer to join."""
     peer_wait_share: float = math.nan
     """The same over the exposed all-to-all time."""
+    step_parts_ms: dict[str, float] = field(default_factory=dict)
+    """Where a rank's step went (means over ranks, medians over steps): its compute thread's ``compute``,
+    ``host`` work between pieces, ``a2a_blocked`` and ``p2p_blocked`` (:class:`bench.overlap_stats.StepParts`),
+    which add up to the step; the CPU its other threads used (``comm_threads_cpu``: gloo's transfers); and
+    the machine's ``idle_cores``: core-milliseconds of the step that no thread of any rank used."""
 
 
-def _cpu_seconds(rank_files: list[dict]) -> dict[tuple[str, int], tuple[float, float]]:
-    """(mode, step) -> (CPU seconds all ranks used in the step, the most one rank's compute thread used)."""
-    out: dict[tuple[str, int], tuple[float, float]] = {}
+def _cpu_seconds(rank_files: list[dict]) -> dict[tuple[str, int], tuple[float, float, float]]:
+    """(mode, step) -> CPU seconds all ranks used in the step, the most one rank's compute thread used, and
+    all ranks' compute threads used (NaN for runs recorded without the threads' time)."""
+    out: dict[tuple[str, int], tuple[float, float, float]] = {}
     for record in rank_files:
         for s in record["steps"]:
-            total, busiest = out.get((s["mode"], s["step"]), (0.0, 0.0))
-            out[(s["mode"], s["step"])] = (total + s.get("cpu_s", math.nan), max(busiest, s.get("thread_s", math.nan)))
+            total, busiest, threads = out.get((s["mode"], s["step"]), (0.0, 0.0, 0.0))
+            thread = s.get("thread_s", math.nan)
+            out[(s["mode"], s["step"])] = (total + s.get("cpu_s", math.nan), max(busiest, thread), threads + thread)
     return out
 
 
@@ -256,6 +265,7 @@ def _row(
     schedule, overlap = MODES[mode]
     num_ranks = opts["pp"]
     per_step = []
+    where: list[dict[str, float]] = []
     all_ranks: list[RankSteps] = []
     for step, ranks in steps:
         t0, t1 = step_window(list(ranks.values()))
@@ -266,8 +276,16 @@ def _row(
         # torch runs its own action order, which our schedule's replay does not describe
         replayed = math.nan if mode in TORCH_MODES else replayed_bubble(schedule, pipelines, opts["chunks"])
         paired = comm_totals(list(ranks.values()), within="FB")[2]
-        total, busiest = cpu.get((mode, step), (math.nan, math.nan))
+        total, busiest, threads = cpu.get((mode, step), (math.nan, math.nan, math.nan))
         use, rank_use = total / (cores * (t1 - t0)), busiest / (t1 - t0)
+        parts = [step_parts(r) for r in ranks.values()]
+        where.append(
+            {
+                **{f.name: statistics.fmean(getattr(p, f.name) for p in parts) * 1e3 for f in fields(StepParts)},
+                "comm_threads_cpu": (total - threads) / len(ranks) * 1e3,
+                "idle_cores": (cores * (t1 - t0) - total) * 1e3,
+            }
+        )
         bubble = measured_bubble(list(ranks.values()))
         per_step.append((t1 - t0, bubble, replayed, in_flight, exposed, hidden, paired, use, mean_predicted, rank_use))
         all_ranks += ranks.values()
@@ -296,6 +314,7 @@ def _row(
         rank_use=med[9],
         costs_ms={k: getattr(costs, k) * 1e3 for k in ("F", "B", "W", "FB")},
         loss=mean_loss,
+        step_parts_ms={k: _median([w[k] for w in where]) for k in where[0]},
         **_exposure(steps, num_ranks),
     )
 
@@ -441,6 +460,26 @@ def skew_table(rows: list[ModeRow]) -> str:
     return _markdown(header, cells)
 
 
+WHERE = {
+    "compute": "compute",
+    "host": "host between pieces",
+    "a2a_blocked": "blocked on all-to-all",
+    "p2p_blocked": "blocked on pipeline",
+    "comm_threads_cpu": "comm threads' CPU",
+    "idle_cores": "idle core-ms (machine)",
+}
+
+
+def where_table(rows: list[ModeRow]) -> str:
+    """Markdown table of where the step went (:attr:`ModeRow.step_parts_ms`), a line per mode."""
+
+    def ms(v: float) -> str:
+        return "-" if math.isnan(v) else f"{v:.0f}"
+
+    cells = [[r.mode, f"{r.step_ms:.0f}", *(ms(r.step_parts_ms.get(k, math.nan)) for k in WHERE)] for r in rows]
+    return _markdown("mode | step ms | " + " | ".join(WHERE.values()), cells)
+
+
 def breakdown(rows: list[ModeRow]) -> str:
     """What exposes the all-to-all: the per-kind table and the peer-skew table, titled."""
     return (
@@ -449,6 +488,9 @@ def breakdown(rows: list[ModeRow]) -> str:
         + kind_table(rows)
         + "\n\nexpert-parallel peer skew (every all-to-all of the timed steps, matched across its group):\n\n"
         + skew_table(rows)
+        + "\n\nwhere the step went (ms; a rank's compute thread: compute, host work between pieces and its waits add "
+        "up to the step; means over ranks, medians over steps; the CPU the ranks' other threads used; the cores' "
+        "idle time):\n\n" + where_table(rows)
     )
 
 

@@ -50,7 +50,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dualpipe.events import HiddenFraction, hidden_fraction
+from dualpipe.events import HiddenFraction, hidden_fraction, interval_overlap, interval_union
 from dualpipe.schedule import Schedule, build_schedule
 from dualpipe.simulate import Costs, simulate
 
@@ -62,6 +62,7 @@ __all__ = [
     "HostSpan",
     "PeerSkew",
     "RankSteps",
+    "StepParts",
     "action_durations",
     "chrome_trace",
     "comm_by_kind",
@@ -75,6 +76,7 @@ __all__ = [
     "predicted_bubble",
     "rank_hidden",
     "replayed_bubble",
+    "step_parts",
 ]
 
 Event = Sequence  # [name, direction, layer, edge, seconds]
@@ -290,6 +292,34 @@ def peer_skews(group: Sequence[RankSteps]) -> list[PeerSkew]:
         wait = sum(max(0.0, min(c.wait, last) - c.blocked_from) for c in spans)
         out.append(PeerSkew(comm_kind(spans[0]), last - first, wait))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class StepParts:
+    """Where one rank's step went on its compute thread (seconds; they add up to the step)."""
+
+    compute: float
+    """Inside compute pieces that did work (their union)."""
+    a2a_blocked: float
+    """Blocked waiting for an all-to-all (its ``exposed`` time)."""
+    p2p_blocked: float
+    """Blocked waiting for a pipeline message."""
+    host: float
+    """The rest: the runtime and the model between pieces (issuing transfers, routing metadata, the
+    executor's bookkeeping), and empty pieces. NaN for a rank that recorded no pieces (a plain autograd
+    graph, torch's schedule as users get it): its ``compute`` is then all the time it did not wait."""
+
+
+def step_parts(r: RankSteps) -> StepParts:
+    """:class:`StepParts` of one rank's step (compute spans and waits clipped to the step)."""
+    step = [(r.begin, r.end)]
+    a2a = interval_overlap(interval_union((c.blocked_from, c.wait) for c in r.comm), step)
+    p2p = interval_overlap(interval_union((w.start, w.end) for w in r.waits), step)
+    rest = max(0.0, (r.end - r.begin) - a2a - p2p)
+    if not r.compute:
+        return StepParts(rest, a2a, p2p, math.nan)
+    compute = interval_overlap(interval_union((c.start, c.end) for c in r.compute if c.work), step)
+    return StepParts(compute, a2a, p2p, max(0.0, rest - compute))
 
 
 def step_window(ranks: Sequence[RankSteps]) -> tuple[float, float]:

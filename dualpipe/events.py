@@ -48,6 +48,8 @@ __all__ = [
     "HiddenFraction",
     "Recorder",
     "hidden_fraction",
+    "interval_overlap",
+    "interval_union",
     "record_edge",
     "record_span",
     "timeline_text",
@@ -195,7 +197,7 @@ def hidden_fraction(source: EventRecorder | Iterable[Event | Sequence[Any]]) -> 
             comm.setdefault(f"{name}.{direction}", []).append((t0, t))
         elif closed_by == "end" and direction in COMPUTE_DIRECTIONS:
             work.append((t0, t))
-    worked = _union(work)
+    worked = interval_union(work)
     kinds = {kind: _hidden(spans, worked) for kind, spans in comm.items()}
     total = _hidden([s for spans in comm.values() for s in spans], worked)
     return HiddenFraction(total.comm_s, total.hidden_s, total.count, total.covered, kinds)
@@ -270,7 +272,7 @@ def _rows(source: Any) -> list[tuple[str, str, int, str, float]]:
     return rows
 
 
-def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+def interval_union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Disjoint, sorted intervals covering ``spans`` (empty ones dropped)."""
     merged: list[list[float]] = []
     for a, b in sorted(s for s in spans if s[1] > s[0]):
@@ -281,7 +283,7 @@ def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+def interval_overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Length of the intersection of two disjoint, sorted interval lists."""
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
@@ -294,6 +296,6 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 
 
 def _hidden(spans: list[tuple[float, float]], worked: list[tuple[float, float]]) -> HiddenFraction:
-    union = _union(spans)
-    covered = sum(_overlap([s], worked) > 0 for s in spans)
-    return HiddenFraction(sum(b - a for a, b in union), _overlap(union, worked), len(spans), covered)
+    union = interval_union(spans)
+    covered = sum(interval_overlap([s], worked) > 0 for s in spans)
+    return HiddenFraction(sum(b - a for a, b in union), interval_overlap(union, worked), len(spans), covered)

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from bench.overlap_report import KindExposure, kind_table, main, skew_table, summarise
-from bench.overlap_stats import comm_by_kind, parse_events, peer_skews
+from bench.overlap_report import KindExposure, kind_table, main, skew_table, summarise, where_table
+from bench.overlap_stats import StepParts, comm_by_kind, parse_events, peer_skews, step_parts
 
 
 def _ev(name, direction, layer, edge, t):
@@ -164,3 +164,44 @@ def test_tables_and_the_command_reproduce_them_from_saved_events(tmp_path, capsy
     (saved,) = json.loads((tmp_path / "summary.json").read_text())["rows"]
     assert saved["exposed_by_kind"]["counts.fwd"]["peer_wait_ms"] == 1000.0
     assert saved["peer_wait_share"] == 3 / 7
+
+
+def test_where_the_step_went_adds_up_to_the_step():
+    # rank 0 (7 s): attention 1, MLP 2 = compute 3; blocked 1..3 (counts), 3..4 (dispatch), 6..7 (combine) = 4
+    assert step_parts(parse_events(RANK0)) == StepParts(compute=3.0, a2a_blocked=4.0, p2p_blocked=0.0, host=0.0)
+    # host work between pieces and a pipeline wait: an action around the block, 0.5 s of issuing after the
+    # attention, a receive wait of 1 s before it, and a dW piece with nothing to compute (not work)
+    events = [
+        _ev("step", "m", 0, "begin", 0.0),
+        _ev("F0.0", "action", 0, "begin", 0.0),
+        _ev("recv", "p2p", 0, "begin", 0.0),
+        _ev("recv", "p2p", 0, "end", 1.0),
+        _ev("attn", "fwd", 0, "begin", 1.0),
+        _ev("attn", "fwd", 0, "end", 2.0),
+        _ev("dispatch", "fwd", 0, "start", 2.5),
+        _ev("mlp.dw", "bwd", 1, "begin", 2.5),
+        _ev("mlp.dw", "bwd", 1, "empty", 3.0),
+        _ev("dispatch", "fwd", 0, "wait", 4.0),  # blocked 3..4
+        _ev("F0.0", "action", 0, "end", 4.0),
+        _ev("step", "m", 0, "end", 4.0),
+    ]
+    assert step_parts(parse_events(events)) == StepParts(compute=1.0, a2a_blocked=1.0, p2p_blocked=1.0, host=1.0)
+    # a plain graph records no pieces: what it did not wait is its compute, its host work unknown
+    plain = [e for e in RANK0 if e[1] != "fwd" or e[0] in ("counts", "dispatch", "combine")]
+    parts = step_parts(parse_events(plain))
+    assert (parts.compute, parts.a2a_blocked) == (3.0, 4.0) and parts.host != parts.host  # NaN
+
+
+def test_the_step_table_carries_the_threads_cpu_and_the_idle_cores():
+    files = [_rank_file(0, RANK0), _rank_file(1, RANK1)]
+    for f, thread in zip(files, (0.5, 0.75)):
+        f["steps"][0]["thread_s"] = thread  # of cpu_s = 1.0 each
+    (row,) = summarise(files)
+    # rank 1: compute 3 + 1 = 4 s, blocked 0 (counts) + 1 + 2 = 3 s; the mean over the ranks: 3.5 and 3.5
+    assert row.step_parts_ms == {
+        "compute": 3500.0, "a2a_blocked": 3500.0, "p2p_blocked": 0.0, "host": 0.0,
+        "comm_threads_cpu": (0.5 + 0.25) / 2 * 1e3,  # the process's CPU beyond its compute thread's
+        "idle_cores": (2 * 7.0 - 2 * 1.0) * 1e3,  # 2 cores for a 7 s step, 2 s of CPU used
+    }  # fmt: skip
+    assert row.rank_use == pytest.approx(0.75 / 7.0)
+    assert "| torch-dualpipev | 7000 | 3500 | 0 | 3500 | 0 | 375 | 12000 |" in where_table([row])
