@@ -2,9 +2,9 @@
 
 A recorder is optional: a stage with ``recorder=None`` records nothing. Each event is one edge of a span:
 a compute sub-stage ("attn", "mlp", "attn.dx", ...) has ``begin``/``end``; a communication
-("dispatch", "combine", ...) has ``start`` (issued) and ``wait`` (its result consumed). ``direction`` is
-"fwd" or "bwd", so within one overlapped pair it also names the micro-batch (module0's forward or
-module1's backward).
+("dispatch", "combine", ...) has ``start`` (issued: the issuing call returned) and ``wait`` (its result
+consumed). ``direction`` is "fwd" or "bwd", so within one overlapped pair it also names the micro-batch
+(module0's forward or module1's backward).
 
 Timestamps: ``time.perf_counter`` on CPU; on CUDA a ``torch.cuda.Event`` recorded on the current stream,
 resolved to milliseconds by :meth:`EventRecorder.timeline` (which synchronises). A communication's
@@ -12,7 +12,9 @@ resolved to milliseconds by :meth:`EventRecorder.timeline` (which synchronises).
 stream=)``): on the compute stream it would mark when compute reached the wait, not when the transfer
 finished. A stream runs in issue order, so that stamp is the end of the last transfer issued on the stream
 before the wait: a later transfer started in between (the other micro-batch's) stretches the span.
-The ``start`` edge stays on the current stream: the transfer cannot begin before its input is ready there.
+The ``start`` edge stays on the current stream, recorded once the call that issues the transfer has
+returned: the transfer cannot begin before its input is ready there, and the call's own work (packing the
+rows to send) is not flight.
 
 A compute piece that runs but has nothing to compute (the dW of a piece whose layers handed no
 weight-gradient closures over: autograd computed those gradients in its dX) still records its span, closed

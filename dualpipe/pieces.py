@@ -285,8 +285,9 @@ class BlockRun:
         if self.grad:
             self._needs[i] = self._wanted(piece, inputs)
         self.started.add(i)
-        self._edge(piece, piece.name, "fwd", "start")
         pending = piece.forward(self.ctx, *inputs)
+        # in flight from here: the call's own work (packing the rows to send) comes before any byte can move
+        self._edge(piece, piece.name, "fwd", "start")
         self._in_flight[i] = _pending(pending, f"Comm {piece.name!r} forward")
 
     def wait(self, i: int) -> None:
@@ -441,8 +442,9 @@ class BlockRun:
                 g = torch.zeros_like(self.values[name])
             grads.append(g)
         self.bwd_started.add(i)
-        self._edge(piece, piece.name, "bwd", "start")
-        self._bwd_in_flight[i] = _pending(piece.backward(self.ctx, *grads), f"Comm {piece.name!r} backward")
+        pending = piece.backward(self.ctx, *grads)
+        self._edge(piece, piece.name, "bwd", "start")  # after the call, as the forward's
+        self._bwd_in_flight[i] = _pending(pending, f"Comm {piece.name!r} backward")
         for name in piece.outputs:
             self.values.pop(name, None)
 

@@ -308,9 +308,11 @@ class _BlockingComm:
             record_edge(self.recorder, "counts", "fwd", self.layer, "wait")
 
     def run(self, name: str, direction: str, start):
-        """Start one all-to-all and wait for it right away (recording both edges)."""
+        """Start one all-to-all and wait for it right away (recording both edges; ``start`` once issued, as the
+        piecewise path records it)."""
+        pending = start()
         record_edge(self.recorder, name, direction, self.layer, "start")
-        out = start().wait()
+        out = pending.wait()
         record_edge(self.recorder, name, direction, self.layer, "wait")
         return out
 

@@ -4,6 +4,7 @@ runtime's own recording (a dW piece with nothing to compute is marked, and hides
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -137,6 +138,34 @@ def test_the_runtime_marks_a_dw_without_work_and_it_hides_nothing(deferred: bool
     assert [e.edge for e in rec.events if e.name == "f.dw"] == ["begin", "end" if deferred else "empty"]
     h = hidden_fraction(rec).kinds["send.bwd"]
     assert h.count == 1 and h.covered == deferred and (h.hidden_s > 0) == deferred
+
+
+def test_a_transfer_is_in_flight_once_its_issuing_call_returns():
+    """The call that starts a transfer packs the rows first: that work is not flight (forward and backward)."""
+    issued: dict[str, float] = {}
+
+    def issue(direction: str):
+        def call(ctx, x):
+            time.sleep(0.005)  # packing the rows to send
+            issued[direction] = time.perf_counter()
+            return Pending.done(x * 2)
+
+        return call
+
+    rec = EventRecorder()
+    send = Comm("send", issue("fwd"), issue("bwd"), "x", "z")
+    pieces = [Compute("f", lambda ctx, x: x * 3, "x", "y"), send]
+    run = BlockRun(Pieces(pieces, input="x", output=("y", "z"), layer=0), recorder=rec)
+    run.begin(torch.randn(2, 3, requires_grad=True))
+    run.compute(0)
+    run.start(1)
+    run.output()
+    run.begin_backward(torch.ones(2, 3))
+    run.start_backward(1)
+    run.wait_backward(1)
+    starts = {e.direction: e.stamp for e in rec.events if e.edge == "start"}
+    assert starts.keys() == issued.keys() == {"fwd", "bwd"}
+    assert all(starts[d] >= issued[d] for d in starts)
 
 
 @pytest.mark.gpu
