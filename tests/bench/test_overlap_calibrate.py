@@ -105,10 +105,11 @@ def test_costs_file_describes_the_run_and_its_lone_chunks(calibration):
 
 
 HIDDEN_GAP = (
-    "since the pair order puts the other micro-batch's backward MLP under the forward dispatch, the planner "
-    "predicts 0.93-0.96 hidden here and the run measures 0.71-0.75 (2026-11-26, idle): the two-stream model lets "
-    "a transfer progress at its link rate under any compute, while on 2 cores gloo's thread competes with the "
-    "ranks' compute (a third of the in-flight time is a rank waiting); not modelled yet"
+    "the planner predicts 0.96 hidden here and runs measure 0.74-0.77 (2026-11-26, idle; +0.19 at the test's "
+    "0.20 margin): its costs fold the host work between pieces (issuing transfers, routing metadata: about 10% of "
+    "a CPU rank's step) into the compute a transfer hides under, which the one metric does not count as work, "
+    "and it takes the expert-parallel ranks as equally loaded (here one rank's experts get ~13% more tokens, and "
+    "the other waits ~3% of the step for it); neither is modelled yet"
 )
 
 
@@ -123,12 +124,12 @@ def test_planner_predicts_the_hidden_fraction_within_20_points(calibration):
 
 @pytest.mark.cluster
 @pytest.mark.slow
-@pytest.mark.xfail(reason="the step follows the hidden fraction: " + HIDDEN_GAP, strict=False)
 def test_planner_predicts_the_overlapped_step_within_20_percent(calibration):
-    """Measured on a quiet 2-core machine before the pair order: predicted 2% to 12% under the overlapped step
-    (since it, 21% under: 1,521 against 1,923 ms, 2026-11-26, idle; two runs,
-    bench/results/calibration-*.json); beside another busy process the CPU ranks slow unevenly and the gap
-    grows past 30%, which is why the fixture wants the cores to itself."""
+    """Measured on a quiet 2-core machine: predicted 2% to 12% under the overlapped step before the pair order,
+    11% under since (1,402 against 1,570 ms, 2026-11-26; for a while the runtime waited the row counts after
+    B's side dX where the planner times them after its dW, and the gap was 21%); beside another busy process
+    the CPU ranks slow unevenly and the gap grows past 30%, which is why the fixture wants the cores to
+    itself."""
     record, _ = calibration
     # the benchmark's step is the pipeline alone (no gradient reduction, no optimizer): pipeline_time
     assert record["predicted"]["pipeline_ms"] == pytest.approx(record["measured"]["step_ms"], rel=0.2)
