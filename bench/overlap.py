@@ -34,8 +34,12 @@ writes it from any run that includes the ``dualpipev`` mode.
 The targets (printed as met or missed, never tuned into the output): at least 80% of all-to-all time
 hidden, DualPipeV with overlap at most 0.8x torch ScheduleDualPipeV's step time, measured bubble within
 15% of the simulator's prediction from the measured action costs (:mod:`bench.overlap_stats` says how
-both are taken). With more ranks than cores a CPU floor is printed as well: the step-time ratio no
-schedule doing the same CPU work can beat on this machine.
+both are taken). A CPU floor is printed as well: the step-time ratio no schedule doing the same CPU work
+can beat on this machine (our CPU time spread over the cores, or the busiest rank's compute thread if
+more). What keeps a step above it is printed per mode, "where the step went": a rank's compute, host work
+between pieces and the time it blocked on all-to-alls and pipeline messages (they add up to the step), the
+CPU its communication threads used (gloo's transfers compete with compute for the cores), and the cores'
+idle time.
 
 Bytes: every rank counts what its all-to-alls send, per kind (dispatch, combine and their gradients), and the
 report gives the bytes per all-to-all. ``--fp8-dispatch`` also runs each of our modes with FP8 dispatch
