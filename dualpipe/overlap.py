@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dualpipe.pair_order import PAIR_ORDER, START_PREPARED, Roles, Step, roles
+from dualpipe.pair_order import PAIR_ORDER, SIDE, START_PREPARED, Roles, Step, roles
 from dualpipe.pieces import BlockRun, Compute, Pieces, Recorder
 from dualpipe.utils import run_backward
 
@@ -255,9 +255,13 @@ def _pair(fwd: _Forward, fb: int, bwd: _Backward, bb: int) -> None:
                 fwd.step()
                 fwd.start_ready()
         else:
-            for i in bwd.roles(bb).of(step):
+            b_roles = bwd.roles(bb)
+            pieces = b_roles.of(step)
+            for j, i in enumerate(pieces):
                 assert bwd.steps[bwd.pos] == (bb, i)
                 at = bwd.dx()
+                if step.role == SIDE and not b_roles.main and j == len(pieces) - 1:
+                    fwd.start_due()  # B has no main pieces (a dense block): F's transfer flies under this dW
                 bwd.start_ready()
                 bwd.dw(at)
 

@@ -29,7 +29,9 @@ shared expert, routed MLP; DeepSeek-V3 Figure 4, the shared expert placed beside
 The backward MLP runs under the forward dispatch, as in DeepSeek-V3, with or without a ``prepare`` step. A
 communication whose ``prepare`` left an exchange in flight (row counts) starts at ``START_PREPARED``, so
 the exchange flies under B's side pieces, dX and dW (the dX alone is too short to cover it); a block without
-side pieces waits the exchange right after F's first piece, and its dispatch still gets the backward MLP.
+side pieces waits the exchange right after F's first piece, and its dispatch still gets the backward MLP. When
+B's block has no main pieces (a dense block beside an MoE one, at a stage's boundary), the communication
+starts after B's last side dX instead, so that it still has that piece's dW to fly under.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class Step:
 
 
 START_PREPARED = "start prepared"
-"""F's communications whose ``prepare`` left an exchange in flight start here at the latest."""
+"""F's communications whose ``prepare`` left an exchange in flight start here at the latest (earlier only
+beside a B block without main pieces: the module docstring)."""
 
 PAIR_ORDER: tuple[Step | str, ...] = (
     Step("fwd", FIRST),  # F.attention           | B.combine
