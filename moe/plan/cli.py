@@ -114,6 +114,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "candidates whose schedule has as many stages as it lists are searched (default auto: stages "
         "balanced by cost, every candidate)",
     )
+    p.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="routed rows of the busiest expert-parallel rank over the group's mean (default 1: balanced); its "
+        "experts and all-to-alls set the group's pace. The per-expert max over mean the trainer logs as "
+        "'imbalance' bounds it from above",
+    )
     p.add_argument("--costs", metavar="FILE", help="measured sub-stage costs (bench.overlap --calibrate)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--deepseek-v3", action="store_true", help="also set the V3 report's layout beside its figures")
@@ -127,6 +136,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
     if args.fp8_activations and not args.fp8:
         p.error("--fp8-activations needs --fp8 (the FP8 experts keep their inputs in FP8)")
+    if not args.expert_imbalance >= 1.0:
+        p.error(f"--expert-imbalance {args.expert_imbalance}: the busiest rank over the mean is at least 1")
     return args
 
 
@@ -192,9 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"error: --costs: {exc}") from None
     cfg, source = _config(args, measured)
     cluster = _cluster(args, measured)
-    run = RunShape(
-        args.seq_len, args.global_batch, args.micro_batch, Precision(fp8=args.fp8, fp8_dispatch=args.fp8_dispatch)
-    )
+    precision = Precision(fp8=args.fp8, fp8_dispatch=args.fp8_dispatch)
+    run = RunShape(args.seq_len, args.global_batch, args.micro_batch, precision, args.expert_imbalance)
     options = MemoryOptions(
         state_dtype=args.state_dtype, fp8_activations=args.fp8_activations, mtp_shared=not args.mtp_own_copies
     )
@@ -229,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "costs": args.costs,
                 "pipeline_layout": args.pipeline_layout,
                 "precision": run.precision.to_dict(),
+                "expert_imbalance": run.expert_imbalance,
             },
             "num_candidates": result.num_candidates,
             "num_fitting": result.num_fitting,

@@ -31,7 +31,7 @@ and are left out: under 1% of a row at V3's width.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from dualpipe.schedule import schedule_spec
@@ -199,10 +199,16 @@ class Workload:
     rank that holds both); False: each module holds its own, as the published checkpoint stores them."""
     precision: Precision = NO_FP8
     """FP8 GEMMs and FP8 dispatch (:class:`Precision`)."""
+    expert_imbalance: float = 1.0
+    """Routed rows of the busiest expert-parallel rank over the group's mean (1: balanced, the routing model's
+    uniform state). That rank's routed-expert compute and its all-to-alls take this much longer, and every rank
+    of the group waits for it at each all-to-all, so the pipeline runs at its pace (:func:`substage_costs`)."""
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.micro_batch < 1 or self.comm_sms < 0 or self.act_bytes < 1:
             raise ValueError(f"invalid workload {self}")
+        if not self.expert_imbalance >= 1.0:
+            raise ValueError(f"expert_imbalance={self.expert_imbalance}: the busiest rank over the mean is at least 1")
         object.__setattr__(self, "recompute", recompute_granularity(self.recompute))
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype={self.state_dtype!r}: choose one of {STATE_DTYPES}")
@@ -475,11 +481,29 @@ def substage_costs(
     ``ops`` section holds takes its measured time scaled to this config in the sums
     (:meth:`CostSource.op_timer`), and every sub-stage field its layer entry holds replaces the sum by its
     measured time scaled to this config (:meth:`CostSource.apply`); the rest stay analytic. ``comm_sms`` is
-    reserved only where an all-to-all exists (MoE layer, ep > 1), as moe.parallel does."""
+    reserved only where an all-to-all exists (MoE layer, ep > 1), as moe.parallel does.
+
+    ``work.expert_imbalance`` then stretches the routed experts (``mlp_*``: permute, experts, unpermute) and
+    both all-to-alls of an MoE layer at ep > 1: the costs are the busiest rank's, whose pace the group keeps
+    (the per-op ``detail`` stays the mean rank's). All-to-all times measured on an unevenly loaded group
+    already hold part of its waiting (the lighter ranks wait for the busiest): stretched again, they err long."""
     if measured is None:
-        return analytic_costs(cfg, cluster, par, work, moe)
-    analytic = analytic_costs(cfg, cluster, par, work, moe, measured.op_timer())
-    return measured.apply(analytic, cfg, cluster, par, work)
+        costs = analytic_costs(cfg, cluster, par, work, moe)
+    else:
+        costs = measured.apply(
+            analytic_costs(cfg, cluster, par, work, moe, measured.op_timer()), cfg, cluster, par, work
+        )
+    k = work.expert_imbalance
+    if not moe or par.ep == 1 or k == 1.0:
+        return costs
+    return replace(
+        costs,
+        mlp_F=costs.mlp_F * k,
+        mlp_dX=costs.mlp_dX * k,
+        mlp_dW=costs.mlp_dW * k,
+        dispatch=costs.dispatch * k,
+        combine=costs.combine * k,
+    )
 
 
 def _selective(ops: list[fl.Op], gpu: GPU, comm_sms: int, timer: OpTimer) -> float:

@@ -62,6 +62,8 @@ class LayerCostModel:
     """Optimizer-state dtype, FP8 caching, MTP sharing (the recompute granularity is the candidate's)."""
     precision: Precision = NO_FP8
     """FP8 GEMMs and FP8 dispatch."""
+    expert_imbalance: float = 1.0
+    """The busiest expert-parallel rank's routed rows over the mean (:class:`moe.plan.costs.Workload`)."""
 
     @property
     def parallelism(self) -> Parallelism:
@@ -82,6 +84,7 @@ class LayerCostModel:
             fp8_activations=self.memory_options.fp8_activations,
             mtp_shared=self.memory_options.mtp_shared,
             precision=self.precision,
+            expert_imbalance=self.expert_imbalance,
         )
 
     def _costs(self, moe: bool) -> SubstageCosts:

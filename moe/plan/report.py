@@ -59,6 +59,8 @@ class RunShape:
     global_batch: int
     micro_batch: int
     precision: Precision = NO_FP8
+    expert_imbalance: float = 1.0
+    """The busiest expert-parallel rank's routed rows over the mean (1: balanced routing)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -100,6 +102,7 @@ def _model(
         measured=measured,
         memory_options=options,
         precision=run.precision,
+        expert_imbalance=run.expert_imbalance,
     )
 
 

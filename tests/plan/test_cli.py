@@ -82,6 +82,29 @@ def test_errors_name_the_flag(tmp_path: Path) -> None:
         main([*SMALL[:-4], "--global-batch", "7", "--micro-batch", "2"])
 
 
+def test_an_unevenly_loaded_expert_group_runs_at_its_busiest_rank(tmp_path: Path, capsys) -> None:
+    """``--expert-imbalance``: every candidate with expert parallelism is timed at its busiest rank's pace; a
+    value under 1 is one line naming the flag."""
+    docs = {}
+    for x in ("1", "1.5"):
+        out = tmp_path / f"{x}.json"
+        assert main([*SMALL, "--expert-imbalance", x, "--top", "100", "--json", str(out)]) == 0
+        docs[x] = json.loads(out.read_text())
+    assert docs["1.5"]["inputs"]["expert_imbalance"] == 1.5
+    even, skewed = ({_key(r): r for r in d["top"]} for d in docs.values())
+    with_ep = [k for k in even if even[k]["ep"] > 1 and k in skewed]
+    assert with_ep and all(skewed[k]["step_time_s"] > even[k]["step_time_s"] for k in with_ep)
+    assert all(skewed[k]["step_time_s"] == even[k]["step_time_s"] for k in even if even[k]["ep"] == 1 and k in skewed)
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="2"):
+        main([*SMALL, "--expert-imbalance", "0.5"])
+    assert "--expert-imbalance 0.5: the busiest rank over the mean is at least 1" in capsys.readouterr().err
+
+
+def _key(row: dict) -> tuple:
+    return tuple(str(row[k]) for k in ("schedule", "pp", "dp", "ep", "num_chunks", "comm_sms", "recompute"))
+
+
 def test_measured_costs_describe_the_machine_they_came_from(tmp_path: Path) -> None:
     """The emulated cluster's costs file alone: its model, its achieved rates and links, no SMs to reserve."""
     costs = next(Path(__file__).resolve().parents[2].glob("bench/results/costs-cpu-*-emulated-*.json"))

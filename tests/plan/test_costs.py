@@ -100,6 +100,28 @@ def test_substage_costs_recompute_and_dense() -> None:
     assert single.dispatch == 0
 
 
+def test_the_busiest_expert_rank_sets_the_pace() -> None:
+    """``expert_imbalance``: the routed experts and both all-to-alls of an MoE layer stretch by it (the busiest
+    rank's), nothing else does; a dense layer and ep = 1 have no expert-parallel group to wait in."""
+    cluster = Cluster(GPUS["h800"], 16, 8)
+    par = Parallelism(pp=2, dp=8, ep=4, schedule="dualpipev")
+    work = Workload(seq_len=32, micro_batch=2)
+    even = substage_costs(CFG, cluster, par, work)
+    skewed = substage_costs(CFG, cluster, par, dataclasses.replace(work, expert_imbalance=1.25))
+    for name in ("mlp_F", "mlp_dX", "mlp_dW", "dispatch", "combine"):
+        assert getattr(skewed, name) == pytest.approx(1.25 * getattr(even, name)), name
+    for name in ("attn_F", "attn_dX", "attn_dW", "shared_F", "shared_dX", "shared_dW", "head_F", "p2p", "dp_reduce"):
+        assert getattr(skewed, name) == getattr(even, name), name
+    dense_cfg = CFG.replace(num_dense_layers=1)
+    for args in ((dense_cfg, cluster, par), (CFG, cluster, Parallelism(pp=2, dp=8, ep=1))):
+        moe = args[0] is CFG
+        assert substage_costs(*args, dataclasses.replace(work, expert_imbalance=1.25), moe=moe) == substage_costs(
+            *args, work, moe=moe
+        )
+    with pytest.raises(ValueError, match="at least 1"):
+        Workload(seq_len=32, micro_batch=2, expert_imbalance=0.9)
+
+
 def test_allreduce_p2p_and_dp_reduce() -> None:
     assert allreduce_seconds(1e9, 4, 50e9) == pytest.approx(2 * 3 / 4 * 1e9 / 50e9)
     assert allreduce_seconds(1e9, 1, 50e9) == 0
