@@ -24,7 +24,8 @@ Every communication starts as soon as its inputs exist (for B: between the dX th
 and that piece's dW) and is waited where its result is consumed, so each is in flight during the other
 micro-batch's compute. A communication whose ``prepare`` left an exchange in flight (row counts) starts
 at the order's ``START_PREPARED`` step: its exchange flies under B's side pieces (the shared expert's
-backward, dX and dW), and the transfer under B's MLP. The pairs straddle
+backward, dX and dW), and the transfer under B's MLP (beside a B block without main pieces, a dense one,
+it starts after B's last side dX instead: :mod:`dualpipe.pair_order`). The pairs straddle
 block boundaries by themselves: B's next combine starts once this block's input gradient exists, behind
 B.attention dW and the next F.attention. Unpaired blocks (embedding, head) run alone at the ends: B's head
 first, then F's embedding; B's embedding backward and the input-gradient delivery run while F's last
