@@ -249,12 +249,7 @@ def scale_field(
         elem = work.dispatch_bytes if name == "dispatch" else work.act_bytes
         target = all_to_all_seconds(all_to_all_bytes(cfg, cluster, par.ep, work.tokens, elem), cluster.gpu)
         return value * target / base
-    base_work = _file_work(
-        entry,
-        phase_work(
-            measured.config, measured.tokens, measured.seq_len, ep=measured.ep, act_bytes=measured.act_bytes, moe=moe
-        ),
-    )
+    base_work = _measured_work(measured, moe)
     target_work = _file_work(
         entry, phase_work(cfg, work.tokens, work.seq_len, ep=par.ep, act_bytes=work.act_bytes, moe=moe)
     )
@@ -368,6 +363,15 @@ def _file_work(entry: dict[str, float], work: dict[str, tuple[float, float]]) ->
     return out
 
 
+def _measured_work(measured: MeasuredCosts, moe: bool) -> dict[str, tuple[float, float]]:
+    """The work behind each field of the file's ``moe`` or ``dense`` entry, at the shape it was measured at."""
+    entry = measured.moe if moe else measured.dense
+    shape = phase_work(
+        measured.config, measured.tokens, measured.seq_len, ep=measured.ep, act_bytes=measured.act_bytes, moe=moe
+    )
+    return _file_work(entry, shape)
+
+
 _FP8_REFUSED = (
     "costs file: {what} was measured with GEMMs in the file's dtype; the plan runs them in FP8 (--fp8): plan "
     "without --fp8 or leave it out of the file"
@@ -398,17 +402,7 @@ def device_of(measured: MeasuredCosts, *, memory_bytes: float, name: str | None 
     for moe, entry in ((True, measured.moe), (False, measured.dense)):
         if not entry:
             continue
-        work = _file_work(
-            entry,
-            phase_work(
-                measured.config,
-                measured.tokens,
-                measured.seq_len,
-                ep=measured.ep,
-                act_bytes=measured.act_bytes,
-                moe=moe,
-            ),
-        )
+        work = _measured_work(measured, moe)
         for field_name, value in entry.items():
             if field_name in COMM_FIELDS:
                 continue
