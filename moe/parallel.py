@@ -335,15 +335,12 @@ def init_layout(
         raise RuntimeError("init_layout needs torch.distributed initialised (torchrun / init_process_group)")
     timeout = timeout or group_timeout()
     grid = rank_grid(config, dist.get_world_size())
-    dims = []
-    for i, dim in enumerate(MESH_DIMS):
-        lines = grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist()
-        dims.append(new_groups(lines, timeout=timeout, options=group_options(config, dim)))
+    lines = {dim: grid.movedim(i, -1).reshape(-1, grid.shape[i]).tolist() for i, dim in enumerate(MESH_DIMS)}
+    dims = [new_groups(lines[dim], timeout=timeout, options=group_options(config, dim)) for dim in MESH_DIMS]
     dp_group = new_groups(grid.reshape(config.pp, -1).tolist(), timeout=timeout, options=group_options(config))
     counts_group = None
     if config.ep > 1 and DISPATCHERS.lookup(config.dispatcher).exchanges_counts and not config.sync_free:
-        ep_lines = grid.reshape(-1, config.ep).tolist()  # ep is the grid's last axis
-        counts_group = new_groups(ep_lines, timeout=timeout, options=group_options(config, "ep"))
+        counts_group = new_groups(lines["ep"], timeout=timeout, options=group_options(config, "ep"))
     mesh = DeviceMesh.from_group(dims, device_type, mesh=grid.contiguous(), mesh_dim_names=MESH_DIMS)
     pp_rank, edp_rank, ep_rank = mesh.get_coordinate()
     return ParallelLayout(
