@@ -457,12 +457,17 @@ def _begins(log: Log) -> list[str]:
 
 def _overlapped_hook(**kwargs: Any) -> tuple[Net, Log]:
     net = Net(2, **kwargs)
+    return net, _record_hook(net)
+
+
+def _record_hook(net: Net) -> Log:
+    """The events of one overlapped hook call on ``net`` (micro-batch 1's forward first, not recorded)."""
     net.recorder = log = Log()
     labels = _floats(3)
     loss1 = mse(net(_ids(1)), labels)
     log.events.clear()
     Net.overlapped_forward_backward(net, [_ids(2)], mse, [labels], net, loss1, None, None)
-    return net, log
+    return log
 
 
 def test_overlapped_pair_order() -> None:
@@ -538,12 +543,7 @@ def test_prepare_starts_the_transfer_before_the_backward_mlp(shared: bool) -> No
 def test_a_prepare_that_returns_none_starts_the_transfer_at_once() -> None:
     net = Net(2, prepare=True)
     net._counts = lambda ctx, z: None  # nothing to exchange first (one rank, or even splits)
-    net.recorder = log = Log()
-    labels = _floats(3)
-    loss1 = mse(net(_ids(1)), labels)
-    log.events.clear()
-    Net.overlapped_forward_backward(net, [_ids(2)], mse, [labels], net, loss1, None, None)
-    ev = log.events
+    ev = _record_hook(net).events
     for layer in (0, 1):
         assert ev[ev.index(("attn", "fwd", layer, "end")) + 1] == ("dispatch", "fwd", layer, "start")
     assert not [e for e in ev if e[0] == "counts"]

@@ -5,18 +5,13 @@ from __future__ import annotations
 import pytest
 
 from moe.plan.pair import BlockTimes, _backward_ops, _forward_ops, _pair_ops, chunk_times
-from tests.dualpipe.test_pieces import Log, Net, _floats, _ids, mse
+from tests.dualpipe.test_pieces import _overlapped_hook
 
 
 def _runtime_pair(shared: bool) -> tuple[list[str], list[str]]:
     """Compute spans begun and transfers started inside the first pair of the runtime's overlapped hook
     (forward block 0 beside backward block 1 of the test stage; the row counts left out)."""
-    net = Net(2, shared=shared, prepare=True)
-    net.recorder = log = Log()
-    labels = _floats(3)
-    loss1 = mse(net(_ids(1)), labels)
-    log.events.clear()
-    Net.overlapped_forward_backward(net, [_ids(2)], mse, [labels], net, loss1, None, None)
+    _, log = _overlapped_hook(shared=shared, prepare=True)
     ev = log.events
     first, last = ev.index(("attn", "fwd", 0, "begin")), ev.index(("attn.dw", "bwd", 1, "begin"))
     pair = [e for e in ev[first : last + 1] if (e[2] == 0) == (e[1] == "fwd")]
