@@ -1,13 +1,16 @@
-"""``bash bench/gpu_session.sh --dry-run N``: the steps of call N, in order, with nothing run and nothing written.
+"""The GPU scripts without a GPU: ``bench/gpu_session.sh`` (the one-GPU check) and ``bench/cluster_session.sh``
+(2+ GPUs) in their dry runs, and the step runner they share (``bench/gpu_common.sh``) for real.
 
-Commands the script would run (the Python interpreter, torchrun, nsys, git) are stand-ins that leave a mark
-when called; ``NGPUS`` plans call 4 for a machine with that many GPUs. The training runs the plan prints must
-be jobs the trainer accepts at their world size (``--print-config`` checks the layout and the dispatcher).
+In a dry run, the commands the scripts would run (the Python interpreter, torchrun, nsys, git) are stand-ins
+that leave a mark when called; ``NGPUS`` plans the cluster checks for a machine with that many GPUs. The
+training runs the cluster plan prints must be jobs the trainer accepts at their world size (``--print-config``
+checks the layout and the dispatcher).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -17,12 +20,13 @@ from moe.dispatch.deepep import DEEPEP_V1_COMMIT
 from moe.train import config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
+NINE_MINUTES = 9 * 60
 
 
-def _dry_run(tmp_path: Path, *args: str, gpus: int | None = None) -> subprocess.CompletedProcess:
+def _dry_run(tmp_path: Path, script: str, *args: str, gpus: int | None = None) -> subprocess.CompletedProcess:
     bin_dir, marks = tmp_path / "bin", tmp_path / "ran"
     bin_dir.mkdir(exist_ok=True)
-    for tool in ("python3", "torchrun", "nsys", "git", "tar"):
+    for tool in ("python3", "torchrun", "nsys", "git", "tar", "timeout"):
         (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> {marks}\n')
         (bin_dir / tool).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python3")}
@@ -31,7 +35,7 @@ def _dry_run(tmp_path: Path, *args: str, gpus: int | None = None) -> subprocess.
     if gpus is not None:
         env["NGPUS"] = str(gpus)
     done = subprocess.run(
-        ["bash", str(ROOT / "bench/gpu_session.sh"), "--dry-run", *args],
+        ["bash", str(ROOT / script), "--dry-run", *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert not marks.exists(), f"a dry run ran: {marks.read_text()}"
@@ -39,17 +43,116 @@ def _dry_run(tmp_path: Path, *args: str, gpus: int | None = None) -> subprocess.
     return done
 
 
-def _steps(stdout: str) -> list[str]:
-    """Each step's line, ``NAME: COMMAND`` (a name has no ": ")."""
-    return [line[4:] for line in stdout.splitlines() if line.startswith("=== ")]
+def _steps(stdout: str) -> list[tuple[str, int | None, str]]:
+    """Each step's line ``=== NAME (budget S s): COMMAND`` as (name, budget, command); a note has no budget."""
+    steps = []
+    for line in stdout.splitlines():
+        if not line.startswith("=== "):
+            continue
+        m = re.fullmatch(r"=== (.+?) \(budget (\d+) s\): (.*)", line)
+        if m:
+            steps.append((m[1], int(m[2]), m[3]))
+        else:
+            name, command = line[4:].split(": ", 1)
+            steps.append((name, None, command))
+    return steps
 
 
-def _names(steps: list[str]) -> list[str]:
-    return [s.split(": ", 1)[0] for s in steps]
+def _names(steps: list[tuple[str, int | None, str]]) -> list[str]:
+    return [name for name, _, _ in steps]
 
 
-def test_call_4_on_8_gpus_plans_deepep_ours_training_then_deepep_v2(tmp_path: Path) -> None:
-    done = _dry_run(tmp_path, "4", gpus=8)
+# ---- the one-GPU check --------------------------------------------------------------------------------------
+
+
+def test_the_one_gpu_check_is_four_steps_in_nine_minutes(tmp_path: Path) -> None:
+    done = _dry_run(tmp_path, "bench/gpu_session.sh")
+    assert done.returncode == 0, done.stderr
+    steps = _steps(done.stdout)
+    assert _names(steps) == [
+        "versions",
+        "pytest -m gpu",
+        "kernels at DeepSeek-V3 shapes",
+        "deepseek-v3 slice on one GPU, bf16 and FP8",
+        "overlap on one GPU, emulated all-to-all",
+    ]
+    budgets = [budget for _, budget, _ in steps]
+    assert all(b is not None and b > 0 for b in budgets)
+    assert sum(budgets) <= NINE_MINUTES
+    assert f"{sum(budgets)} s in all" in done.stdout
+    commands = [command for _, _, command in steps]
+    assert "-m pytest -m gpu -x" in commands[1]
+    assert "-m bench.kernels --shapes v3" in commands[2]
+    assert "-m bench.gpu_model" in commands[3]
+    assert "-m bench.gpu_overlap_trace --emulated-gbps" in commands[4]
+    out = str(tmp_path / "out")
+    assert all(f"--out {out}" in c for c in commands[2:])  # every result lands in $OUT
+
+
+@pytest.mark.parametrize("args", [("1",), ("--dry-run", "4"), ("deepep",)])
+def test_the_one_gpu_check_takes_no_call_number(tmp_path: Path, args: tuple[str, ...]) -> None:
+    done = subprocess.run(["bash", str(ROOT / "bench/gpu_session.sh"), *args], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("usage: bash bench/gpu_session.sh [--dry-run]")
+    assert "bench/cluster_session.sh" in done.stderr  # where the multi-GPU checks went
+
+
+# ---- the step runner, for real ------------------------------------------------------------------------------
+
+
+def _source_steps(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+    """Run ``body`` in bash after sourcing bench/gpu_common.sh as the scripts do (from the repository root)."""
+    script = f"""
+set -uo pipefail
+cd {ROOT}
+dry=0 log={tmp_path}/log py=python3 status=0
+source bench/gpu_common.sh
+{body}
+echo "status=$status"
+"""
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+
+
+def test_a_step_over_its_budget_is_ended_and_kept_as_the_failure(tmp_path: Path) -> None:
+    done = _source_steps(
+        tmp_path,
+        """
+slow() { echo "started $1"; sleep 30; echo "never"; }
+step fine 5 true
+step slow 1 slow "$PWD"
+step failing 5 false
+""",
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"started {ROOT}" in done.stdout  # a shell function runs, with its arguments
+    assert "never" not in done.stdout
+    assert "=== slow: exit 124 after 1 s (over its budget of 1 s)" in done.stdout
+    assert "=== fine: exit 0" in done.stdout
+    assert "=== failing: exit 1" in done.stdout
+    assert done.stdout.strip().endswith("status=124")  # the first failure, not the last
+    assert "=== slow: exit 124" in (tmp_path / "log").read_text()
+
+
+def test_a_step_function_reads_exported_variables_and_other_functions(tmp_path: Path) -> None:
+    done = _source_steps(
+        tmp_path,
+        """
+export where=here
+inner() { echo "inner sees $where and py=$py"; }
+outer() { inner; }
+step outer 5 outer
+""",
+    )
+    assert "inner sees here and py=python3" in done.stdout
+    assert done.stdout.strip().endswith("status=0")
+
+
+# ---- the cluster checks -------------------------------------------------------------------------------------
+
+
+def test_the_cluster_checks_on_8_gpus_plan_deepep_ours_training_then_deepep_v2(tmp_path: Path) -> None:
+    done = _dry_run(tmp_path, "bench/cluster_session.sh", gpus=8)
     assert done.returncode == 0, done.stderr
     steps = _steps(done.stdout)
     names = _names(steps)
@@ -73,20 +176,21 @@ def test_call_4_on_8_gpus_plans_deepep_ours_training_then_deepep_v2(tmp_path: Pa
     assert sum(n.startswith("DeepEP V1 build") for n in names) == 1  # each part that needs it asks, once built
     assert f"deepep_build build/DeepEP {DEEPEP_V1_COMMIT}" in done.stdout
     assert "8xnogpu" in done.stdout  # the machine: GPU count and model (none visible here)
+    assert all(budget for name, budget, _ in steps if name != "note")  # every step has a time limit
     # Every training run is a job the trainer accepts at its world size.
-    runs = [s.split(" train_ep ", 1)[1].split() for s in steps if " train_ep " in s]
+    runs = [command.split("train_ep ", 1)[1].split() for _, _, command in steps if "train_ep " in command]
     assert len(runs) == 5
     for _name, _connections, *argv in runs:
         config, _ = config_from_args([*argv, "--print-config"], world=8)
         assert (config.parallel.pp, config.parallel.ep) == (2, 4)
 
 
-def test_call_4_on_one_gpu_says_deepep_needs_two_and_goes_on(tmp_path: Path) -> None:
-    done = _dry_run(tmp_path, "4", gpus=1)
+def test_the_cluster_checks_on_one_gpu_say_deepep_needs_two_and_go_on(tmp_path: Path) -> None:
+    done = _dry_run(tmp_path, "bench/cluster_session.sh", gpus=1)
     assert done.returncode == 0, done.stderr
     steps = _steps(done.stdout)
-    assert any("DeepEP intranode with one rank is not possible" in s for s in steps)
-    assert not any(s.startswith("train") or "test_intranode" in s or "test_ep.py" in s for s in steps), steps
+    assert any("DeepEP intranode with one rank is not possible" in command for _, _, command in steps)
+    assert not any(n.startswith("train") or "test_intranode" in c or "test_ep.py" in c for n, _, c in steps), steps
     assert [n for n in _names(steps) if n != "note"] == [
         "versions",
         "GPUs and their links",
@@ -99,40 +203,17 @@ def test_call_4_on_one_gpu_says_deepep_needs_two_and_goes_on(tmp_path: Path) -> 
     ]
 
 
-def test_call_4_runs_only_the_parts_asked_for_in_its_own_order(tmp_path: Path) -> None:
-    steps = _steps(_dry_run(tmp_path, "4", "v2", "ours", gpus=4).stdout)
+def test_the_cluster_checks_run_only_the_parts_asked_for_in_their_own_order(tmp_path: Path) -> None:
+    steps = _steps(_dry_run(tmp_path, "bench/cluster_session.sh", "v2", "ours", gpus=4).stdout)
     names = _names(steps)
     assert names.index("pytest -m multigpu (ep = 4, alltoall and deepep, synced and sync-free)") < names.index(
         "DeepEP V2 build (build/DeepEP-v2)"
     )
-    assert not any("test_intranode" in s or "CUDA_DEVICE_MAX_CONNECTIONS=32" in s for s in steps)
+    assert not any("test_intranode" in c or "CUDA_DEVICE_MAX_CONNECTIONS=32" in n for n, _, c in steps)
 
 
-@pytest.mark.parametrize(
-    ("call", "expected"),
-    [
-        (
-            "1",
-            [
-                "versions",
-                "pytest -m gpu",
-                "train (1 GPU, NCCL)",
-                "train FP8 (1 GPU, Triton FP8 GEMMs, FP8 activations)",
-                "FP8 loss tracks bf16",
-            ],
-        ),
-        ("2", ["versions", "kernels v3", "overlap trace + host vs GPU (small, 2 layers)", "gzip the trace"]),
-        ("3", ["versions", "kernels v3", "overlap trace + host vs GPU (small, all layers)", "gzip the trace",
-               "pytest -m multigpu (collection; skips on one GPU)"]),
-    ],
-)  # fmt: skip
-def test_calls_1_to_3_dry_run(tmp_path: Path, call: str, expected: list[str]) -> None:
-    done = _dry_run(tmp_path, call)
-    assert done.returncode == 0, done.stderr
-    assert _names(_steps(done.stdout)) == expected
-
-
-@pytest.mark.parametrize("args", [("5",), ("4", "nccl-tests"), ("1", "deepep"), ()])
-def test_a_wrong_call_prints_the_usage(tmp_path: Path, args: tuple[str, ...]) -> None:
-    done = _dry_run(tmp_path, *args)
-    assert done.returncode == 2 and "usage: bash bench/gpu_session.sh [--dry-run] 1|2|3|4" in done.stderr
+@pytest.mark.parametrize("args", [("nccl-tests",), ("ours", "1")])
+def test_a_wrong_part_prints_the_usage(tmp_path: Path, args: tuple[str, ...]) -> None:
+    done = _dry_run(tmp_path, "bench/cluster_session.sh", *args)
+    assert done.returncode == 2
+    assert "usage: bash bench/cluster_session.sh [--dry-run] [PART...] (parts: deepep ours train v2)" in done.stderr

@@ -137,6 +137,8 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint(tmp_path: Path) -> None
         "examples/launch/slurm.sbatch",
         "examples/launch/cluster_env.sh",
         "bench/gpu_session.sh",
+        "bench/cluster_session.sh",
+        "bench/gpu_common.sh",
     ],
 )
 def test_shell_scripts_parse(script: str) -> None:
