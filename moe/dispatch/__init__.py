@@ -1,5 +1,5 @@
 """Token dispatchers: ``local`` (no EP), ``alltoall`` (torch.distributed), ``deepep`` (DeepEP V1 Buffer),
-``deepep-v2`` (DeepEP V2 ElasticBuffer).
+``deepep-v2`` (DeepEP V2 ElasticBuffer), ``emulated`` (one device, each transfer timed as a link of given bandwidth).
 
 Each backend registers itself in its own file (see :mod:`moe.dispatch.registry`); importing it here is what
 makes it selectable by name.
@@ -11,6 +11,7 @@ from moe.dispatch.alltoall import AllToAllDispatcher
 from moe.dispatch.base import DEFAULT_COMM_SMS, Dispatched, Pending, Route, TokenDispatcher
 from moe.dispatch.deepep import DEEPEP_INSTALL_HINT, DeepEPDispatcher
 from moe.dispatch.deepep_v2 import DEEPEP_V2_INSTALL_HINT, DeepEPV2Dispatcher
+from moe.dispatch.emulated import EmulatedDispatcher
 from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.registry import (
     DISPATCHERS,
@@ -32,6 +33,7 @@ __all__ = [
     "DeepEPV2Dispatcher",
     "Dispatched",
     "DispatcherSpec",
+    "EmulatedDispatcher",
     "Launch",
     "LocalDispatcher",
     "Pending",
