@@ -304,8 +304,9 @@ def causal_attention(
 ) -> torch.Tensor:
     """Causal softmax attention of every attention variant (SDPA: FlashAttention's kernel where it applies):
     ``[B, S, H, C]`` queries over ``G`` key/value heads (``H % G == 0``, grouped-query when ``G < H``), value
-    width ``V`` (may differ from ``C``, as in MLA) -> ``[B, S, H, V]``. ``scale``: the softmax scale (None:
-    ``C ** -0.5``)."""
+    width ``V`` -> ``[B, S, H, V]``. ``scale``: the softmax scale (None: ``C ** -0.5``). ``V`` may differ from
+    ``C``, but then no FlashAttention kernel runs (CUDA's and the CPU's fused kernels take one head dim for q, k
+    and v): MLA pads to one width before calling this (:mod:`moe.models.mla`)."""
     o_BHSV = F.scaled_dot_product_attention(
         q_BSHC.transpose(1, 2),
         k_BSGC.transpose(1, 2),

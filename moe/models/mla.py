@@ -2,11 +2,21 @@
 
 Legend for shape suffixes: B batch, S sequence, D hidden, H heads, Q query latent (q_lora_rank),
 L key/value latent (kv_lora_rank), N per-head dims without position (qk_nope_head_dim), R rotary dims
-(qk_rope_head_dim), C = N + R query/key head dim, V value head dim.
+(qk_rope_head_dim), C = N + R query/key head dim, V value head dim, W = max(C, V) the head dim SDPA runs at.
 
 Keys and values come from one small latent per token, ``c_kv = norm(x W_kv_a)`` (L wide), expanded per head
 by ``kv_b_proj``; positions enter through a separate R-wide rotary key computed once per token and shared by
 all heads (the "decoupled" RoPE key, MQA-style). Queries optionally go through their own latent (Q wide).
+
+SDPA runs with one head dim W for q, k and v (:func:`sdpa_head_dim`): the narrower side is padded with zero
+columns and the output sliced back to V. torch's FlashAttention kernel (CUDA) and the CPU's fused kernel take
+q, k and v of one last dim only (``check_head_dim_size_flash`` in ATen's ``sdp_utils``: "Flash attention
+requires q,k,v to have the same last dimension"); with DeepSeek-V3's C = 192, V = 128, SDPA would otherwise
+fall back to the memory-efficient kernel on CUDA and to the math path on the CPU, which materialises the
+``S x S`` scores. The padding is exact: a zero value column gives a zero output column and leaves the other
+columns' weighted sums alone, zero query/key columns add nothing to q.k, and the softmax scale is set
+explicitly from C. It costs PV (and its backward) at W instead of V: for DeepSeek-V3 a quarter more attention
+FLOPs, against a fused kernel for the whole of it.
 
 Attribute names are the checkpoint's (``model.layers.{i}.self_attn.<name>.weight``), so a hub state dict
 loads 1:1. Every matmul is a :class:`moe.layers.Linear` (deferrable weight gradient).
@@ -17,16 +27,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moe.layers import Linear, RMSNorm, causal_attention, recompute, release
 from moe.models.rope import RopeConfig, apply_rotary, hf_field, rotary_cos_sin
 
-__all__ = ["LATENT_NORM_EPS", "MLAttention"]
+__all__ = ["LATENT_NORM_EPS", "MLAttention", "sdpa_head_dim"]
 
 # The latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6 whatever config.rms_norm_eps says: DeepSeek's
 # reference code, its hub modeling file and transformers all build them with the norm's default eps.
 LATENT_NORM_EPS = 1e-6
+
+
+def sdpa_head_dim(qk_head_dim: int, v_head_dim: int) -> int:
+    """The one head dim W that MLA hands SDPA q, k and v at: the wider of C and V (the module docstring)."""
+    return max(qk_head_dim, v_head_dim)
 
 
 class MLAttention(nn.Module):
@@ -62,6 +78,7 @@ class MLAttention(nn.Module):
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.sdpa_head_dim = sdpa_head_dim(self.qk_head_dim, v_head_dim)
         self.rope, self.rope_interleave = rope, rope_interleave
         h, c = num_attention_heads, self.qk_head_dim
 
@@ -112,24 +129,27 @@ class MLAttention(nn.Module):
         q_in_BSX = self.q_proj(x_BSD) if self.q_lora_rank is None else self.q_a_proj(x_BSD)
         c_kv_BSL, k_rope_BSR = self.kv_a_proj_with_mqa(x_BSD).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         if self.selective_recompute:
-            q_BSHC, k_BSHC, v_BSHV = recompute(self.up_project, q_in_BSX, c_kv_BSL, k_rope_BSR)
+            q_BSHW, k_BSHW, v_BSHW = recompute(self.up_project, q_in_BSX, c_kv_BSL, k_rope_BSR)
         else:
-            q_BSHC, k_BSHC, v_BSHV = self.up_project(q_in_BSX, c_kv_BSL, k_rope_BSR)
-        # SDPA takes a value head dim different from the query/key one (V != C).
-        o_BSHV = causal_attention(q_BSHC, k_BSHC, v_BSHV, scale=self.softmax_scale)
+            q_BSHW, k_BSHW, v_BSHW = self.up_project(q_in_BSX, c_kv_BSL, k_rope_BSR)
+        # One head dim W for q, k and v: a fused kernel (the module docstring); the padded columns are sliced off.
+        o_BSHW = causal_attention(q_BSHW, k_BSHW, v_BSHW, scale=self.softmax_scale)
         # Selective recompute: the attention's saved q, k, v are refilled from the latents in its backward.
-        release((q_BSHC, k_BSHC, v_BSHV), after=o_BSHV)
-        return self.o_proj(o_BSHV.reshape(b, s, h * v))
+        release((q_BSHW, k_BSHW, v_BSHW), after=o_BSHW)
+        # With W > V the slice is strided, so o_proj's input is a copy of it (W == V: a view of SDPA's output).
+        return self.o_proj(o_BSHW[..., :v].reshape(b, s, h * v))
 
     def up_project(
         self, q_in_BSX: torch.Tensor, c_kv_BSL: torch.Tensor, k_rope_BSR: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-head ``q``, ``k`` ``[B, S, H, C]`` and ``v`` ``[B, S, H, V]`` from the query latent (``[B, S, Q]``;
-        the queries themselves ``[B, S, H*C]`` without one), the key/value latent and the rotary key: the latent
-        norms, ``q_b_proj`` and ``kv_b_proj``, the rotary embedding. What selective recompute runs again in
-        backward instead of keeping its outputs."""
+        """Per-head ``q``, ``k`` and ``v``, each ``[B, S, H, W]`` (zero columns after the C query/key dims or the V
+        value dims: the module docstring), from the query latent (``[B, S, Q]``; the queries themselves
+        ``[B, S, H*C]`` without one), the key/value latent and the rotary key: the latent norms, ``q_b_proj`` and
+        ``kv_b_proj``, the rotary embedding. What selective recompute runs again in backward instead of keeping
+        its outputs."""
         b, s, _ = q_in_BSX.shape
         h, n, r, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        w = self.sdpa_head_dim
         q_BSX = q_in_BSX if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm.normalize(q_in_BSX))
         q_nope_BSHN, q_rope_BSHR = q_BSX.view(b, s, h, n + r).split([n, r], dim=-1)
         kv_BSHX = self.kv_b_proj(self.kv_a_layernorm.normalize(c_kv_BSL)).view(b, s, h, n + v)
@@ -143,13 +163,18 @@ class MLAttention(nn.Module):
         q_rope_BSHR = apply_rotary(q_rope_BSHR, cos_SP, sin_SP, interleave=self.rope_interleave)
         k_rope_BS1R = apply_rotary(k_rope_BSR[:, :, None, :], cos_SP, sin_SP, interleave=self.rope_interleave)
 
-        q_BSHC = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
-        k_BSHC = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(b, s, h, r)], dim=-1)
-        return q_BSHC, k_BSHC, v_BSHV
+        # q and k are assembled by one concatenation each, their zero columns included (V > C); v is copied into
+        # its padded width (V < C), or stays a view of kv_b_proj's output (V == W).
+        qk_pad = [q_nope_BSHN.new_zeros(b, s, h, w - n - r)] if w > n + r else []
+        q_BSHW = torch.cat([q_nope_BSHN, q_rope_BSHR, *qk_pad], dim=-1)
+        k_BSHW = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(b, s, h, r), *qk_pad], dim=-1)
+        v_BSHW = F.pad(v_BSHV, (0, w - v)) if w > v else v_BSHV
+        return q_BSHW, k_BSHW, v_BSHW
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
             f"qk_nope={self.qk_nope_head_dim}, qk_rope={self.qk_rope_head_dim}, v={self.v_head_dim}, "
-            f"rope={self.rope.rope_type}, interleave={self.rope_interleave}, softmax_scale={self.softmax_scale:.6g}"
+            f"sdpa_head_dim={self.sdpa_head_dim}, rope={self.rope.rope_type}, interleave={self.rope_interleave}, "
+            f"softmax_scale={self.softmax_scale:.6g}"
         )

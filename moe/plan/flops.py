@@ -30,7 +30,9 @@ Conventions
 - Attention follows ``MoEConfig.attention``: ``gqa`` (one fused QKV GEMM), ``gqa-qk-norm`` (Qwen3: the same
   plus an RMSNorm over each head's q and k) and ``mla`` (DeepSeek-V3: the down-projections to the latents,
   their norms, the up-projections per head, a rotary key shared by every head, SDPA with C = N + P and a
-  value head dim of its own).
+  value head dim of its own). MLA runs SDPA at one head dim ``max(C, Cv)`` (:mod:`moe.models.mla` pads the
+  narrower side with zeros so that a fused kernel runs): the padded columns are executed work, counted in the
+  ``sdpa`` op (for DeepSeek-V3, PV at 192 instead of 128); :func:`model_flops_per_token` counts ``C + Cv``.
 - :attr:`Op.selective` marks what selective recompute (``Workload.recompute == "selective"``, the DeepSeek-V3
   report 3.2.3) runs again in backward: every RMSNorm, and MLA's up-projections with the rotary and the
   concatenation that build SDPA's q, k and v.
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 
 from kernels.reference_fp8 import TILE
 from moe.config import MoEConfig
+from moe.models.mla import sdpa_head_dim
 from moe.plan.params import active_params
 
 __all__ = [
@@ -184,15 +187,23 @@ def attention_ops(cfg: MoEConfig, tokens: int, seq_len: int, b: int, fp8: bool =
             q = cfg.q_lora_rank
             ops += [_gemm("q_a_proj", t, d, q, b, fp8=fp8), _norm("q_a_norm", t * q, b)]
             ops.append(_gemm("q_b_proj", t, q, h * c, b, selective=True, fp8=fp8))
+        w = sdpa_head_dim(c, v)  # SDPA's one head dim: the narrower of q/k and v padded with zeros
+        pad_v = h * v if v < w else 0  # v copied into W columns
         ops += [
             _gemm("kv_a_proj", t, d, lat + r, b, fp8=fp8),
             _norm("kv_a_norm", t * lat, b),
             _gemm("kv_b_proj", t, lat, h * (n + v), b, selective=True, fp8=fp8),
-            # rotary on q's and the shared key's P dims, then q and k assembled per head (C = N + P)
-            _elementwise("rotary", b * t * (h * c + h * n + r), b * t * 2 * h * c, selective=True),
-            _sdpa(seqs, seq_len, h, h, c, v, b),
-            _gemm("o_proj", t, h * v, d, b, fp8=fp8),
+            # rotary on q's and the shared key's P dims, then q and k assembled per head at W (C = N + P, zero
+            # columns past C), v padded to W
+            _elementwise(
+                "rotary", b * t * (h * c + h * n + r + pad_v), b * t * h * (2 * w + w * bool(pad_v)), selective=True
+            ),
+            # the padded columns are executed work: PV and its backward at W (model FLOPs count V)
+            _sdpa(seqs, seq_len, h, h, w, w, b),
         ]
+        if v < w:  # the output sliced back to V: a strided copy; its gradient is written back W wide
+            ops.append(Op("sdpa_out_slice", fwd_bytes=2 * b * t * h * v, dx_bytes=b * t * h * (v + w)))
+        ops.append(_gemm("o_proj", t, h * v, d, b, fp8=fp8))
     else:
         c, g = cfg.attn_head_dim, cfg.num_kv_heads
         ops.append(_gemm("qkv", t, d, (h + 2 * g) * c, b, fp8=fp8))

@@ -113,12 +113,15 @@ def _gemm_flops(ops: list[fl.Op]) -> float:
 
 @pytest.mark.parametrize("cfg", [V3, NO_Q_LATENT, QWEN], ids=["mla", "mla-no-q-latent", "qwen3"])
 def test_attention_flops_by_hand(cfg) -> None:
-    """Every projection is 2 T x its weights; SDPA is H S^2 (C + Cv) per sequence (causal half of QK^T, PV)."""
+    """Every projection is 2 T x its weights; SDPA is H S^2 (C + Cv) per sequence (causal half of QK^T, PV), and
+    for MLA, which runs it at one head dim max(C, Cv) (the narrower side padded with zeros), 2 H S^2 max(C, Cv)."""
     t, s = 64, 32
     ops = fl.attention_ops(cfg, t, s, 2)
     weights = sum(p.numel for p in attention_params(cfg) if not p.name.endswith("norm.weight"))
     assert _gemm_flops(ops) == 2 * t * weights
     c, cv = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim) if cfg.attention == "mla" else (16, 16)
+    if cfg.attention == "mla":
+        c = cv = max(c, cv)
     sdpa = next(op for op in ops if op.name == "sdpa")
     assert sdpa.fwd_flops == (t // s) * cfg.num_heads * s * s * (c + cv)
     # what selective recompute runs again: the norms, and MLA's up-projections with the rotary
@@ -146,9 +149,8 @@ def test_mtp_flops_and_the_last_stage() -> None:
     assert with_mtp.head_F > 1.9 * without.head_F and with_mtp.attn_F == without.attn_F
 
 
-# The CPU's fused SDPA (FlashAttention's saved set: q, k, v, output, log-sum-exp) needs one head dim for q, k and
-# v; with MLA's Cv != C it falls back to the math path, which keeps the scores. The planner sizes the fused
-# kernel (what a GPU runs), so MLA is measured here with Cv = C (v still a view of kv_b_proj's output).
+# MLA with Cv = C: SDPA's v stays a view of kv_b_proj's output (with Cv != C MLA pads to one head dim, so that
+# the fused kernel runs: tests/models/test_mla_fused.py measures that case).
 MLA_FUSED = V3.replace(v_head_dim=V3.qk_nope_head_dim + V3.qk_rope_head_dim)
 
 

@@ -1,0 +1,143 @@
+"""MLA on a fused attention kernel: SDPA gets q, k and v at one head dim W = max(C, V) (the narrower side padded
+with zeros, moe.models.mla), the output and every gradient equal the unpadded computation, and the planner's
+listing of what the padded module keeps changes by exactly what moe.memory's tracker sees change.
+
+Shapes: DeepSeek-V3's case V < C (C = 16 + 8, V = 16), the other way round (V = 32 > C, which pads q and k) and
+V = C (nothing padded), at widths that make every activation O(1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import moe.models.mla as mla
+from dualpipe.weight_grad import WeightGradStore
+from moe import MoEModel, lm_loss
+from moe.config import PRESETS
+from moe.layers import causal_attention, selective_recompute
+from moe.memory import MemoryMeter
+from moe.models.mla import MLAttention
+from moe.models.rope import RopeConfig
+from moe.plan.footprint import LEAVES, layer_activations, module_activation_bytes
+from tests.moe.helpers import batch
+
+B, S, HIDDEN, HEADS, NOPE, ROPE = 2, 24, 64, 4, 16, 8
+C = NOPE + ROPE
+V_DIMS = {"v-narrower": 16, "v-wider": 32, "v-equal": C}
+YARN = RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=1.0)
+
+
+def _module(v_head_dim: int, dtype: torch.dtype = torch.float32) -> MLAttention:
+    m = MLAttention(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=NOPE,
+        qk_rope_head_dim=ROPE,
+        v_head_dim=v_head_dim,
+        rope=YARN,
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # 1.5 / sqrt(fan_in): unit-scale activations, attention logits O(1..10)
+        for _, p in sorted(m.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.5 * noise if p.dim() == 1 else noise * 1.5 / math.sqrt(p.shape[1]))
+    return m.to(dtype)
+
+
+def _input(dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(B, S, HIDDEN, generator=torch.Generator().manual_seed(1), dtype=dtype)
+
+
+@pytest.mark.parametrize("case", V_DIMS)
+def test_sdpa_runs_at_one_head_dim(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every SDPA call gets q, k and v of width max(C, V), for which the CPU picks its fused (flash) kernel; with
+    the unpadded widths it would pick the math path. The output keeps the model's width."""
+    v = V_DIMS[case]
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, val, *args, **kwargs):
+        calls.append((q, k, val))
+        return real(q, k, val, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    out = _module(v)(_input(torch.float32))
+    assert out.shape == (B, S, HIDDEN)
+    assert len(calls) == 1
+    q, k, val = calls[0]
+    w = max(C, v)
+    assert q.shape[-1] == k.shape[-1] == val.shape[-1] == w
+    assert torch._fused_sdp_choice(q, k, val, is_causal=True) == SDPBackend.FLASH_ATTENTION.value
+    unpadded = torch._fused_sdp_choice(q[..., :C], k[..., :C], val[..., :v], is_causal=True)
+    assert unpadded == (SDPBackend.FLASH_ATTENTION.value if v == C else SDPBackend.MATH.value)
+    # the padded columns are zeros
+    assert not q[..., C:].any() and not k[..., C:].any() and not val[..., v:].any()
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["kept", "selective-recompute"])
+@pytest.mark.parametrize("case", ["v-narrower", "v-wider"])
+def test_padded_equals_unpadded(case: str, selective: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float64: the output and the gradients of the input and of every weight equal those of the same module
+    whose attention runs on the unpadded q, k (C wide) and v (V wide) on SDPA's math path, to 1e-12. Selective
+    recompute (the padded q, k, v freed after SDPA and refilled in backward) gives the same."""
+    assert not WeightGradStore.enabled  # plain autograd: Linear accumulates its weight gradient at once
+    v = V_DIMS[case]
+    module = selective_recompute(_module(v, torch.float64), selective)
+    grad_out = torch.randn(B, S, HIDDEN, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        module.zero_grad(set_to_none=True)
+        x = _input(torch.float64).requires_grad_()
+        out = module(x)
+        (out * grad_out).sum().backward()
+        return out.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
+
+    padded = run()
+
+    def unpadded_attention(q, k, val, scale):
+        with sdpa_kernel(SDPBackend.MATH):  # the math path takes V != C
+            return causal_attention(q[..., :C], k[..., :C], val[..., :v], scale=scale)
+
+    monkeypatch.setattr(mla, "causal_attention", unpadded_attention)
+    reference = run()
+    for ours, ref in zip(padded[:2], reference[:2]):
+        assert torch.allclose(ours, ref, rtol=0, atol=1e-12 * ref.abs().max().item())
+    assert padded[2].keys() == reference[2].keys()
+    for name, grad in padded[2].items():
+        ref = reference[2][name]
+        assert torch.allclose(grad, ref, rtol=0, atol=1e-12 * ref.abs().max().item()), name
+
+
+def _kept_bytes(cfg, dtype: torch.dtype, b: int) -> tuple[int, float]:
+    """(the tracker's peak of saved-for-backward bytes over one micro-batch of 2 x 32 tokens, the planner's
+    listing of the same, the runtime's piece inputs aside)."""
+    model = MoEModel(cfg, seed=0, piecewise=True).to(dtype)
+    ids, labels = batch(cfg, size=2, seq=32)
+    meter = MemoryMeter(model)
+    meter.start_step()
+    lm_loss(model(ids), labels).backward()
+    measured = meter.stop_step()["peak_activation_bytes"]
+    layers = range(cfg.num_layers)
+    listed = module_activation_bytes(cfg, layers, 64, 32, b, 1, first=True, last=True, recompute="none")
+    leaves = sum(v for i in layers for k, v in layer_activations(cfg, i, 64, 32, b).items() if k in LEAVES)
+    return measured, listed - leaves
+
+
+@pytest.mark.parametrize(("dtype", "b"), [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_listed_bytes_follow_the_padding(dtype: torch.dtype, b: int) -> None:
+    """The DeepSeek-V3 tiny model (C = 16) with V = 12 (v padded), V = 24 (q and k padded) and V = 16: the
+    planner's listing moves by exactly the bytes the tracker's peak moves (padded q/k/v copies instead of a view,
+    SDPA's output W wide, o_proj's copy of the slice)."""
+    base = PRESETS["deepseek-v3-tiny"].replace(mtp_layers=0)
+    c = base.qk_nope_head_dim + base.qk_rope_head_dim
+    measured_eq, listed_eq = _kept_bytes(base.replace(v_head_dim=c), dtype, b)
+    for v in (12, 24):
+        measured, listed = _kept_bytes(base.replace(v_head_dim=v), dtype, b)
+        assert listed - listed_eq == measured - measured_eq != 0, v
+        assert listed == pytest.approx(measured, rel=0.02)
