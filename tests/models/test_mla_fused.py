@@ -54,19 +54,25 @@ def _input(dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(B, S, HIDDEN, generator=torch.Generator().manual_seed(1), dtype=dtype)
 
 
+def _spy_sdpa(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The (q, k, v) of every F.scaled_dot_product_attention call from here on (the real one still runs)."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((q, k, v))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
 @pytest.mark.parametrize("case", V_DIMS)
 def test_sdpa_runs_at_one_head_dim(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every SDPA call gets q, k and v of width max(C, V), for which the CPU picks its fused (flash) kernel; with
     the unpadded widths it would pick the math path. The output keeps the model's width."""
     v = V_DIMS[case]
-    calls = []
-    real = F.scaled_dot_product_attention
-
-    def spy(q, k, val, *args, **kwargs):
-        calls.append((q, k, val))
-        return real(q, k, val, *args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    calls = _spy_sdpa(monkeypatch)
     out = _module(v)(_input(torch.float32))
     assert out.shape == (B, S, HIDDEN)
     assert len(calls) == 1
@@ -141,3 +147,41 @@ def test_listed_bytes_follow_the_padding(dtype: torch.dtype, b: int) -> None:
         measured, listed = _kept_bytes(base.replace(v_head_dim=v), dtype, b)
         assert listed - listed_eq == measured - measured_eq != 0, v
         assert listed == pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.gpu
+def test_the_flash_kernel_runs_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3's head dims (C = 128 + 64, V = 128) in bf16 on CUDA: SDPA picks the flash kernel for the padded
+    q, k, v, and the profiler sees flash kernels run forward and backward, and no memory-efficient (cutlass) one,
+    which is what V != C gets."""
+    from torch.profiler import ProfilerActivity, profile
+
+    module = MLAttention(
+        hidden_size=1024,
+        num_attention_heads=8,
+        q_lora_rank=256,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rope=YARN,
+    )
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+            else:
+                p.fill_(1.0)
+    module = module.to("cuda", torch.bfloat16)
+    x = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    calls = _spy_sdpa(monkeypatch)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        module(x).float().square().mean().backward()
+        torch.cuda.synchronize()
+    (q, k, v), *_ = calls
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1] == 192
+    assert torch._fused_sdp_choice(q, k, v, is_causal=True) == SDPBackend.FLASH_ATTENTION.value
+    kernels = sorted({e.name.lower() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+    assert any("flash" in name and "fwd" in name for name in kernels), kernels
+    assert any("flash" in name and "bwd" in name for name in kernels), kernels
+    assert not any("fmha_cutlass" in name for name in kernels), kernels
