@@ -107,9 +107,9 @@ def _host_counts(counts_W: torch.Tensor) -> Pending[list[int]]:
     that the read waits for those few bytes only, not for compute queued after them."""
     if counts_W.device.type != "cuda":
         return Pending(counts_W.tolist)
-    host_W = counts_W.to("cpu", non_blocking=True)  # a pinned buffer: the copy is asynchronous
+    host_W = counts_W.to("cpu", non_blocking=True)  # into pinned memory (torch pins a non-blocking copy's output)
     landed = torch.cuda.Event()
-    landed.record()
+    landed.record(torch.cuda.current_stream(counts_W.device))
 
     def read() -> list[int]:
         landed.synchronize()
