@@ -187,11 +187,12 @@ def _cycles_per_second(device: torch.device) -> float:
     """SM clock cycles ``torch.cuda._sleep`` spins per second on ``device``, measured with CUDA events."""
     with torch.cuda.device(device):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)  # loads the kernel
-        begin.record()
-        torch.cuda._sleep(_CALIBRATION_CYCLES)
-        end.record()
-        end.synchronize()
+        # The first spin loads the kernel and lets an idle GPU's clock ramp up; the second is measured.
+        for _ in range(2):
+            begin.record()
+            torch.cuda._sleep(_CALIBRATION_CYCLES)
+            end.record()
+            end.synchronize()
         return _CALIBRATION_CYCLES / (begin.elapsed_time(end) * 1e-3)
 
 
