@@ -1,23 +1,52 @@
-"""Kernel benchmark: the ops behind the backend switch against their baselines, measured in one run.
+"""Kernel benchmark: every op behind the backend switch, checked against its torch reference, then timed.
 
 Legend for shape suffixes: T tokens, D hidden size, E experts, K top-k, M = T*K routed rows, F expert
 intermediate size.
 
-    python -m bench.kernels --shapes v3 --out bench/results          # on a GPU
-    python -m bench.kernels --shapes small --warmup 1 --repeats 3     # anywhere (reference backend on CPU)
-    python -m bench.kernels --shapes v3 --costs-out costs.json        # also a costs file for moe.plan
+    python -m bench.kernels --shapes v3 --out bench/results               # on a GPU (Triton backend)
+    python -m bench.kernels --shapes v3 --only fp8_grouped_wgrad          # one op (names: --only help)
+    python -m bench.kernels --shapes v3 --costs-out costs.json            # also a costs file for moe.plan
+    TRITON_INTERPRET=1 DUALPIPE_KERNELS=triton python -m bench.kernels    # CPU: the Triton interpreter, small
 
-Rows per shape: baselines (one dense matmul with the grouped GEMM's M, K, N; a device-to-device copy of
-the permuted tensor), then each op through :mod:`kernels.ops`, the plain reference (a per-expert loop for
-the GEMMs) and ``torch._grouped_mm`` where torch has it. Targets on an H100 (from the issue): grouped
-GEMM at least as fast as ``torch._grouped_mm`` and at least 60% of the dense rate; permute and unpermute
-at least 70% of the copy bandwidth.
+Which kernels run: the backend the switch picks (``DUALPIPE_KERNELS``, :mod:`kernels.ops`): Triton on CUDA;
+on CPU the torch reference unless forced to Triton, which then runs in the interpreter (fp32, small shapes).
 
-FP8 rows (CUDA only; on CPU a note says why they are missing): ``fp8_gemm`` (1x128 activations, 128x128 weight
-blocks, :mod:`kernels.triton_fp8_gemm`) against ``torch._scaled_mm`` in each scaling recipe this torch runs
-(blockwise 1x128 x 128x128 is the same recipe; rowwise and tensorwise are coarser) and against the bf16 matmul
-of the same size; ``fp8_grouped_gemm`` against the bf16 grouped GEMM. Operands are quantized before the clock
-starts: the rows time the GEMMs alone.
+Checks. Before an op is timed, its output on the benchmarked backend is compared with the same call on the
+torch reference backend at the same shape (:func:`bench.harness.check_close`): integer outputs exactly, floating
+ones in relative norm and in largest element error, per output dtype (:data:`TOLERANCE`, :func:`fp8_tolerance`).
+A mismatch, or an exception, is a failed row (untimed, the reason printed under the table); the other rows still
+run, and the command exits non-zero at the end. When the switch picks the reference itself nothing is compared
+(the rows' check is '-', and a note says so). torch's own peers (``torch._grouped_mm``, ``torch._scaled_mm``)
+are checked the same way and, when they disagree or do not run here, left out with a note.
+
+Cold inputs: every timed call's arguments rotate over copies (:func:`bench.harness.rotation`), enough that the
+L2 cache (``L2_cache_size`` of the device, 50 MB on H100/H200) holds none of them when a call starts; at most
+``2 * inputs + L2`` is held per op. Baseline rows time the same way.
+
+Rows per shape (ops[B] is the benchmarked backend; ``--only NAME`` keeps one op, repeatable):
+
+* baselines, timed when an op needs them: ``dense_matmul`` (one bf16 matmul with the grouped GEMM's M, K, N)
+  and ``d2d_copy`` (a device-to-device copy of the permuted rows);
+* ``grouped_gemm``, ``grouped_gemm_dgrad``, ``grouped_gemm_wgrad``: ops[B] and ``torch._grouped_mm`` (where it
+  runs here), plus ``grouped_gemm`` with ``--comm-sms`` SMs left to communication on Triton;
+* ``permute``, ``unpermute``, ``swiglu``, ``swiglu_backward``, ``router_topk``: ops[B], against the copy;
+* FP8 (``--no-fp8`` leaves them out): ``fp8_grouped_forward``, ``fp8_grouped_dgrad``, ``fp8_grouped_wgrad``
+  (:func:`kernels.fp8.grouped_forward` and its two gradients) and ``fp8_linear_forward``, ``_dgrad``,
+  ``_wgrad`` (:mod:`kernels.fp8`'s linear GEMMs, a ``[F, D]`` weight over the M routed rows), each timed as
+  training runs it: activation and weight quantization included; and ``fp8_gemm``, the forward GEMM alone on
+  operands quantized before the clock, against ``torch._scaled_mm`` in each scaling recipe this torch runs
+  (blockwise 1x128 x 128x128 is the same recipe; rowwise and tensorwise are coarser; each checked within 10%
+  of the unquantized product).
+
+Targets on an H100 (from the issue): grouped GEMM at least as fast as ``torch._grouped_mm`` and at least 60% of
+the dense rate; permute and unpermute at least 70% of the copy bandwidth (:func:`check_targets`).
+
+Shapes. ``v3`` is DeepSeek-V3's expert layer (D 7168, F 2048, top-8 of 256 routed experts in 8 groups) on a rank
+holding 32 experts (ep 8), at 4096 and 16384 tokens (1024 and 4096 rows per expert). One expert count only: a
+second one (E 8) would compile every grouped kernel again for its block of experts, and the whole run must stay
+within two minutes on an H200, Triton's autotuning and compilation included (it is one step of the one-GPU
+check). ``small`` is sized for the Triton interpreter (seconds, fp32). ``--budget-s`` stops starting new ops
+once the run is that old (a note lists what was left out); the results are saved either way.
 
 ``--costs-out FILE`` also writes the planner's costs file (:mod:`moe.plan.measured`, its ``ops`` section)
 for one shape of the set (``--costs-shape``), from the rows of the path this run benchmarks (``ops[triton]``
@@ -30,17 +59,21 @@ op (attention, the router's gate GEMM, the shared experts, every backward of the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
-from collections.abc import Callable
+import os
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bench.harness import Bench, Row
-from kernels import ops, reference
+from bench.harness import Bench, Check, Row, Tolerance, check_close, tensor_bytes
+from kernels import fp8, ops, reference, reference_fp8
 from kernels.reference_fp8 import TILE
 from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS
@@ -75,16 +108,81 @@ class MoEShape:
 # DeepSeek-V3: hidden 7168, expert intermediate 2048, 256 routed experts in 8 groups, top-8 from 4 groups.
 _V3 = {"hidden": 7168, "inter": 2048, "router_experts": 256, "n_group": 8, "topk_group": 4, "top_k": 8}
 SHAPES = {
+    # The interpreter runs a kernel ~4000x slower than torch: 32 routed rows over 4 experts, one 128-wide FP8
+    # scale tile of D and a partial one of F.
     "small": [
-        MoEShape(num_experts=8, num_tokens=256, top_k=4, hidden=256, inter=128,
-                 router_experts=32, n_group=4, topk_group=2),
+        MoEShape(num_experts=4, num_tokens=16, top_k=2, hidden=128, inter=32,
+                 router_experts=16, n_group=4, topk_group=2),
     ],
     "v3": [
-        MoEShape(num_experts=8, num_tokens=4096, **_V3),
         MoEShape(num_experts=32, num_tokens=4096, **_V3),
         MoEShape(num_experts=32, num_tokens=16384, **_V3),
     ],
 }  # fmt: skip
+
+# Tolerances by output dtype. A correct kernel differs from the reference by the order of its float32 sums and
+# then by at most one rounding of each output element: 2**-8 of it in bf16, 2**-11 in fp16; the largest element
+# error is bounded at 4 such roundings of the largest element. A wrong tile or row, an unwritten output, a
+# swapped operand are errors of the output's own size.
+TOLERANCE = {
+    torch.bfloat16: Tolerance(norm=1e-2, peak=2**-6),
+    torch.float16: Tolerance(norm=2e-3, peak=2**-9),
+    torch.float32: Tolerance(norm=1e-5, peak=1e-4),
+}
+EXACT = Tolerance(norm=0.0, peak=0.0)
+"""For ops that only move values (permute): the same bits."""
+_FP8_ACCUMULATION = Tolerance(norm=1e-3, peak=2**-8)
+"""sm_90's FP8 tensor cores sum each 128-element slice keeping about 14 bits (the DeepSeek-V3 report) before the
+kernel promotes it to float32; the reference sums in float32 throughout."""
+_SCALED_MM = Tolerance(norm=0.1, peak=0.5)
+"""torch._scaled_mm against the unquantized product: E4M3 rounding gives a few percent in any recipe; a scale
+layout read differently gives errors of the product's own size."""
+
+
+def dtype_tolerance(dtype: torch.dtype) -> Tolerance:
+    """The bound for a floating output of ``dtype`` (:data:`TOLERANCE`)."""
+    return TOLERANCE[dtype]
+
+
+def fp8_tolerance(dtype: torch.dtype) -> Tolerance:
+    """The bound for an FP8 GEMM's output of ``dtype``: its rounding or the tensor cores' accumulation, the larger."""
+    own = TOLERANCE[dtype]
+    return Tolerance(norm=max(own.norm, _FP8_ACCUMULATION.norm), peak=max(own.peak, _FP8_ACCUMULATION.peak))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Peer:
+    """A torch implementation timed beside an op once its output passes its check."""
+
+    impl: str
+    fn: Callable[..., object]
+    args: tuple
+    ratio: str
+    """The op's row's ratio to this one, e.g. 'speedup_vs_grouped_mm'."""
+    want: object = None
+    """What its output is compared with; None: the op's reference output."""
+    tolerance: Callable[[torch.dtype], Tolerance] | None = None
+    """None: the op's own."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """One op at one shape: ``fn(*args)``, run on the benchmarked backend and on the reference, then timed."""
+
+    op: str
+    fn: Callable[..., object]
+    """The op through the backend switch (:mod:`kernels.ops` or :mod:`kernels.fp8`)."""
+    args: tuple
+    tolerance: Callable[[torch.dtype], Tolerance] = dtype_tolerance
+    flops: float | None = None
+    """Floating-point operations of one call (None for the memory-bound ops)."""
+    variant: str = ""
+    """Appended to the impl name of a second configuration of the same op (``comm_sms=20``)."""
+    peers: tuple[Peer, ...] = ()
+    """Several peers with one impl name are alternatives: the first whose output passes is timed."""
+    against: tuple[tuple[str, str, str], ...] = ()
+    """(row, ratio, metric): ratios to a baseline ('dense_matmul', 'd2d_copy') or to another op's ops[...] row at
+    the same shape; metric as :meth:`bench.harness.Bench.compare` takes it. Baselines apply to the peers too."""
 
 
 def _routing(shape: MoEShape, device: torch.device, gen: torch.Generator) -> torch.Tensor:
@@ -94,207 +192,312 @@ def _routing(shape: MoEShape, device: torch.device, gen: torch.Generator) -> tor
     return logits.topk(min(shape.top_k, shape.num_experts), dim=-1).indices.to(device)
 
 
-def _grouped_mm_fns(x_MK, w_EKN, dy_MN, counts_E) -> dict[str, Callable[[], object]]:
-    """torch._grouped_mm versions of forward, dgrad and wgrad, each kept only if torch runs it here."""
-    if not hasattr(torch, "_grouped_mm"):
-        return {}
-    offs = torch.cumsum(counts_E, 0).to(torch.int32)  # end row of each group, as _grouped_mm wants
-    candidates = {
-        "grouped_gemm": lambda: torch._grouped_mm(x_MK, w_EKN, offs=offs),
-        "grouped_gemm_dgrad": lambda: torch._grouped_mm(dy_MN, w_EKN.transpose(1, 2), offs=offs),
-        "grouped_gemm_wgrad": lambda: torch._grouped_mm(x_MK.t(), dy_MN, offs=offs),
-    }
-    fns = {}
-    for op, fn in candidates.items():
-        try:
-            fn()
-        except (RuntimeError, NotImplementedError):  # dtype, layout or architecture not supported
-            continue
-        fns[op] = fn
-    return fns
+class Inputs:
+    """The tensors of one shape, made on the device on first use (``--only`` makes only what its op reads)."""
+
+    def __init__(self, shape: MoEShape, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self._gen = torch.Generator(device).manual_seed(0)
+
+    def randn(self, *size: int, scale: float = 1.0) -> torch.Tensor:
+        """Normal values times ``scale`` in the compute dtype."""
+        return (torch.randn(*size, generator=self._gen, device=self.device) * scale).to(self.dtype)
+
+    def rand(self, *size: int) -> torch.Tensor:
+        """Uniform [0, 1) float32 values (routing weights)."""
+        return torch.rand(*size, generator=self._gen, device=self.device)
+
+    @functools.cached_property
+    def routing(self) -> torch.Tensor:
+        """[T, K] local expert ids."""
+        return _routing(self.shape, self.device, torch.Generator().manual_seed(0))
+
+    @functools.cached_property
+    def counts(self) -> torch.Tensor:
+        """[E] routed rows per local expert (summing to M)."""
+        return torch.bincount(self.routing.flatten(), minlength=self.shape.num_experts)
+
+    @functools.cached_property
+    def gemm(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x [M, D], w [E, D, F], dy [M, F]): the grouped GEMM's operands, w scaled to keep y near unit size."""
+        s = self.shape
+        m = self.routing.numel()
+        return self.randn(m, s.hidden), self.randn(s.num_experts, s.hidden, s.inter, scale=s.hidden**-0.5), \
+            self.randn(m, s.inter)  # fmt: skip
+
+    @functools.cached_property
+    def w_linear(self) -> torch.Tensor:
+        """[F, D]: a linear layer's weight over the routed rows (the FP8 linear GEMMs)."""
+        return self.randn(self.shape.inter, self.shape.hidden, scale=self.shape.hidden**-0.5)
+
+    @functools.cached_property
+    def x_tokens(self) -> torch.Tensor:
+        """[T, D] token rows."""
+        return self.randn(self.shape.num_tokens, self.shape.hidden)
 
 
-def bench_grouped_gemm(bench: Bench, shape: MoEShape, dtype: torch.dtype, comm_sms: int) -> None:
-    """Forward, dgrad and wgrad over the permuted rows; the dense matmul of the same size is the ceiling."""
-    dev, gen = bench.device, torch.Generator().manual_seed(0)
-    idx_TK = _routing(shape, torch.device("cpu"), gen)
-    counts_E = torch.bincount(idx_TK.flatten(), minlength=shape.num_experts).to(dev)
-    m, k, n = idx_TK.numel(), shape.hidden, shape.inter
-    x_MK = torch.randn(m, k, generator=gen).to(dev, dtype)
-    w_EKN = (torch.randn(shape.num_experts, k, n, generator=gen) / k**0.5).to(dev, dtype)
-    dy_MN = torch.randn(m, n, generator=gen).to(dev, dtype)
-    size = dtype.itemsize
-    flops = 2.0 * m * k * n
-    dense = bench.measure(
-        "dense_matmul", "torch.matmul", shape.label, lambda: x_MK @ w_EKN[0],
-        flops=flops, bytes=(m * k + k * n + m * n) * size, baseline=True,
-    )  # fmt: skip
-    grouped_mm = _grouped_mm_fns(x_MK, w_EKN, dy_MN, counts_E)
-    if len(grouped_mm) < 3:
-        bench.notes.append(f"torch._grouped_mm runs only {sorted(grouped_mm)} for {dtype} on {dev}")
-    backend = ops.backend_for(x_MK)
-    cases = {
-        "grouped_gemm": (x_MK, w_EKN, (m * k + k * n * shape.num_experts + m * n) * size),
-        "grouped_gemm_dgrad": (dy_MN, w_EKN, (m * n + k * n * shape.num_experts + m * k) * size),
-        "grouped_gemm_wgrad": (x_MK, dy_MN, (m * k + m * n + k * n * shape.num_experts) * size),
-    }
-    for op, (a, b, nbytes) in cases.items():
-        run = {
-            f"ops[{backend}]": lambda op=op, a=a, b=b: getattr(ops, op)(a, b, counts_E),
-            "reference": lambda op=op, a=a, b=b: getattr(reference, op)(a, b, counts_E),
-        }
-        if op in grouped_mm:
-            run["torch._grouped_mm"] = grouped_mm[op]
-        rows = {impl: bench.measure(op, impl, shape.label, fn, flops=flops, bytes=nbytes) for impl, fn in run.items()}
-        ours = rows[f"ops[{backend}]"]
-        bench.compare(ours, dense, "vs_dense_rate", "tflops")
-        bench.compare(ours, rows["reference"], "speedup_vs_reference")
-        if op in grouped_mm:
-            bench.compare(ours, rows["torch._grouped_mm"], "speedup_vs_grouped_mm")
-            bench.compare(rows["torch._grouped_mm"], dense, "vs_dense_rate", "tflops")
-    if backend == "triton" and comm_sms > 0:
-        fn = lambda: ops.grouped_gemm(x_MK, w_EKN, counts_E, comm_sms=comm_sms)  # noqa: E731
-        row = bench.measure("grouped_gemm", f"ops[triton] comm_sms={comm_sms}", shape.label, fn, flops=flops)
-        bench.compare(row, dense, "vs_dense_rate", "tflops")
+def _gemm_flops(shape: MoEShape) -> float:
+    """FLOPs of every GEMM here: M routed rows, D -> F (or its gradients, the same products)."""
+    return 2.0 * shape.rows * shape.hidden * shape.inter
 
 
-def bench_memory_bound(bench: Bench, shape: MoEShape, dtype: torch.dtype) -> None:
-    """Permute, unpermute, router and SwiGLU against a device-to-device copy of the permuted rows."""
-    dev, gen = bench.device, torch.Generator().manual_seed(1)
-    idx_TK = _routing(shape, dev, gen)
-    t, k = idx_TK.shape
-    m, d, f, size = idx_TK.numel(), shape.hidden, shape.inter, dtype.itemsize
-    x_TD = torch.randn(t, d, generator=gen).to(dev, dtype)
-    src, dst = torch.empty(m, d, dtype=dtype, device=dev), torch.empty(m, d, dtype=dtype, device=dev)
-    src.copy_(x_TD.repeat(k, 1))
-    copy = bench.measure("d2d_copy", "Tensor.copy_", shape.label, lambda: dst.copy_(src),
-                         bytes=2.0 * m * d * size, baseline=True)  # fmt: skip
-    x_sorted_MD, row_id_M, _ = reference.permute(x_TD, idx_TK, shape.num_experts)
-    weights_TK = torch.rand(t, k, generator=gen).to(dev)
-    logits_TE = torch.randn(t, shape.router_experts, generator=gen).to(dev, dtype)
-    bias_E = torch.zeros(shape.router_experts, device=dev)
-    route = (shape.top_k, shape.n_group, shape.topk_group)
-    x_MF2 = torch.randn(m, 2 * f, generator=gen).to(dev, dtype)
-    cases: dict[str, tuple[tuple, float]] = {
-        # Fewest bytes: each token row read once and each of its K copies written once (a gather that
-        # reads the token row K times moves 2*M*D instead), plus the int64 expert ids and row ids.
-        "permute": ((x_TD, idx_TK, shape.num_experts), (t + m) * d * size + 16.0 * m),
-        "unpermute": ((x_sorted_MD, row_id_M, weights_TK), (m + t) * d * size + 12.0 * m),
-        "router_topk": ((logits_TE, bias_E, *route), t * shape.router_experts * (size + 4) + 12.0 * t * k),
-        "swiglu": ((x_MF2,), 3.0 * m * f * size),
-    }
-    backend = ops.backend_for(x_TD)
-    for op, (args, nbytes) in cases.items():
-        ours = bench.measure(
-            op, f"ops[{backend}]", shape.label, lambda op=op, a=args: getattr(ops, op)(*a), bytes=nbytes
-        )
-        ref = bench.measure(
-            op, "reference", shape.label, lambda op=op, a=args: getattr(reference, op)(*a), bytes=nbytes
-        )
-        bench.compare(ours, copy, "vs_copy_bw", "gbps")
-        bench.compare(ours, ref, "speedup_vs_reference")
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
 
 
-def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+def grouped_gemm_cases(op: str) -> Callable[[Inputs, int, str], list[Case]]:
+    """The bf16 (compute-dtype) grouped GEMM phase ``op`` of :mod:`kernels.ops`, against ``torch._grouped_mm``."""
+
+    def build(inp: Inputs, comm_sms: int, backend: str) -> list[Case]:
+        x, w, dy = inp.gemm
+        counts = inp.counts
+        operands = {"grouped_gemm": (x, w), "grouped_gemm_dgrad": (dy, w), "grouped_gemm_wgrad": (x, dy)}[op]
+        peer_operands = {"grouped_gemm": (x, w), "grouped_gemm_dgrad": (dy, w.transpose(1, 2)),
+                         "grouped_gemm_wgrad": (x.t(), dy)}[op]  # fmt: skip
+        peers = ()
+        if hasattr(torch, "_grouped_mm"):
+            offs = torch.cumsum(counts, 0).to(torch.int32)  # end row of each group, as _grouped_mm wants
+            peers = (Peer(impl="torch._grouped_mm", fn=_grouped_mm, args=(*peer_operands, offs),
+                          ratio="speedup_vs_grouped_mm"),)  # fmt: skip
+        against = (("dense_matmul", "vs_dense_rate", "tflops"),)
+        fn = getattr(ops, op)
+        case = Case(op=op, fn=fn, args=(*operands, counts), flops=_gemm_flops(inp.shape), peers=peers, against=against)
+        cases = [case]
+        # The interpreter has 4 pretend SMs and no communication to leave any to.
+        if op == "grouped_gemm" and backend == "triton" and comm_sms > 0 and inp.device.type == "cuda":
+            cases.append(dataclasses.replace(case, fn=functools.partial(fn, comm_sms=comm_sms),
+                                             variant=f"comm_sms={comm_sms}", peers=()))  # fmt: skip
+        return cases
+
+    return build
 
 
-def _scaled_mm_fns(x_MK: torch.Tensor, w_NK: torch.Tensor, ref_MN: torch.Tensor) -> tuple[dict, list[str]]:
-    """``torch._scaled_mm`` on x @ w^T in each scaling recipe this torch runs here -> ({recipe: fn}, notes).
+def _memory_bound(op: str, args: Callable[[Inputs], tuple], **kw):
+    """Builder of a memory-bound op of :mod:`kernels.ops`, rated against the device-to-device copy."""
 
-    Scales are decoding scales (``amax / 448``) from :func:`kernels.ops.quantize_fp8` in the recipe's tiles.
-    A recipe is kept only if it runs and lands within 10% (relative norm) of the bf16 product, so that a scale
-    layout torch reads differently is not timed as if it were right.
-    """
+    def build(inp: Inputs, comm_sms: int, backend: str) -> list[Case]:
+        return [Case(op=op, fn=getattr(ops, op), args=args(inp), against=(("d2d_copy", "vs_copy_bw", "gbps"),), **kw)]
+
+    return build
+
+
+def _unpermute_args(inp: Inputs) -> tuple:
+    x_sorted_MD, row_id_M, _ = reference.permute(inp.x_tokens, inp.routing, inp.shape.num_experts)
+    weights_TK = inp.rand(*inp.routing.shape)
+    return x_sorted_MD, row_id_M, weights_TK
+
+
+def _router_args(inp: Inputs) -> tuple:
+    s = inp.shape
+    # Zero bias: the check wants the same experts, and bf16 logits tie often; ties break toward the lower index by
+    # rule in both implementations, while a random bias would leave near-ties that one ulp of sigmoid can flip.
+    bias_E = torch.zeros(s.router_experts, device=inp.device)
+    return inp.randn(s.num_tokens, s.router_experts), bias_E, s.top_k, s.n_group, s.topk_group
+
+
+def _fp8_cases(op: str, fn: Callable, operands: Callable[[Inputs], tuple], bf16: str | None):
+    """Builder of one FP8 training GEMM of :mod:`kernels.fp8` (quantization included), rated against the dense
+    bf16 matmul and, for the grouped phases, the bf16 grouped GEMM of the same phase (``bf16``)."""
+
+    def build(inp: Inputs, comm_sms: int, backend: str) -> list[Case]:
+        against = [("dense_matmul", "vs_dense_rate", "tflops")]
+        if bf16 is not None:
+            against.append((bf16, "speedup_vs_bf16", "time"))
+        return [Case(op=op, fn=fn, args=operands(inp), tolerance=fp8_tolerance, flops=_gemm_flops(inp.shape),
+                     against=tuple(against))]  # fmt: skip
+
+    return build
+
+
+def _scaled_mm_peers(x_MK: torch.Tensor, w_NK: torch.Tensor, dtype: torch.dtype) -> tuple[Peer, ...]:
+    """``torch._scaled_mm`` on x @ w^T in each scaling recipe, each with the scale layouts cuBLAS may read (the
+    first that passes its check against the unquantized product is timed). Scales are decoding scales
+    (``amax / 448``) in the recipe's tiles, from :func:`kernels.reference_fp8.quantize_fp8`."""
+    if not hasattr(torch, "_scaled_mm"):
+        return ()
     m, k = x_MK.shape
     n = w_NK.shape[0]
+    want = x_MK @ w_NK.t()
     # 1x128 activation scales outer-dim-major (M contiguous), as cuBLAS's block scaling reads them.
-    blockwise = [
-        lambda xs, ws: (xs.t().contiguous().t(), ws.t()),
-        lambda xs, ws: (xs, ws.t().contiguous()),
-    ]
+    blockwise = [lambda xs, ws: (xs.t().contiguous().t(), ws.t()), lambda xs, ws: (xs, ws.t().contiguous())]
     recipes = {
         "blockwise": ((1, TILE), (TILE, TILE), blockwise),
         "rowwise": ((1, k), (1, k), [lambda xs, ws: (xs, ws.t().contiguous())]),
         "tensorwise": ((m, k), (n, k), [lambda xs, ws: (xs.reshape(()), ws.reshape(()))]),
     }
-    fns, notes = {}, []
+    peers = []
     for recipe, (x_block, w_block, layouts) in recipes.items():
-        xq, x_scale = ops.quantize_fp8(x_MK, x_block)
-        wq, w_scale = ops.quantize_fp8(w_NK, w_block)
-        error = "no scale layout ran"
+        xq, x_scale = reference_fp8.quantize_fp8(x_MK, x_block)
+        wq, w_scale = reference_fp8.quantize_fp8(w_NK, w_block)
         for layout in layouts:
             scale_a, scale_b = layout(x_scale, w_scale)
+            peers.append(Peer(impl=f"torch._scaled_mm {recipe}", fn=functools.partial(_scaled_mm, out_dtype=dtype),
+                              args=(xq, wq.t(), scale_a, scale_b), ratio=f"speedup_vs_scaled_mm_{recipe}",
+                              want=want, tolerance=lambda _: _SCALED_MM))  # fmt: skip
+    return tuple(peers)
 
-            def fn(xq=xq, wq=wq, scale_a=scale_a, scale_b=scale_b):
-                return torch._scaled_mm(xq, wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
 
+def _scaled_mm(a, b, scale_a, scale_b, *, out_dtype):
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _fp8_gemm_cases(inp: Inputs, comm_sms: int, backend: str) -> list[Case]:
+    """The linear forward's FP8 GEMM alone (x [M, D] in 1x128 tiles, w [F, D] in 128x128 blocks, quantized before
+    the clock) against ``torch._scaled_mm`` and the bf16 matmul."""
+    x = inp.gemm[0]
+    xq, x_scale = reference_fp8.quantize_fp8(x)
+    wq, w_scale = reference_fp8.quantize_fp8(inp.w_linear, (TILE, TILE))
+    fn = functools.partial(ops.fp8_gemm, out_dtype=inp.dtype)
+    return [Case(op="fp8_gemm", fn=fn, args=(xq, x_scale, wq, w_scale), tolerance=fp8_tolerance,
+                 flops=_gemm_flops(inp.shape), peers=_scaled_mm_peers(x, inp.w_linear, inp.dtype),
+                 against=(("dense_matmul", "speedup_vs_bf16", "time"),))]  # fmt: skip
+
+
+OPS: dict[str, Callable[[Inputs, int, str], list[Case]]] = {
+    **{op: grouped_gemm_cases(op) for op in ("grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad")},
+    "permute": _memory_bound("permute", lambda i: (i.x_tokens, i.routing, i.shape.num_experts),
+                             tolerance=lambda _: EXACT),
+    "unpermute": _memory_bound("unpermute", _unpermute_args),
+    "swiglu": _memory_bound("swiglu", lambda i: (i.randn(i.shape.rows, 2 * i.shape.inter),)),
+    "swiglu_backward": _memory_bound("swiglu_backward", lambda i: (i.randn(i.shape.rows, i.shape.inter),
+                                                                   i.randn(i.shape.rows, 2 * i.shape.inter))),
+    "router_topk": _memory_bound("router_topk", _router_args),
+    "fp8_grouped_forward": _fp8_cases("fp8_grouped_forward", fp8.grouped_forward,
+                                      lambda i: (i.gemm[0], i.gemm[1], i.counts), "grouped_gemm"),
+    "fp8_grouped_dgrad": _fp8_cases("fp8_grouped_dgrad", fp8.grouped_dgrad,
+                                    lambda i: (i.gemm[2], i.gemm[1], i.counts), "grouped_gemm_dgrad"),
+    "fp8_grouped_wgrad": _fp8_cases("fp8_grouped_wgrad", fp8.grouped_wgrad,
+                                    lambda i: (i.gemm[0], i.gemm[2], i.counts), "grouped_gemm_wgrad"),
+    "fp8_linear_forward": _fp8_cases("fp8_linear_forward", fp8.linear_forward,
+                                     lambda i: (i.gemm[0], i.w_linear), None),
+    "fp8_linear_dgrad": _fp8_cases("fp8_linear_dgrad", fp8.linear_dgrad, lambda i: (i.gemm[2], i.w_linear), None),
+    "fp8_linear_wgrad": _fp8_cases("fp8_linear_wgrad", fp8.linear_wgrad, lambda i: (i.gemm[2], i.gemm[0]), None),
+    "fp8_gemm": _fp8_gemm_cases,
+}  # fmt: skip
+"""Benchmarked op -> builder ``(inputs, comm_sms, backend) -> cases``, in the order they run (``--only`` names)."""
+
+
+def _dense_matmul(inp: Inputs) -> tuple[str, Callable, tuple, dict]:
+    """One matmul with the grouped GEMMs' M, K and N (expert 0's weight for every row): the rate they can reach."""
+    m, k, n = inp.shape.rows, inp.shape.hidden, inp.shape.inter
+    x, w, _ = inp.gemm
+    work = {"flops": _gemm_flops(inp.shape), "bytes": (m * k + k * n + m * n) * inp.dtype.itemsize}
+    return "torch.matmul", torch.matmul, (x, w[0]), work
+
+
+def _d2d_copy(inp: Inputs) -> tuple[str, Callable, tuple, dict]:
+    """A device-to-device copy of the permuted rows' size [M, D]: the bandwidth the memory-bound ops can reach."""
+    src = inp.x_tokens.repeat(inp.shape.top_k, 1)
+    return "Tensor.copy_", torch.Tensor.copy_, (torch.empty_like(src), src), {"bytes": 2 * tensor_bytes(src)}
+
+
+BASELINES = {"dense_matmul": _dense_matmul, "d2d_copy": _d2d_copy}
+"""Baseline row -> ``(inputs) -> (impl, fn, args, Bench.measure's flops and bytes)``."""
+
+
+@contextlib.contextmanager
+def forced_backend(backend: str) -> Iterator[None]:
+    """Every :mod:`kernels.ops` call inside takes ``backend`` (the switch reads ``DUALPIPE_KERNELS`` per call)."""
+    before = os.environ.get(ops.ENV_VAR)
+    os.environ[ops.ENV_VAR] = backend
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ops.ENV_VAR]
+        else:
+            os.environ[ops.ENV_VAR] = before
+
+
+def _failure(exc: Exception, where: str) -> Check:
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return Check(passed=False, detail=f"{where} raised {type(exc).__name__}: {first}")
+
+
+class KernelBench:
+    """Checks and times the cases of one run on one backend; baselines are timed once per shape, on demand."""
+
+    def __init__(self, bench: Bench, backend: str) -> None:
+        self.bench, self.backend = bench, backend
+        self.failed: list[Row] = []
+        self._baselines: dict[tuple[str, str], Row] = {}
+
+    def run(self, case: Case, inp: Inputs) -> None:
+        """Check ``case`` against the reference, then time it and its peers (failures become rows and notes; with
+        no repeats the checked rows are recorded untimed)."""
+        label, impl = inp.shape.label, f"ops[{self.backend}]" + (f" {case.variant}" if case.variant else "")
+        try:
+            with forced_backend("torch"):
+                want = case.fn(*case.args)
+        except Exception as exc:  # the row's failure; the run goes on
+            self.failed.append(self.bench.untimed(case.op, impl, label, _failure(exc, "the reference")))
+            return
+        check = None
+        if self.backend != "torch":  # else the benchmarked call is the reference itself
             try:
-                err = _relative_error(fn(), ref_MN)
-            except (RuntimeError, ValueError, NotImplementedError) as exc:
-                error = str(exc).splitlines()[0][:120]
+                check = check_close(case.fn(*case.args), want, case.tolerance)
+            except Exception as exc:  # a kernel that raises fails its check
+                check = _failure(exc, impl)
+            if not check.passed:
+                self.failed.append(self.bench.untimed(case.op, impl, label, check))
+                return
+        peers = self._passing_peers(case, want, label)
+        # Fewest bytes a call moves: its arguments read once and its results written once. For every op here that
+        # is also the least its work allows (permute reads each token row once, and writes each of its K copies).
+        nbytes = tensor_bytes(case.args) + tensor_bytes(want)
+        del want
+        if self.bench.repeats == 0:
+            for name, row_check in [(impl, check), *((peer.impl, peer_check) for peer, peer_check in peers)]:
+                self.bench.untimed(case.op, name, label, row_check)
+            return
+        measure = functools.partial(self.bench.measure, case.op, shape=label, flops=case.flops, bytes=nbytes)
+        row = measure(impl, fn=case.fn, args=case.args, check=check)
+        peer_rows = [measure(peer.impl, fn=peer.fn, args=peer.args, check=peer_check) for peer, peer_check in peers]
+        for (peer, _), peer_row in zip(peers, peer_rows, strict=True):
+            self.bench.compare(row, peer_row, peer.ratio)
+        for name, ratio, metric in case.against:
+            other = self._row(name, inp)
+            if other is not None:
+                self.bench.compare(row, other, ratio, metric)
+                if other.baseline:
+                    for peer_row in peer_rows:
+                        self.bench.compare(peer_row, other, ratio, metric)
+
+    def _passing_peers(self, case: Case, want: object, label: str) -> list[tuple[Peer, Check]]:
+        """Each peer impl's first alternative whose output passes its check; a note for the impls none passes."""
+        passed, failures = {}, {}
+        for peer in case.peers:
+            if peer.impl in passed:
                 continue
-            if err < 0.1:
-                fns[recipe] = fn
-                break
-            error = f"relative error {err:.2f} against bf16 (a scale layout read differently)"
-        if recipe not in fns:
-            notes.append(f"torch._scaled_mm {recipe}: not timed ({error})")
-    return fns, notes
+            try:
+                check = check_close(peer.fn(*peer.args), want if peer.want is None else peer.want,
+                                    peer.tolerance or case.tolerance)  # fmt: skip
+            except Exception as exc:  # not run by this torch on this device: a note, not a failure
+                check = _failure(exc, peer.impl)
+            if check.passed:
+                passed[peer.impl] = (peer, check)
+                failures.pop(peer.impl, None)
+            else:
+                failures[peer.impl] = check.detail
+        self.bench.notes.extend(f"{impl} {case.op} {label}: left out ({why})" for impl, why in failures.items())
+        return list(passed.values())
+
+    def _row(self, name: str, inp: Inputs) -> Row | None:
+        """The baseline ``name`` at this shape (timed on first use), or op ``name``'s timed ops[...] row."""
+        if name in BASELINES:
+            key = (inp.shape.label, name)
+            if key not in self._baselines:
+                impl, fn, args, work = BASELINES[name](inp)
+                self._baselines[key] = self.bench.measure(name, impl, inp.shape.label, fn, args=args, baseline=True,
+                                                          **work)  # fmt: skip
+            return self._baselines[key]
+        rows = [r for r in self.bench.rows if r.op == name and r.shape == inp.shape.label and is_ours(r)]
+        return rows[0] if rows else None
 
 
-def bench_fp8(bench: Bench, shape: MoEShape, comm_sms: int) -> None:
-    """The FP8 GEMMs against their peers, CUDA only: fp8_gemm (M = routed rows, hidden -> inter, like the dense
-    baseline) vs ``torch._scaled_mm`` and the bf16 matmul; fp8_grouped_gemm vs the bf16 grouped GEMM."""
-    dev, gen = bench.device, torch.Generator().manual_seed(2)
-    if dev.type != "cuda":
-        bench.notes.append("fp8 rows skipped: no CUDA device (the FP8 GEMMs are sm_90 Triton kernels)")
-        return
-    idx_TK = _routing(shape, torch.device("cpu"), gen)
-    counts_E = torch.bincount(idx_TK.flatten(), minlength=shape.num_experts).to(dev)
-    m, k, n, e = idx_TK.numel(), shape.hidden, shape.inter, shape.num_experts
-    bf16 = torch.bfloat16
-    x_MK = torch.randn(m, k, generator=gen).to(dev, bf16)
-    w_NK = (torch.randn(n, k, generator=gen) / k**0.5).to(dev, bf16)
-    w_EKN = (torch.randn(e, k, n, generator=gen) / k**0.5).to(dev, bf16)
-    flops = 2.0 * m * k * n
-    # One byte per FP8 operand element, bf16 out, float32 scales (1x128 for x, 128x128 per weight matrix).
-    x_scales, w_scales = 4.0 * m * _scale_tiles(k), 4.0 * _scale_tiles(n) * _scale_tiles(k)
-    fp8_bytes = m * k + n * k + 2.0 * m * n + x_scales + w_scales
-    dense = bench.measure("fp8_gemm", "torch.matmul bf16", shape.label, lambda: x_MK @ w_NK.t(), flops=flops,
-                          bytes=2.0 * (m * k + n * k + m * n), baseline=True)  # fmt: skip
-    xq, x_scale = ops.quantize_fp8(x_MK)
-    wq, w_scale = ops.quantize_fp8(w_NK, (TILE, TILE))
-    ours_fn = lambda: ops.fp8_gemm(xq, x_scale, wq, w_scale)  # noqa: E731
-    impl = f"ops[{ops.backend_for(xq)}]"
-    ours = bench.measure("fp8_gemm", impl, shape.label, ours_fn, flops=flops, bytes=fp8_bytes)
-    bench.compare(ours, dense, "speedup_vs_bf16")
-    dense_ref = x_MK @ w_NK.t()
-    peers, notes = _scaled_mm_fns(x_MK, w_NK, dense_ref)
-    bench.notes.extend(notes)
-    ours.ratios["rel_err_vs_bf16"] = _relative_error(ours_fn(), dense_ref)
-    for recipe, fn in peers.items():
-        row = bench.measure("fp8_gemm", f"torch._scaled_mm {recipe}", shape.label, fn, flops=flops, bytes=fp8_bytes)
-        bench.compare(ours, row, f"speedup_vs_scaled_mm_{recipe}")
-        bench.compare(row, dense, "speedup_vs_bf16")
-
-    bf16_grouped = bench.measure(
-        "fp8_grouped_gemm", f"{impl} bf16 grouped_gemm", shape.label,
-        lambda: ops.grouped_gemm(x_MK, w_EKN, counts_E, comm_sms=comm_sms),
-        flops=flops, bytes=2.0 * (m * k + e * k * n + m * n), baseline=True,
-    )  # fmt: skip
-    wq_E, w_scale_E = ops.quantize_fp8(w_EKN, (TILE, TILE))
-    grouped = bench.measure(
-        "fp8_grouped_gemm", impl, shape.label,
-        lambda: ops.fp8_grouped_gemm(xq, x_scale, wq_E, w_scale_E, counts_E, comm_sms=comm_sms),
-        flops=flops, bytes=m * k + e * k * n + 2.0 * m * n + x_scales + e * w_scales,
-    )  # fmt: skip
-    bench.compare(grouped, bf16_grouped, "speedup_vs_bf16")
-
-
-def _scale_tiles(size: int) -> int:
-    """128-wide scale tiles along a dimension of ``size``."""
-    return -(-size // TILE)
+def is_ours(row: Row) -> bool:
+    """A timed row of the benchmarked backend's op (not a baseline, a peer, or the comm_sms variant)."""
+    return row.impl.startswith("ops[") and " " not in row.impl and row.ms is not None
 
 
 def check_targets(rows: list[Row]) -> list[dict]:
@@ -302,7 +505,7 @@ def check_targets(rows: list[Row]) -> list[dict]:
     wanted = {"vs_dense_rate": 0.6, "speedup_vs_grouped_mm": 1.0, "vs_copy_bw": 0.7}
     checks = []
     for r in rows:
-        if not r.impl.startswith("ops[") or " " in r.impl:  # skip baselines and the comm_sms variant
+        if not is_ours(r):
             continue
         if not (r.op.startswith("grouped_gemm") or r.op in ("permute", "unpermute")):
             continue
@@ -342,16 +545,16 @@ def planner_config(shape: MoEShape) -> MoEConfig:
 
 
 def costs_file(rows: list[Row], shape: MoEShape, dtype: torch.dtype, device: torch.device) -> MeasuredCosts:
-    """The planner's costs file for ``shape`` from this run's ``ops[...]`` rows: one micro-batch of
+    """The planner's costs file for ``shape`` from this run's timed ``ops[...]`` rows: one micro-batch of
     ``num_tokens`` tokens (one sequence) on one rank of an ep group of ``router_experts / num_experts``.
     Each planner op's seconds are its kernel's median times the op's work over the kernel's (FLOPs, or
     bytes for a kernel without FLOPs), so the file describes the planner's op at the file's shape."""
     if shape.router_experts % shape.num_experts:
         raise ValueError(f"{shape.label}: {shape.router_experts} router experts do not split into ep groups")
-    ours = {r.op: r for r in rows if r.shape == shape.label and r.impl.startswith("ops[") and " " not in r.impl}
+    ours = {r.op: r for r in rows if r.shape == shape.label and is_ours(r)}
     missing = set(PLANNER_OPS.values()) - set(ours)
     if missing:
-        raise ValueError(f"{shape.label}: no ops[...] rows for {sorted(missing)}: was the shape benchmarked?")
+        raise ValueError(f"{shape.label}: no timed ops[...] rows for {sorted(missing)}: was the shape benchmarked?")
     impl = ours["grouped_gemm"].impl
     costs = MeasuredCosts(
         config=planner_config(shape), seq_len=shape.num_tokens, tokens=shape.num_tokens, moe={},
@@ -379,15 +582,18 @@ def _triton_version() -> str | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", choices=sorted(SHAPES), default="small")
+    p.add_argument("--only", action="append", default=None, metavar="NAME",
+                   help=f"benchmark only this op (repeatable): {', '.join(OPS)}")  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="default: bf16 on CUDA, fp32 elsewhere (CPU bf16 matmuls are not representative)")  # fmt: skip
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=50)
+                   help="default: bf16 on CUDA, fp32 elsewhere (the interpreter rounds bf16 wrongly)")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=30, help="0: check every op, time none")
     p.add_argument("--comm-sms", type=int, default=DEFAULT_COMM_SMS,
                    help="extra grouped-GEMM row with this many SMs left to communication (Triton only)")  # fmt: skip
-    p.add_argument("--no-fp8", dest="fp8", action="store_false",
-                   help="leave out the FP8 GEMM rows (CUDA only; skipped with a note elsewhere)")  # fmt: skip
+    p.add_argument("--no-fp8", dest="fp8", action="store_false", help="leave out the FP8 GEMM rows")
+    p.add_argument("--budget-s", type=float, default=None, metavar="S",
+                   help="start no new op once the run is S seconds old (the rows so far are saved)")  # fmt: skip
     p.add_argument("--out", default="bench/results")
     p.add_argument("--costs-out", default=None, metavar="FILE",
                    help="also write the planner's costs file (python -m moe.plan --costs FILE)")  # fmt: skip
@@ -396,33 +602,68 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _selected(args: argparse.Namespace) -> list[str]:
+    """The ops this run benchmarks, in :data:`OPS` order; SystemExit naming the valid ones for an unknown name."""
+    unknown = sorted(set(args.only or ()) - set(OPS))
+    if unknown:
+        raise SystemExit(f"--only {', '.join(unknown)}: not a benchmarked op; one of {', '.join(OPS)}")
+    names = [op for op in OPS if args.only is None or op in args.only]
+    return [op for op in names if args.fp8 or not op.startswith("fp8_")]
+
+
 def main(argv: list[str] | None = None) -> Path:
+    """Run the benchmark, print and save it; SystemExit (non-zero) after saving when an op failed its check."""
     args = parse_args(argv)
     if args.costs_out and not 0 <= args.costs_shape < len(SHAPES[args.shapes]):
         raise SystemExit(f"--costs-shape {args.costs_shape}: the {args.shapes} set has {len(SHAPES[args.shapes])}")
+    selected = _selected(args)
     device = torch.device(args.device)
     default = "bf16" if device.type == "cuda" else "fp32"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype or default]
+    try:
+        backend = ops.backend_for(torch.empty(0, device=device))
+    except (RuntimeError, ValueError) as exc:
+        raise SystemExit(str(exc)) from None
     bench = Bench("kernels", device, warmup=args.warmup, repeats=args.repeats)
-    for shape in SHAPES[args.shapes]:
-        bench_grouped_gemm(bench, shape, dtype, args.comm_sms)
-        bench_memory_bound(bench, shape, dtype)
-        if args.fp8:
-            bench_fp8(bench, shape, args.comm_sms)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    runner = KernelBench(bench, backend)
+    started, skipped = time.monotonic(), []
+    with forced_backend(backend):
+        for shape in SHAPES[args.shapes]:
+            inp = Inputs(shape, dtype, device)
+            for op in selected:
+                if args.budget_s is not None and time.monotonic() - started > args.budget_s:
+                    skipped.append(f"{op} {shape.label}")
+                    continue
+                for case in OPS[op](inp, args.comm_sms, backend):
+                    runner.run(case, inp)
+            del inp
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if skipped:
+        bench.notes.append(f"--budget-s {args.budget_s:g} spent: not run {', '.join(skipped)}")
+    if backend == "torch":
+        bench.notes.append(f"the switch ({ops.ENV_VAR}) picks the torch reference here: its rows are the reference's, "
+                           "so nothing was checked; the Triton kernels on CPU: TRITON_INTERPRET=1 "
+                           f"{ops.ENV_VAR}=triton")  # fmt: skip
     targets = check_targets(bench.rows) if device.type == "cuda" else []
-    if device.type != "cuda":
-        bench.notes.append("no GPU: ops ran the torch reference; the H100 targets were not evaluated")
     print(bench.table())
     for c in targets:
         print(f"target {'met ' if c['met'] else 'MISS'}  {c['check']}: {c['value']:.2f} (>= {c['target']})")
-    context = {"shapes": args.shapes, "dtype": str(dtype), "triton": _triton_version(), "targets": targets}
+    context = {"shapes": args.shapes, "dtype": str(dtype), "backend": backend, "triton": _triton_version(),
+               "targets": targets, "failed": [f"{r.op} {r.impl} {r.shape}" for r in runner.failed]}  # fmt: skip
     path = bench.save(args.out, extra=context)
     print(f"saved {path}")
+    problems = (
+        [f"{len(runner.failed)} kernel check(s) failed: " + ", ".join(context["failed"])] if runner.failed else []
+    )
     if args.costs_out:
-        save_costs(args.costs_out, costs_file(bench.rows, SHAPES[args.shapes][args.costs_shape], dtype, device))
-        print(f"saved {args.costs_out}")
+        try:
+            save_costs(args.costs_out, costs_file(bench.rows, SHAPES[args.shapes][args.costs_shape], dtype, device))
+            print(f"saved {args.costs_out}")
+        except ValueError as exc:  # a failed or skipped op: the file would describe what was not measured
+            problems.append(f"no costs file: {exc}")
+    if problems:
+        raise SystemExit("; ".join(problems))
     return path
 
 

@@ -22,7 +22,7 @@ def test_kernel_bench_writes_a_costs_file_the_planner_uses(tmp_path, monkeypatch
     assert set(m.ops) == set(bench_kernels.PLANNER_OPS) and all(v > 0 for v in m.ops.values())
     assert m.moe == {} and m.device == "cpu" and "ops[torch]" in m.source and m.comm_sms == 0
     assert (m.config, m.tokens, m.seq_len) == (bench_kernels.planner_config(shape), shape.num_tokens, shape.num_tokens)
-    assert (m.ep, m.act_bytes, m.config.num_experts) == (4, 4, 32)  # 32 router experts, 8 per rank; fp32 on CPU
+    assert (m.ep, m.act_bytes, m.config.num_experts) == (4, 4, 16)  # 16 router experts, 4 per rank; fp32 on CPU
     # each op is its kernel's median times the op's work over the kernel's
     rows = {r["op"]: r for r in json.loads(results.read_text())["rows"] if r["impl"] == "ops[torch]"}
     planner = measured_ops(m)
@@ -41,6 +41,17 @@ def test_kernel_bench_writes_a_costs_file_the_planner_uses(tmp_path, monkeypatch
     assert used.detail["permute.dx"] == analytic.detail["permute.dx"] and used.attn_dW == analytic.attn_dW
     mlp = ("permute", "experts_gate_up", "experts_swiglu", "experts_down", "unpermute")  # no shared expert
     assert used.mlp_F == pytest.approx(sum(used.detail[f"{name}.fwd"] for name in mlp))
+
+
+def test_no_costs_file_from_a_run_that_left_an_op_out(tmp_path, monkeypatch) -> None:
+    # Without a timed swiglu row the file would describe what was not measured: no file, and a non-zero exit.
+    monkeypatch.setenv("DUALPIPE_KERNELS", "torch")
+    out = tmp_path / "costs.json"
+    with pytest.raises(SystemExit, match=r"no costs file: .*no timed ops\[\.\.\.\] rows for \['swiglu'\]"):
+        bench_kernels.main(["--shapes", "small", "--device", "cpu", "--warmup", "0", "--repeats", "1", "--out",
+                            str(tmp_path), "--costs-out", str(out), "--no-fp8"] +
+                           [f"--only={op}" for op in set(bench_kernels.PLANNER_OPS.values()) - {"swiglu"}])  # fmt: skip
+    assert not out.exists() and list(tmp_path.glob("kernels-*.json"))  # the rows are saved all the same
 
 
 def test_costs_shape_must_be_in_the_set(tmp_path) -> None:

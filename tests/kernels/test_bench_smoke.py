@@ -1,4 +1,5 @@
-"""The shared benchmark harness and the kernel benchmark CLI, run tiny on CPU (reference backend)."""
+"""The shared benchmark harness and the kernel benchmark CLI, run tiny on CPU: the torch reference path, and the
+Triton kernels in the interpreter (TRITON_INTERPRET=1 from the root conftest), each checked before it is timed."""
 
 from __future__ import annotations
 
@@ -24,35 +25,94 @@ def test_harness_warms_up_times_and_compares(tmp_path):
     assert bench.compare(fast, slow, "rate", "tflops") == pytest.approx(fast.tflops / slow.tflops)
     with pytest.raises(ValueError, match="metric"):
         bench.compare(fast, slow, "x", "watts")
-    assert "slow*" in bench.table()  # baselines are marked
+    failed = bench.untimed("op", "wrong", "s", harness.Check(passed=False, detail="output rel 1 (<= 1e-5)"))
+    assert failed.ms is None and failed.tflops is None and bench.compare(failed, slow, "speedup") is None
+    table = bench.table()
+    assert "slow*" in table  # baselines are marked
+    assert "FAIL: op wrong s: output rel 1 (<= 1e-5)" in table
     path = bench.save(tmp_path)
     assert path.name == f"unit-cpu-{datetime.date.today().isoformat()}.json"
     rows = json.loads(path.read_text())["rows"]
-    assert [r["impl"] for r in rows] == ["fast", "slow"] and rows[0]["ratios"].keys() == {"speedup", "rate"}
+    assert [r["impl"] for r in rows] == ["fast", "slow", "wrong"] and rows[0]["ratios"].keys() == {"speedup", "rate"}
+    assert rows[2]["ms"] is None and rows[2]["check"] == {"passed": False, "detail": "output rel 1 (<= 1e-5)"}
 
 
-def test_kernel_benchmark_cli_writes_results(tmp_path, force_torch, capsys):
+def test_rotation_cycles_copies_that_outgrow_the_l2():
+    seen = []
+    x, counts = torch.arange(6.0), torch.tensor([2, 4])
+    call = harness.rotation(lambda a, b, k: seen.append((a, b, k)), (x, counts, 3), torch.device("cpu"))
+    for _ in range(4):
+        call()
+    assert [a.data_ptr() for a, _, _ in seen[:2]] == [a.data_ptr() for a, _, _ in seen[2:]]  # two copies, in turn
+    assert seen[0][0].data_ptr() == x.data_ptr() and seen[1][0].data_ptr() != x.data_ptr()
+    assert all(torch.equal(a, x) and torch.equal(b, counts) and k == 3 for a, b, k in seen)
+    transposed = harness.rotation(lambda a: seen.append(a), (x.view(2, 3).t(),), torch.device("cpu"))
+    transposed()
+    transposed()
+    assert seen[-1].stride() == (1, 3)  # a copy keeps the strides a kernel's layout depends on
+    l2 = 50 * 2**20
+    for touched in (1, 1000, l2 // 3, l2, 10 * l2):
+        copies = harness.copies_for(l2, touched)
+        assert copies >= 2 and (copies - 1) * touched > l2  # between two uses of a copy, more than the L2 goes by
+        assert copies * touched <= 2 * touched + l2  # and no more than that is held
+
+
+def test_check_close_passes_a_correct_bf16_gemm_and_fails_one_wrong_tile():
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1024, 2048, generator=gen), torch.randn(2048, 512, generator=gen) / 2048**0.5
+    ref = (a @ b).bfloat16()
+    # Another correct kernel: fp32 sums in another order (two halves of K), then one rounding to bf16.
+    other = (a[:, :1024] @ b[:1024] + a[:, 1024:] @ b[1024:]).bfloat16()
+    ok = harness.check_close(other, ref, bench_kernels.dtype_tolerance)
+    assert ok.passed, ok.detail
+    wrong = other.clone()
+    wrong[128:256, 0:128] = 0  # one 128x128 tile not written: 1/32 of the output
+    failed = harness.check_close(wrong, ref, bench_kernels.dtype_tolerance)
+    assert not failed.passed and "peak" in failed.detail
+    nan = other.clone()
+    nan[5, 5] = float("nan")
+    assert "non-finite" in harness.check_close(nan, ref, bench_kernels.dtype_tolerance).detail
+    ids = torch.arange(10)
+    assert harness.check_close((other, ids), (ref, ids), bench_kernels.dtype_tolerance).passed
+    moved = ids.clone()
+    moved[3] = 7  # one routed row sent to the wrong place
+    assert "1 of 10" in harness.check_close((other, moved), (ref, ids), bench_kernels.dtype_tolerance).detail
+    assert "reference torch.float32" in harness.check_close(other, ref.float(), bench_kernels.dtype_tolerance).detail
+
+
+def test_kernel_benchmark_cli_on_the_reference_path(tmp_path, force_torch, capsys):
     path = bench_kernels.main(["--shapes", "small", "--device", "cpu", "--warmup", "1", "--repeats", "2",
                                "--out", str(tmp_path)])  # fmt: skip
     record = json.loads(path.read_text())
     assert path.parent == tmp_path and record["device"] == "cpu" and record["shapes"] == "small"
+    assert record["backend"] == "torch" and record["failed"] == []
     by_key = {(r["op"], r["impl"]): r for r in record["rows"]}
-    ops_expected = ["grouped_gemm", "grouped_gemm_dgrad", "grouped_gemm_wgrad", "permute", "unpermute",
-                    "router_topk", "swiglu"]  # fmt: skip
-    for op in ops_expected:
-        ours, ref = by_key[(op, "ops[torch]")], by_key[(op, "reference")]
-        assert ours["ms"] > 0 and ref["ms"] > 0
-        assert ours["ratios"]["speedup_vs_reference"] == pytest.approx(ref["ms"] / ours["ms"])
-    if hasattr(torch, "_grouped_mm"):  # the peer baseline runs on CPU too in torch 2.13
-        assert "speedup_vs_grouped_mm" in by_key[("grouped_gemm", "ops[torch]")]["ratios"]
+    for op in bench_kernels.OPS:
+        ours = by_key[(op, "ops[torch]")]
+        assert ours["ms"] > 0 and ours["check"] is None  # the reference is not checked against itself
+    assert any("nothing was checked" in n for n in record["notes"])
+    if hasattr(torch, "_grouped_mm"):  # the peer baseline runs on CPU too in torch 2.13, checked like an op
+        peer = by_key[("grouped_gemm_wgrad", "torch._grouped_mm")]
+        assert peer["check"]["passed"] and "speedup_vs_grouped_mm" in by_key[("grouped_gemm", "ops[torch]")]["ratios"]
     assert by_key[("dense_matmul", "torch.matmul")]["baseline"]
     assert by_key[("d2d_copy", "Tensor.copy_")]["baseline"]
-    gemm = by_key[("grouped_gemm", "ops[torch]")]
     shape = bench_kernels.SHAPES["small"][0]
+    gemm = by_key[("grouped_gemm", "ops[torch]")]
     assert gemm["flops"] == 2.0 * shape.rows * shape.hidden * shape.inter
     assert gemm["tflops"] == pytest.approx(gemm["flops"] / (gemm["ms"] * 1e-3) / 1e12)
+    # bytes: arguments read once and results written once (fp32 here)
+    assert by_key[("swiglu", "ops[torch]")]["bytes"] == 3 * shape.rows * shape.inter * 4
     assert "vs_copy_bw" in by_key[("permute", "ops[torch]")]["ratios"]
+    assert "speedup_vs_bf16" in by_key[("fp8_grouped_wgrad", "ops[torch]")]["ratios"]
     assert "saved" in capsys.readouterr().out
+
+
+def test_unknown_only_names_the_valid_ops(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        bench_kernels.main(["--only", "swiglu", "--only", "gemm", "--device", "cpu", "--out", str(tmp_path)])
+    message = str(exc.value)
+    assert message.startswith("--only gemm: not a benchmarked op; one of grouped_gemm,") and "\n" not in message
+    assert all(op in message for op in bench_kernels.OPS)
 
 
 def test_targets_are_judged_on_the_ops_rows_only():
@@ -60,7 +120,7 @@ def test_targets_are_judged_on_the_ops_rows_only():
         return harness.Row(op=op, impl=impl, shape="s", ms=1.0, ms_min=1.0, ms_max=1.0, ratios=ratios)
 
     rows = [
-        row("grouped_gemm", "ops[triton]", vs_dense_rate=0.65, speedup_vs_grouped_mm=0.9, speedup_vs_reference=5.0),
+        row("grouped_gemm", "ops[triton]", vs_dense_rate=0.65, speedup_vs_grouped_mm=0.9),
         row("grouped_gemm", "torch._grouped_mm", vs_dense_rate=0.7),  # a baseline: not judged
         row("grouped_gemm", "ops[triton] comm_sms=20", vs_dense_rate=0.5),  # a variant: not judged
         row("unpermute", "ops[triton]", vs_copy_bw=0.69),
