@@ -57,6 +57,18 @@ def test_rotation_cycles_copies_that_outgrow_the_l2():
         assert copies * touched <= 2 * touched + l2  # and no more than that is held
 
 
+def test_rotation_on_cuda_sizes_its_copies_by_the_l2(monkeypatch):
+    # The CUDA branch without a GPU: an L2 of 1000 bytes, a call touching 24 + 24 bytes (its input, its result):
+    # 2 + 1000 // 48 = 22 copies, used in turn after one sizing call on the original.
+    monkeypatch.setattr(harness, "l2_bytes", lambda device: 1000)
+    seen = []
+    x = torch.arange(6.0)
+    call = harness.rotation(lambda a: seen.append(a.data_ptr()) or a.clone(), (x,), torch.device("cuda"))
+    for _ in range(44):
+        call()
+    assert seen[0] == seen[1] == x.data_ptr() and len(set(seen)) == 22 and seen[1:23] == seen[23:]
+
+
 def test_check_close_passes_a_correct_bf16_gemm_and_fails_one_wrong_tile():
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(1024, 2048, generator=gen), torch.randn(2048, 512, generator=gen) / 2048**0.5
@@ -105,6 +117,13 @@ def test_kernel_benchmark_cli_on_the_reference_path(tmp_path, force_torch, capsy
     assert "vs_copy_bw" in by_key[("permute", "ops[torch]")]["ratios"]
     assert "speedup_vs_bf16" in by_key[("fp8_grouped_wgrad", "ops[torch]")]["ratios"]
     assert "saved" in capsys.readouterr().out
+
+
+def test_a_spent_budget_starts_no_more_ops_and_saves_what_ran(tmp_path, force_torch):
+    path = bench_kernels.main(["--device", "cpu", "--repeats", "1", "--warmup", "0", "--budget-s", "0", "--only",
+                               "swiglu", "--only", "router_topk", "--out", str(tmp_path)])  # fmt: skip
+    record = json.loads(path.read_text())
+    assert record["rows"] == [] and "--budget-s 0 spent: not run swiglu E4 T16" in record["notes"][0]
 
 
 def test_unknown_only_names_the_valid_ops(tmp_path):
