@@ -6,7 +6,7 @@ intermediate size.
     python -m bench.kernels --shapes v3 --out bench/results               # on a GPU (Triton backend)
     python -m bench.kernels --shapes v3 --only fp8_grouped_wgrad          # one op (names: --only help)
     python -m bench.kernels --shapes v3 --costs-out costs.json            # also a costs file for moe.plan
-    TRITON_INTERPRET=1 DUALPIPE_KERNELS=triton python -m bench.kernels    # CPU: the Triton interpreter, small
+    TRITON_INTERPRET=1 DUALPIPE_KERNELS=triton python -m bench.kernels --repeats 0   # CPU: check in the interpreter
 
 Which kernels run: the backend the switch picks (``DUALPIPE_KERNELS``, :mod:`kernels.ops`): Triton on CUDA;
 on CPU the torch reference unless forced to Triton, which then runs in the interpreter (fp32, small shapes).
@@ -15,9 +15,10 @@ Checks. Before an op is timed, its output on the benchmarked backend is compared
 torch reference backend at the same shape (:func:`bench.harness.check_close`): integer outputs exactly, floating
 ones in relative norm and in largest element error, per output dtype (:data:`TOLERANCE`, :func:`fp8_tolerance`).
 A mismatch, or an exception, is a failed row (untimed, the reason printed under the table); the other rows still
-run, and the command exits non-zero at the end. When the switch picks the reference itself nothing is compared
-(the rows' check is '-', and a note says so). torch's own peers (``torch._grouped_mm``, ``torch._scaled_mm``)
-are checked the same way and, when they disagree or do not run here, left out with a note.
+run, and the command exits non-zero at the end (``--repeats 0`` checks every op and times none). When the switch
+picks the reference itself nothing is compared (the rows' check is '-', and a note says so). torch's own peers
+(``torch._grouped_mm``, ``torch._scaled_mm``) are checked the same way and, when they disagree or do not run
+here, left out with a note.
 
 Cold inputs: every timed call's arguments rotate over copies (:func:`bench.harness.rotation`), enough that the
 L2 cache (``L2_cache_size`` of the device, 50 MB on H100/H200) holds none of them when a call starts; at most
