@@ -296,6 +296,11 @@ class MetricsConfig:
     peak_tflops: float = 0.0
     """Peak TFLOP/s per rank for MFU (0: the GPU's dense bf16 peak from moe.plan's table; on CPU a matmul
     measured at start)."""
+    sync_debug: bool = False
+    """Count the host syncs inside each step after the run's first (the warm-up): the step runs under
+    ``torch.cuda.set_sync_debug_mode("warn")``, and the record and the progress line get the number of syncs and
+    their first call sites (``host_syncs``, ``host_sync_sites``; moe.train.metrics.SyncDebug). CUDA only:
+    without a CUDA device it is accepted and ignored (one line says so)."""
 
     def __post_init__(self) -> None:
         _require(self.log_every >= 1, "metrics.log_every", self.log_every, "must be >= 1")

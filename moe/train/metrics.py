@@ -1,8 +1,11 @@
-"""Where a step's record goes: the progress line, a JSONL file, TensorBoard; and the MFU's FLOP rates.
+"""Where a step's record goes: the progress line, a JSONL file, TensorBoard; the MFU's FLOP rates; the host
+syncs counted inside a step.
 
 A record is a flat dict per step (``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``mfu``, the worst
-``expert_imbalance`` and ``expert_imbalance_per_layer``, the memory figures, ``val_loss`` when evaluated,
-``mtp_loss`` for a model with multi-token prediction: the main loss is ``loss`` alone).
+``expert_imbalance`` and ``expert_imbalance_per_layer``, the memory figures of moe.memory, the pre-flight
+``memory_estimate_bytes`` beside them, ``val_loss`` when evaluated, ``mtp_loss`` for a model with multi-token
+prediction: the main loss is ``loss`` alone; with ``metrics.sync_debug`` on CUDA, ``host_syncs`` and
+``host_sync_sites``, this rank's: :class:`SyncDebug`).
 The trainer's own sinks (progress, JSONL, TensorBoard) run on global rank 0; callbacks passed to
 ``Trainer(config, callbacks=...)`` run on every rank (the figures are already global). A callback is an object
 with ``on_step`` and ``close``.
@@ -12,6 +15,9 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,7 +25,19 @@ import torch
 
 from moe.plan import GPUS
 
-__all__ = ["Callback", "JsonlWriter", "ProgressPrinter", "TensorBoardWriter", "peak_flops"]
+__all__ = [
+    "SYNC_WARNING",
+    "Callback",
+    "HostSyncs",
+    "JsonlWriter",
+    "ProgressPrinter",
+    "SyncDebug",
+    "TensorBoardWriter",
+    "count_host_syncs",
+    "peak_flops",
+]
+
+GiB = 2**30
 
 
 class Callback(Protocol):
@@ -87,12 +105,19 @@ class ProgressPrinter:
         eta = (time.monotonic() - self._t0) / done * (self.total - step)
         val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
         mtp = f"  mtp {record['mtp_loss']:.4f}" if "mtp_loss" in record else ""
+        # the allocator's peak of the step beside the pre-flight estimate (CUDA), the host syncs (--sync-debug)
+        peak = record.get("cuda_peak_allocated_bytes")
+        memory = f"  mem {peak / GiB:.1f}/{record['memory_estimate_bytes'] / GiB:.1f} GiB" if peak is not None else ""
+        syncs = f"  syncs {record['host_syncs']}" if "host_syncs" in record else ""
         print(
             f"step {step:5d}/{self.total}  loss {record['loss']:.4f}{mtp}{val}  lr {record['lr']:.2e}  "
             f"{record['tokens_per_s']:8.0f} tok/s  MFU {record['mfu']:6.2%}  "
-            f"imbalance {record['expert_imbalance']:4.2f}  eta {eta:6.1f}s",
+            f"imbalance {record['expert_imbalance']:4.2f}{memory}{syncs}  eta {eta:6.1f}s",
             flush=True,
         )
+        if record.get("host_sync_sites"):
+            sites = ", ".join(f"{where} x{n}" for where, n in record["host_sync_sites"].items())
+            print(f"  host syncs at step {step}: {sites}", flush=True)
 
     def close(self) -> None:
         pass
@@ -131,3 +156,78 @@ def _measured_matmul_flops(device: torch.device, n: int = 512, reps: int = 5) ->
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / max(best, 1e-9)
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""The warning ``torch.cuda.set_sync_debug_mode("warn")`` gives for each op that makes the host wait for the device
+(c10's ``warn_or_error_on_sync``: a blocking copy, ``item()``, a data-dependent size, a stream or event sync;
+``torch.cuda.synchronize`` itself is not reported)."""
+
+SYNC_SITES = 5
+"""Call sites a step's record names (the first ones met)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostSyncs:
+    """The host syncs of one step."""
+
+    count: int
+    sites: dict[str, int] = field(default_factory=dict)
+    """``"file:line" -> syncs there``, the first :data:`SYNC_SITES` sites in the order they were met."""
+
+
+def count_host_syncs(
+    recorded: Iterable[warnings.WarningMessage], sites: int = SYNC_SITES
+) -> tuple[HostSyncs, list[warnings.WarningMessage]]:
+    """(the host syncs among ``recorded`` warnings, the other warnings). A sync warning names the Python line that
+    called the op (for an op of autograd's backward: the line that started the backward)."""
+    count, where, others = 0, {}, []
+    for w in recorded:
+        if SYNC_WARNING not in str(w.message):
+            others.append(w)
+            continue
+        count += 1
+        site = f"{w.filename}:{w.lineno}"
+        if site in where or len(where) < sites:
+            where[site] = where.get(site, 0) + 1
+    return HostSyncs(count, where), others
+
+
+class SyncDebug:
+    """Count the host syncs of a block on CUDA::
+
+        with SyncDebug(device) as syncs:
+            step()
+        syncs.result  # HostSyncs
+
+    Inside, ``torch.cuda.set_sync_debug_mode("warn")`` is on and every warning is recorded (TORCH_WARN reaches
+    Python as a warning; those raised in autograd's device threads are replayed on the thread that ran the
+    backward); on exit the previous mode is back, the syncs are counted (:func:`count_host_syncs`) and any
+    other warning is issued again under the caller's filters. Off CUDA, or not ``enabled``, it does nothing and
+    ``result`` stays None. Not re-entrant (warning filters are process-wide)."""
+
+    def __init__(self, device: torch.device, *, enabled: bool = True) -> None:
+        self.enabled = enabled and device.type == "cuda" and torch.cuda.is_available()
+        self.result: HostSyncs | None = None
+        self._catch: warnings.catch_warnings | None = None
+        self._recorded: list[warnings.WarningMessage] = []
+        self._mode = 0
+
+    def __enter__(self) -> SyncDebug:
+        if self.enabled:
+            self._catch = warnings.catch_warnings(record=True)
+            self._recorded = self._catch.__enter__()
+            warnings.simplefilter("always")  # every sync, not the first per call site
+            self._mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._catch is None:
+            return
+        torch.cuda.set_sync_debug_mode(self._mode)
+        self._catch.__exit__(*exc)
+        self._catch = None
+        self.result, others = count_host_syncs(self._recorded)
+        for w in others:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)

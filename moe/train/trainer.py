@@ -47,7 +47,7 @@ from moe.stage import MoEStage
 from moe.train import preflight
 from moe.train.config import TrainConfig
 from moe.train.lr import lr_at
-from moe.train.metrics import Callback, JsonlWriter, ProgressPrinter, TensorBoardWriter, peak_flops
+from moe.train.metrics import Callback, JsonlWriter, ProgressPrinter, SyncDebug, TensorBoardWriter, peak_flops
 from moe.train.ranks import init_process_group, make_pipeline, pick_device
 
 __all__ = ["Trainer", "TrainingError"]
@@ -93,6 +93,8 @@ class Trainer:
         self.peak_flops, self.peak_source = peak_flops(self.device, config.metrics.peak_tflops)
         self.callbacks = self.build_callbacks() if self.rank == 0 else []
         self.callbacks += callbacks or []
+        if config.metrics.sync_debug and self.device.type != "cuda" and self.rank == 0:
+            print("--sync-debug: no CUDA device, so no host syncs are counted (it needs torch.cuda)", flush=True)
 
     # construction
 
@@ -275,7 +277,8 @@ class Trainer:
             "expert_imbalance": figures.pop("expert_imbalance"),
             "expert_imbalance_per_layer": figures.pop("expert_imbalance_per_layer"),
             "nonfinite_skips": self.nonfinite_skips,
-            **figures,  # bytes: param, grad, optimizer_state, peak_activation (the fullest rank's)
+            "memory_estimate_bytes": self.memory_estimate,  # the pre-flight's, beside what the step measured
+            **figures,  # bytes: param, grad, optimizer_state, peak_activation (the fullest rank's); host syncs
         }
 
     def print_banner(self) -> None:
@@ -311,36 +314,27 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step; its figures: the global mean loss, the expert imbalance after the balancing step
-        (max / mean tokens per expert over the global batch; the worst layer and each layer) and the memory
-        figures of :class:`moe.memory.MemoryMeter` (the fullest rank's)."""
+        (max / mean tokens per expert over the global batch; the worst layer and each layer), the memory
+        figures of :class:`moe.memory.MemoryMeter` (the fullest rank's) and, with ``metrics.sync_debug`` on CUDA
+        after the run's first step, this rank's host syncs from the pipeline step to the optimizer step
+        (:class:`moe.train.metrics.SyncDebug`; the meter's own synchronisations stay outside)."""
         lr = self.lr(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         inputs, labels = self.batch(self.train_loader, self.consumed_samples)
-        chunks = self.config.parallel.num_chunks
+        # the first step of the run warms up (communicators, allocator, lazy initialisation): its syncs are not counted
+        syncs = SyncDebug(self.device, enabled=self.config.metrics.sync_debug and step > self.first_step)
         self.meter.start_step()
         try:
-            loss, _ = self.pipe.step(
-                *inputs, num_chunks=chunks, criterion=lm_loss, labels=labels, loss_reduction="mean"
-            )
-            self._nan_drill(step)
-            if self.guard_nonfinite(step, loss):
-                reduce_gradients(self.modules, self.layout)
-                self.grad_norm = self.optimizer.clip_grad_norm_(self.config.optimizer.clip_grad or math.inf)
-                self.optimizer.step()
-                # The bias moves with the learning rate: routing scores drift about as fast as the weights do.
-                rate = bias_rate_at(self.model_config.bias_update_rate, lr, self.config.optimizer.lr)
-                balance_routers(self.modules, self.layout, rate=rate)
-                every = self.config.checkpoint.every
-                if every and step % every == 0 and not weights_are_finite(self.modules):
-                    raise TrainingError(
-                        f"error: non-finite weights after step {step}; its checkpoint is not written: lower --lr"
-                    )
+            with syncs:
+                loss = self.forward_backward_update(step, lr, inputs, labels)
         finally:
             memory = self.meter.stop_step()
         per_layer, figures = self._worst_over_ranks(memory)
         loss_mean, mtp = self._global_mean_losses(loss)
+        if syncs.result is not None:
+            figures.update(host_syncs=syncs.result.count, host_sync_sites=syncs.result.sites)
         return {
             "loss": loss_mean,
             **({"mtp_loss": mtp} if mtp is not None else {}),
@@ -348,6 +342,28 @@ class Trainer:
             "expert_imbalance_per_layer": per_layer,
             **figures,
         }
+
+    def forward_backward_update(self, step: int, lr: float, inputs: tuple, labels: tuple) -> torch.Tensor | None:
+        """The pipeline step over this rank's micro-batches, then (unless the guard skips it) the gradient
+        reduction, clipping, the optimizer step and the routers' balancing step; this rank's micro-batch losses
+        (None on a rank that computes none)."""
+        loss, _ = self.pipe.step(
+            *inputs, num_chunks=self.config.parallel.num_chunks, criterion=lm_loss, labels=labels, loss_reduction="mean"
+        )
+        self._nan_drill(step)
+        if self.guard_nonfinite(step, loss):
+            reduce_gradients(self.modules, self.layout)
+            self.grad_norm = self.optimizer.clip_grad_norm_(self.config.optimizer.clip_grad or math.inf)
+            self.optimizer.step()
+            # The bias moves with the learning rate: routing scores drift about as fast as the weights do.
+            rate = bias_rate_at(self.model_config.bias_update_rate, lr, self.config.optimizer.lr)
+            balance_routers(self.modules, self.layout, rate=rate)
+            every = self.config.checkpoint.every
+            if every and step % every == 0 and not weights_are_finite(self.modules):
+                raise TrainingError(
+                    f"error: non-finite weights after step {step}; its checkpoint is not written: lower --lr"
+                )
+        return loss
 
     def _worst_over_ranks(self, memory: dict[str, int]) -> tuple[dict[int, float], dict[str, int]]:
         """One MAX all-reduce over the world: each MoE layer's expert imbalance of the last balancing step (max /
