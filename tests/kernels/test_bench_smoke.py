@@ -11,6 +11,7 @@ import torch
 
 from bench import harness
 from bench import kernels as bench_kernels
+from kernels import reference_fp8
 
 
 def test_harness_warms_up_times_and_compares(tmp_path):
@@ -90,6 +91,28 @@ def test_check_close_passes_a_correct_bf16_gemm_and_fails_one_wrong_tile():
     moved[3] = 7  # one routed row sent to the wrong place
     assert "1 of 10" in harness.check_close((other, moved), (ref, ids), bench_kernels.dtype_tolerance).detail
     assert "reference torch.float32" in harness.check_close(other, ref.float(), bench_kernels.dtype_tolerance).detail
+
+
+def _round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    mantissa, exponent = torch.frexp(x)
+    return torch.ldexp(torch.round(mantissa * 2**bits) / 2**bits, exponent)
+
+
+def test_fp8_tolerance_passes_hopper_accumulation_and_fails_one_wrong_scale_tile():
+    gen = torch.Generator().manual_seed(1)
+    tile = reference_fp8.TILE
+    x, x_scale = reference_fp8.quantize_fp8(torch.randn(256, 8 * tile, generator=gen))
+    w, w_scale = reference_fp8.quantize_fp8(torch.randn(4 * tile, 8 * tile, generator=gen), (tile, tile))
+    ref = reference_fp8.fp8_gemm(x, x_scale, w, w_scale, out_dtype=torch.float32)
+    # A correct sm_90 kernel: each 128-wide slice summed keeping 14 bits, then promoted with its scales in float32.
+    xd, wd = reference_fp8.dequantize_fp8(x, x_scale), reference_fp8.dequantize_fp8(w, w_scale, (tile, tile))
+    slices = [_round_mantissa(xd[:, k : k + tile] @ wd[:, k : k + tile].t(), 14) for k in range(0, 8 * tile, tile)]
+    hopper = torch.stack(slices).sum(0)
+    assert harness.check_close(hopper, ref, bench_kernels.fp8_tolerance).passed
+    wrong_scale = w_scale.clone()
+    wrong_scale[1, 2] *= 2  # one 128x128 weight tile read with twice its scale
+    wrong = reference_fp8.fp8_gemm(x, x_scale, w, wrong_scale, out_dtype=torch.float32)
+    assert not harness.check_close(wrong, ref, bench_kernels.fp8_tolerance).passed
 
 
 def test_kernel_benchmark_cli_on_the_reference_path(tmp_path, force_torch, capsys):
