@@ -421,7 +421,7 @@ class KernelBench:
     def __init__(self, bench: Bench, backend: str) -> None:
         self.bench, self.backend = bench, backend
         self.failed: list[Row] = []
-        self._baselines: dict[tuple[str, str], Row] = {}
+        self._baselines: dict[tuple[str, str], Row | None] = {}
 
     def run(self, case: Case, inp: Inputs) -> None:
         """Check ``case`` against the reference, then time it and its peers (failures become rows and notes; with
@@ -452,10 +452,19 @@ class KernelBench:
                 self.bench.untimed(case.op, name, label, row_check)
             return
         measure = functools.partial(self.bench.measure, case.op, shape=label, flops=case.flops, bytes=nbytes)
-        row = measure(impl, fn=case.fn, args=case.args, check=check)
-        peer_rows = [measure(peer.impl, fn=peer.fn, args=peer.args, check=peer_check) for peer, peer_check in peers]
-        for (peer, _), peer_row in zip(peers, peer_rows, strict=True):
-            self.bench.compare(row, peer_row, peer.ratio)
+        try:
+            row = measure(impl, fn=case.fn, args=case.args, check=check)
+        except Exception as exc:  # out of memory for the rotated copies, a launch that fails when repeated
+            self.failed.append(self.bench.untimed(case.op, impl, label, _failure(exc, f"{impl} timed")))
+            return
+        peer_rows = []
+        for peer, peer_check in peers:
+            try:
+                peer_rows.append(measure(peer.impl, fn=peer.fn, args=peer.args, check=peer_check))
+            except Exception as exc:  # torch's, not ours: a note
+                self.bench.notes.append(f"{peer.impl} {case.op} {label}: left out ({_failure(exc, 'timed').detail})")
+                continue
+            self.bench.compare(row, peer_rows[-1], peer.ratio)
         for name, ratio, metric in case.against:
             other = self._row(name, inp)
             if other is not None:
@@ -488,9 +497,13 @@ class KernelBench:
         if name in BASELINES:
             key = (inp.shape.label, name)
             if key not in self._baselines:
-                impl, fn, args, work = BASELINES[name](inp)
-                self._baselines[key] = self.bench.measure(name, impl, inp.shape.label, fn, args=args, baseline=True,
-                                                          **work)  # fmt: skip
+                try:
+                    impl, fn, args, work = BASELINES[name](inp)
+                    row = self.bench.measure(name, impl, inp.shape.label, fn, args=args, baseline=True, **work)
+                except Exception as exc:  # the ops keep their own rows; only their ratios to it are lost
+                    self.bench.notes.append(f"{name} {inp.shape.label}: left out ({_failure(exc, 'timed').detail})")
+                    row = None
+                self._baselines[key] = row
             return self._baselines[key]
         rows = [r for r in self.bench.rows if r.op == name and r.shape == inp.shape.label and is_ours(r)]
         return rows[0] if rows else None

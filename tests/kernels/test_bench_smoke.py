@@ -11,7 +11,7 @@ import torch
 
 from bench import harness
 from bench import kernels as bench_kernels
-from kernels import reference_fp8
+from kernels import reference, reference_fp8
 
 
 def test_harness_warms_up_times_and_compares(tmp_path):
@@ -140,6 +140,27 @@ def test_kernel_benchmark_cli_on_the_reference_path(tmp_path, force_torch, capsy
     assert "vs_copy_bw" in by_key[("permute", "ops[torch]")]["ratios"]
     assert "speedup_vs_bf16" in by_key[("fp8_grouped_wgrad", "ops[torch]")]["ratios"]
     assert "saved" in capsys.readouterr().out
+
+
+def test_a_call_that_fails_when_timed_is_a_failed_row(tmp_path, force_torch, monkeypatch):
+    # Out of memory for the rotated copies: the op's row fails, the next op still runs, the command exits non-zero.
+    right, calls = reference.swiglu, []
+
+    def runs_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+        return right(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "swiglu", runs_once)  # the switch looks it up at call time
+    with pytest.raises(SystemExit, match=r"1 kernel check\(s\) failed: swiglu ops\[torch\]"):
+        bench_kernels.main(["--device", "cpu", "--repeats", "1", "--warmup", "0", "--only", "swiglu", "--only",
+                            "router_topk", "--out", str(tmp_path)])  # fmt: skip
+    (path,) = tmp_path.glob("kernels-*.json")
+    rows = {r["op"]: r for r in json.loads(path.read_text())["rows"] if not r["baseline"]}
+    detail = "ops[torch] timed raised RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert rows["swiglu"]["ms"] is None and rows["swiglu"]["check"] == {"passed": False, "detail": detail}
+    assert rows["router_topk"]["ms"] > 0
 
 
 def test_a_spent_budget_starts_no_more_ops_and_saves_what_ran(tmp_path, force_torch):
