@@ -10,14 +10,26 @@ quantized how for each GEMM of training, through the backend switch :mod:`kernel
 GEMM       operands                            result
 =========  ==================================  =====================================
 forward    x in 1x128 tiles, W in 128x128      y in the input's dtype
-dgrad      dy in 1x128 tiles, W (transposed)   dx in dy's dtype
+dgrad      dy in 1x128 tiles, W^T in 128x128   dx in dy's dtype
 wgrad      dy and x in 128x1 tiles             dW in float32 (weight gradients add
                                                up in float32)
 =========  ==================================  =====================================
 
-Weights are quantized from the master copy's compute-dtype weight on every call (forward and input gradient
-quantize the same tensor the same way, so they agree bit for bit). :class:`Quantized` is an FP8 tensor with
-its scales: what :class:`FP8Recipe` ``save_fp8`` keeps for backward in the expert MLP.
+Every operand reaches its GEMM K-major (its contraction dimension contiguous), the one layout in which sm_90's
+FP8 tensor cores take it from shared memory without a transpose through registers (:mod:`kernels.reference_fp8`,
+"Layouts"): activations and gradients as rows ``[T, K]``; weights as ``[N, K]`` for the forward and ``[K, N]``
+for the input gradient (the contraction then runs over N); the weight gradient's 128x1 operands stored with the
+tokens contiguous.
+
+Weights are quantized from the master copy's compute-dtype weight on every call, each phase into the storage it
+reads: a transposed view where the master layout is not K-major (an expert weight ``[E, K, N]`` for the forward,
+a linear's ``[N, K]`` for the input gradient), which the quantizer writes into transposed storage in the same
+pass. A 128x128 block and its transpose share one amax, so both phases see the same FP8 weight bit for bit. Why
+not quantize once and keep the second layout for backward: it would save the input gradient's quantization pass
+(3 bytes per weight element, small beside a GEMM that reads its expert's weight once per 128-row tile) but hold
+an FP8 copy of every expert weight from the forward to the backward, DualPipe keeping several micro-batches in
+flight. :class:`Quantized` is an FP8 tensor with its scales: what :class:`FP8Recipe` ``save_fp8`` keeps for
+backward in the expert MLP.
 """
 
 from __future__ import annotations
@@ -58,7 +70,8 @@ class FP8Recipe:
 
 
 class Quantized(NamedTuple):
-    """An FP8 tensor in 1x128 tiles along its last dimension and its float32 scales."""
+    """An FP8 tensor ``[T, K]`` in 1x128 tiles along its last dimension and its float32 scales ``[T, ceil(K /
+    128)]``, MN-major (:func:`kernels.reference_fp8.mn_major`)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -82,13 +95,14 @@ def linear_forward(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
 def linear_dgrad(dy: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     """Input gradient ``dy @ W`` with FP8 operands -> ``[..., K]`` in dy's dtype."""
     dyq = quantize_rows(dy)
-    wq_NK, w_scale = ops.quantize_fp8(w_NK, _WEIGHT_BLOCK)
-    dx_TK = ops.fp8_gemm(dyq.q, dyq.scale, wq_NK.t(), w_scale.t(), out_dtype=dy.dtype)
+    wq_KN, w_scale = ops.quantize_fp8(w_NK.t(), _WEIGHT_BLOCK)  # K-major for the contraction over N
+    dx_TK = ops.fp8_gemm(dyq.q, dyq.scale, wq_KN, w_scale, out_dtype=dy.dtype)
     return dx_TK.view(*dy.shape[:-1], w_NK.shape[1])
 
 
 def linear_wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Weight gradient ``dy^T @ x`` over all tokens, operands in 128x1 tiles -> ``[N, K]`` float32."""
+    """Weight gradient ``dy^T @ x`` over all tokens, operands in 128x1 tiles stored tokens-contiguous -> ``[N, K]``
+    float32."""
     a = ops.quantize_fp8_columns(dy.reshape(-1, dy.shape[-1]))
     b = ops.quantize_fp8_columns(x.reshape(-1, x.shape[-1]))
     return ops.fp8_gemm_wgrad(*a, *b)
@@ -105,9 +119,9 @@ def grouped_forward(
     """FP8 :func:`kernels.ops.grouped_gemm` -> y ``[M, N]`` in x's dtype. ``x_fp8``: x already quantized
     (:func:`quantize_rows`), by a caller that keeps it."""
     xq = quantize_rows(x_MK) if x_fp8 is None else x_fp8
-    wq, w_scale = ops.quantize_fp8(w_EKN, _WEIGHT_BLOCK)
+    wq_ENK, w_scale = ops.quantize_fp8(w_EKN.transpose(1, 2), _WEIGHT_BLOCK)  # K-major: [E, N, K] storage
     return ops.fp8_grouped_gemm(
-        xq.q, xq.scale, wq, w_scale, tokens_per_expert_E, out_dtype=x_MK.dtype, comm_sms=comm_sms
+        xq.q, xq.scale, wq_ENK, w_scale, tokens_per_expert_E, out_dtype=x_MK.dtype, comm_sms=comm_sms
     )
 
 
@@ -116,15 +130,11 @@ def grouped_dgrad(
 ) -> torch.Tensor:
     """FP8 :func:`kernels.ops.grouped_gemm_dgrad`: ``dx[rows of e] = dy[rows of e] @ w[e]^T`` -> ``[M, K]``."""
     dyq = quantize_rows(dy_MN)
-    wq, w_scale = ops.quantize_fp8(w_EKN, _WEIGHT_BLOCK)
+    # The contraction runs over N: w as stored, [E, K, N], is the K-major operand ("w_ENK" of the op, N and K
+    # swapping roles).
+    wq_EKN, w_scale = ops.quantize_fp8(w_EKN, _WEIGHT_BLOCK)
     return ops.fp8_grouped_gemm(
-        dyq.q,
-        dyq.scale,
-        wq.transpose(1, 2),
-        w_scale.transpose(1, 2),
-        tokens_per_expert_E,
-        out_dtype=dy_MN.dtype,
-        comm_sms=comm_sms,
+        dyq.q, dyq.scale, wq_EKN, w_scale, tokens_per_expert_E, out_dtype=dy_MN.dtype, comm_sms=comm_sms
     )
 
 
@@ -132,7 +142,8 @@ def grouped_wgrad(
     x_MK: torch.Tensor, dy_MN: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, comm_sms: int = 0
 ) -> torch.Tensor:
     """FP8 :func:`kernels.ops.grouped_gemm_wgrad`: ``dw[e] = x[rows of e]^T @ dy[rows of e]`` -> ``[E, K, N]``
-    float32, the operands in 128x1 tiles that restart at every expert."""
+    float32, the operands in 128x1 tiles that restart at every expert (stored tokens-contiguous, each expert's
+    tiles 128-row aligned: :func:`kernels.ops.quantize_fp8_columns`)."""
     a = ops.quantize_fp8_columns(x_MK, tokens_per_expert_E)
     b = ops.quantize_fp8_columns(dy_MN, tokens_per_expert_E)
     return ops.fp8_gemm_wgrad(*a, *b, tokens_per_expert_E, comm_sms=comm_sms)

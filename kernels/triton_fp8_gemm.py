@@ -2,7 +2,7 @@
 experts' grouped GEMM (:func:`fp8_grouped_gemm`) and the weight gradient over rows (:func:`fp8_gemm_wgrad`).
 
 Legend for shape suffixes: M rows (tokens, sorted by expert for the grouped ops), K the contraction, N output
-features, E groups (experts), J ``ceil(K / 128)``, T tiles of 128 rows.
+features, E groups (experts), J ``ceil(K / 128)``, T tiles of 128 rows, C their rows (128 T).
 
 Every K loop steps 128 elements at a time, one scale tile: ``tl.dot`` multiplies the FP8 operands on the
 tensor cores (``wgmma ... e4m3.e4m3`` on sm_90) into a fresh float32 tile, which is added to the float32
@@ -13,9 +13,18 @@ result equals :mod:`kernels.reference_fp8`'s ``dequantize @ dequantize`` up to t
 
 The grouped GEMM and the weight gradient are persistent like :mod:`kernels.triton_grouped_gemm` (``num_sms -
 comm_sms`` programs) and read the group sizes on the device only: no host sync, and the row counts may sum to
-less than M (padded rows: the grouped GEMM writes zeros there, as the reference does, through one more work
-group of M - sum rows; the weight gradient never reads them). Operands take any strides (the input gradient
-passes the weight transposed as a view).
+less than M. Padded rows past the groups are neither read nor written, as in the bf16 grouped GEMM (the
+reference writes zeros there: compare the routed rows); at ep = 8 a sync-free batch pads to about 8x the
+routed rows, all of which a zero fill would have written.
+
+Layouts (:mod:`kernels.reference_fp8`, "Layouts"). Every operand is loaded K-major, the contraction dimension
+contiguous: x ``[M, K]`` and w ``[N, K]`` / ``[E, N, K]``, and the weight gradient's ``[C, N]``, ``[C, K]``
+views of tokens-contiguous storage. That is the only order in which sm_90's ``wgmma`` takes 8-bit operands from
+shared memory; in any other Triton transposes the tile through registers and the loads lose their cp.async
+pipelining (``python -m kernels.aot --only fp8``; numbers in ``kernels/NOTES.md``). The weight gradient's
+groups start at 128-row tiles, so its loads along the tokens are aligned and unmasked. The 1x128 scales are
+MN-major (one contiguous load per slice for a tile's rows). The launchers still take any strides, with the
+same results.
 
 On CUDA the tile shape is autotuned over :data:`_CUDA_CONFIGS` (the warm-up tunes each key up front); in
 Triton's interpreter one small config runs (it multiplies FP8 exactly, decoding through fp16).
@@ -56,8 +65,9 @@ _CUDA_WGRAD_CONFIGS = (
     BlockConfig(block_m=TILE, block_n=64, block_k=128, num_warps=4, num_stages=4),
 )
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Row counts change every step (routed rows): never specialised on, so they add no compile classes.
-_ROW_COUNTS = ("M",)
+# Row counts change every step (routed rows): never specialised on, so they add no compile classes. The 1x128
+# scales' stride between slices is the row count (MN-major); the weight gradient's T is its tile count.
+_ROW_COUNTS = ("M", "T", "stride_asj", "stride_xsj")
 
 
 @triton.jit
@@ -105,20 +115,18 @@ def _fp8_gemm_kernel(
 
 @triton.jit(do_not_specialize=_ROW_COUNTS)
 def _fp8_grouped_gemm_kernel(
-    x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, counts_ptr, M, N, K, E,
-    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_xsm, stride_xsj, stride_wse, stride_wsi,
+    x_ptr, w_ptr, xs_ptr, ws_ptr, y_ptr, counts_ptr, N, K, E,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_xsm, stride_xsj, stride_wse, stride_wsi,
     stride_wsj,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    """y[rows of e] = (x * x_scale)[rows of e] @ (w[e] * w_scale[e]); zeros in the rows past the groups.
+    """y[rows of e] = (x * x_scale)[rows of e] @ (w[e] * w_scale[e])^T; x [M, K], w [E, N, K], y [M, N] row-major.
 
-    Work items are (group, m-tile, n-tile) as in the bf16 grouped GEMM, with one more group at index E: the
-    M - sum(counts) padding rows, whose tiles store zeros.
+    Work items are (group, m-tile, n-tile) as in the bf16 grouped GEMM: rows past the groups are no work item,
+    so they are neither read nor written.
     """
     offs_e = tl.arange(0, BLOCK_E)
     counts_E = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
-    counts_E = tl.where(offs_e == E, tl.maximum(M - tl.sum(counts_E, axis=0), 0), counts_E)
     row_end_E, n_tiles, m_tiles_E, tiles_E, tile_end_E, total_tiles = _expert_tiles(counts_E, N, BLOCK_M, BLOCK_N)
 
     tile = tl.program_id(0)
@@ -129,15 +137,12 @@ def _fp8_grouped_gemm_kernel(
         rows = (row_lo + m_tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask, col_mask = rows < row_hi, cols < N
-        if e < E:
-            e64 = e.to(tl.int64)
-            acc = _scaled_tile(
-                x_ptr, w_ptr + e64 * stride_we, xs_ptr, ws_ptr + e64 * stride_wse, rows, cols, row_mask, col_mask,
-                K, stride_xm, stride_xk, stride_wk, stride_wn, stride_xsm, stride_xsj, stride_wsi, stride_wsj,
-                BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        e64 = e.to(tl.int64)
+        acc = _scaled_tile(
+            x_ptr, w_ptr + e64 * stride_we, xs_ptr, ws_ptr + e64 * stride_wse, rows, cols, row_mask, col_mask,
+            K, stride_xm, stride_xk, stride_wk, stride_wn, stride_xsm, stride_xsj, stride_wsj, stride_wsi,
+            BLOCK_M, BLOCK_N,
+        )  # fmt: skip
         y = acc.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=row_mask[:, None] & col_mask[None, :])
         tile += tl.num_programs(0)
@@ -145,45 +150,42 @@ def _fp8_grouped_gemm_kernel(
 
 @triton.jit(do_not_specialize=_ROW_COUNTS)
 def _fp8_wgrad_kernel(
-    a_ptr, b_ptr, as_ptr, bs_ptr, dw_ptr, counts_ptr, M, N, K, E,
-    stride_am, stride_an, stride_bm, stride_bk, stride_ast, stride_asn, stride_bst, stride_bsk,
+    a_ptr, b_ptr, as_ptr, bs_ptr, dw_ptr, counts_ptr, T, N, K, E,
+    stride_ac, stride_an, stride_bc, stride_bk, stride_ast, stride_asn, stride_bst, stride_bsk,
     GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    """dw[e] = sum over group e's 128-row tiles t of (a[t]^T @ b[t]) * a_scale[t, n] * b_scale[t, k]; a [M, N] and
-    b [M, K] in 128x1 tiles restarting per group, dw [E, N, K] float32 row-major (zeros for an empty group)."""
+    """dw[e] = sum over group e's tiles t of (a[t]^T @ b[t]) * a_scale[t, n] * b_scale[t, k]; a [C, N] and b [C, K]
+    in 128x1 tiles (tile t: rows 128 t .. 128 t + 127, group e's tiles t_e .. from the counts, zeros past its
+    rows, so every tile is read whole), dw [E, N, K] float32 row-major (zeros for an empty group)."""
     k_tiles = tl.cdiv(K, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
     if GROUPED:
         offs_e = tl.arange(0, BLOCK_E)
         counts_E = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
-        row_end_E = tl.cumsum(counts_E, axis=0)
-        scale_tiles_E = tl.cdiv(counts_E, 128)
-        scale_end_E = tl.cumsum(scale_tiles_E, axis=0)
+        tiles_E = tl.cdiv(counts_E, 128)
+        tile_end_E = tl.cumsum(tiles_E, axis=0)
     for tile in range(tl.program_id(0), E * n_tiles * k_tiles, tl.num_programs(0)):
         e = tile // (n_tiles * k_tiles)
         local = tile % (n_tiles * k_tiles)
         ns = (local // k_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = (local % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
         n_mask, k_mask = ns < N, ks < K
+        ns64, ks64 = ns.to(tl.int64), ks.to(tl.int64)  # a feature's stored row of C tokens: N * C passes 2**31
         if GROUPED:
             is_e = offs_e == e
-            row_hi = tl.sum(tl.where(is_e, row_end_E, 0), axis=0)
-            row_lo = row_hi - tl.sum(tl.where(is_e, counts_E, 0), axis=0)
-            t_lo = tl.sum(tl.where(is_e, scale_end_E - scale_tiles_E, 0), axis=0)
+            t_hi = tl.sum(tl.where(is_e, tile_end_E, 0), axis=0)
+            t_lo = t_hi - tl.sum(tl.where(is_e, tiles_E, 0), axis=0)
         else:
-            row_lo, row_hi, t_lo = 0, M, 0
+            t_lo, t_hi = 0, T
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for t in range(0, tl.cdiv(row_hi - row_lo, 128)):
-            rows = (row_lo + t * 128 + tl.arange(0, 128)).to(tl.int64)
-            row_mask = rows < row_hi
-            # a^T tile [BN, 128]: read column-wise from a [M, N], the layout tl.dot wants as its left operand.
-            at = tl.load(a_ptr + rows[None, :] * stride_am + ns[:, None] * stride_an,
-                         mask=n_mask[:, None] & row_mask[None, :], other=0.0)  # fmt: skip
-            b = tl.load(b_ptr + rows[:, None] * stride_bm + ks[None, :] * stride_bk,
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-            scale_row = t_lo + t  # scale rows are few: row * N stays far below 2**31
-            a_s = tl.load(as_ptr + scale_row * stride_ast + ns * stride_asn, mask=n_mask, other=0.0)
-            b_s = tl.load(bs_ptr + scale_row * stride_bst + ks * stride_bsk, mask=k_mask, other=0.0)
+        for t in range(t_lo, t_hi):
+            # A tile starts at a multiple of 128 rows: with the rows contiguous (K-major) its loads are aligned
+            # 16-byte vectors, which the pipeliner turns into cp.async.
+            rows = t * 128 + tl.arange(0, 128)
+            at = tl.load(a_ptr + ns64[:, None] * stride_an + rows[None, :] * stride_ac, mask=n_mask[:, None], other=0.0)
+            b = tl.load(b_ptr + rows[:, None] * stride_bc + ks64[None, :] * stride_bk, mask=k_mask[None, :], other=0.0)
+            a_s = tl.load(as_ptr + t * stride_ast + ns * stride_asn, mask=n_mask, other=0.0)
+            b_s = tl.load(bs_ptr + t * stride_bst + ks * stride_bsk, mask=k_mask, other=0.0)
             acc += tl.dot(at, b) * (a_s[:, None] * b_s[None, :])
         out = dw_ptr + e.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :]
         tl.store(out, acc, mask=n_mask[:, None] & k_mask[None, :])
@@ -219,35 +221,37 @@ def _gemm_launch(a_MK, a_scale_MJ, b_NK, b_scale, y_MN) -> _Launch:
     return _Launch(_fp8_gemm_kernel, args, {}, work, tune_key, _CUDA_CONFIGS)
 
 
-def _grouped_launch(x_MK, x_scale_MJ, w_EKN, w_scale_EIJ, counts_E, y_MN) -> _Launch:
-    (m, k), (num_experts, _, n) = x_MK.shape, w_EKN.shape
-    args = {"x_ptr": x_MK, "w_ptr": w_EKN, "xs_ptr": x_scale_MJ, "ws_ptr": w_scale_EIJ, "y_ptr": y_MN,
-            "counts_ptr": counts_E, "M": m, "N": n, "K": k, "E": num_experts, **_strides("stride_x", "mk", x_MK),
-            **_strides("stride_w", "ekn", w_EKN), **_strides("stride_xs", "mj", x_scale_MJ),
+def _grouped_launch(x_MK, x_scale_MJ, w_ENK, w_scale_EIJ, counts_E, y_MN) -> _Launch:
+    (m, k), (num_experts, n, _) = x_MK.shape, w_ENK.shape
+    args = {"x_ptr": x_MK, "w_ptr": w_ENK, "xs_ptr": x_scale_MJ, "ws_ptr": w_scale_EIJ, "y_ptr": y_MN,
+            "counts_ptr": counts_E, "N": n, "K": k, "E": num_experts, **_strides("stride_x", "mk", x_MK),
+            **_strides("stride_w", "enk", w_ENK), **_strides("stride_xs", "mj", x_scale_MJ),
             **_strides("stride_ws", "eij", w_scale_EIJ)}  # fmt: skip
 
     def work(meta: dict) -> int:
-        # sum over the E groups and the padding group of ceil(rows / BM) <= ceil(M / BM) + E + 1: a bound known
-        # without reading the counts (the grid is capped at the SMs left to compute anyway).
-        return (triton.cdiv(m, meta["BLOCK_M"]) + num_experts + 1) * triton.cdiv(n, meta["BLOCK_N"])
+        # sum over the E groups of ceil(rows / BM) <= ceil(M / BM) + E: a bound known without reading the counts
+        # (the grid is capped at the SMs left to compute anyway; see the bf16 grouped GEMM).
+        return (triton.cdiv(m, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"])
 
-    tune_key = ("N", "K", "stride_xk", "stride_wk", "stride_wn")
-    options = {"BLOCK_E": triton.next_power_of_2(num_experts + 1)}
+    tune_key = ("N", "K", "stride_xk", "stride_wn", "stride_wk")
+    options = {"BLOCK_E": triton.next_power_of_2(num_experts)}
     return _Launch(_fp8_grouped_gemm_kernel, args, options, work, tune_key, _CUDA_CONFIGS)
 
 
-def _wgrad_launch(a_MN, a_scale_TN, b_MK, b_scale_TK, counts_E, dw_ENK) -> _Launch:
-    (m, n), k = a_MN.shape, b_MK.shape[1]
+def _wgrad_launch(a_CN, a_scale_TN, b_CK, b_scale_TK, counts_E, dw_ENK) -> _Launch:
+    (tiles, n), k = a_scale_TN.shape, b_CK.shape[1]
     num_groups = dw_ENK.shape[0]
-    args = {"a_ptr": a_MN, "b_ptr": b_MK, "as_ptr": a_scale_TN, "bs_ptr": b_scale_TK, "dw_ptr": dw_ENK,
-            "counts_ptr": counts_E, "M": m, "N": n, "K": k, "E": num_groups, **_strides("stride_a", "mn", a_MN),
-            **_strides("stride_b", "mk", b_MK), **_strides("stride_as", "tn", a_scale_TN),
+    args = {"a_ptr": a_CN, "b_ptr": b_CK, "as_ptr": a_scale_TN, "bs_ptr": b_scale_TK, "dw_ptr": dw_ENK,
+            "counts_ptr": counts_E, "T": tiles, "N": n, "K": k, "E": num_groups, **_strides("stride_a", "cn", a_CN),
+            **_strides("stride_b", "ck", b_CK), **_strides("stride_as", "tn", a_scale_TN),
             **_strides("stride_bs", "tk", b_scale_TK)}  # fmt: skip
 
     def work(meta: dict) -> int:
         return num_groups * triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"])
 
-    tune_key = ("N", "K", "stride_am", "stride_an", "stride_bm", "stride_bk")
+    # The layout, not the storage's row stride (C = 128 T, which moves with the routed rows every step: an
+    # autotune key holding it would tune again each step).
+    tune_key = ("N", "K", "stride_ac", "stride_bc")
     options = {"GROUPED": counts_E is not None, "BLOCK_E": triton.next_power_of_2(num_groups)}
     return _Launch(_fp8_wgrad_kernel, args, options, work, tune_key, _CUDA_WGRAD_CONFIGS)
 
@@ -316,9 +320,9 @@ def _check_counts(name: str, counts_E: torch.Tensor, device: torch.device) -> No
 
 
 def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
-    """t as the launcher receives it from kernels.ops (contiguous: its switch copies Triton operands so), on the
-    meta device: a key never allocates or copies."""
-    return None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+    """t on the meta device with its strides (the switch hands these launchers their tensors as they are, and the
+    strides are part of a launch's class): a key never allocates or copies."""
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def _key(launch: _Launch) -> tuple:
@@ -331,13 +335,14 @@ def _gemm_out(a_MK, b_NK, out_dtype) -> torch.Tensor:
     return torch.empty(a_MK.shape[0], b_NK.shape[0], dtype=out_dtype, device=a_MK.device)
 
 
-def _grouped_out(x_MK, w_EKN, out_dtype) -> torch.Tensor:
-    return torch.empty(x_MK.shape[0], w_EKN.shape[2], dtype=out_dtype, device=x_MK.device)
+def _grouped_out(x_MK, w_ENK, out_dtype) -> torch.Tensor:
+    """y [M, N], uninitialised: the kernel writes the groups' rows only."""
+    return torch.empty(x_MK.shape[0], w_ENK.shape[1], dtype=out_dtype, device=x_MK.device)
 
 
-def _wgrad_out(a_MN, b_MK, counts_E) -> torch.Tensor:
+def _wgrad_out(a_CN, b_CK, counts_E) -> torch.Tensor:
     num_groups = 1 if counts_E is None else counts_E.shape[0]
-    dw_ENK = torch.empty(num_groups, a_MN.shape[1], b_MK.shape[1], dtype=torch.float32, device=a_MN.device)
+    dw_ENK = torch.empty(num_groups, a_CN.shape[1], b_CK.shape[1], dtype=torch.float32, device=a_CN.device)
     return dw_ENK if counts_E is not None else dw_ENK[0]
 
 
@@ -346,14 +351,14 @@ def _gemm_key(a_MK, a_scale_MJ, b_NK, b_scale, *, out_dtype=torch.bfloat16) -> t
     return _key(_gemm_launch(a, _meta(a_scale_MJ), b, _meta(b_scale), _gemm_out(a, b, out_dtype)))
 
 
-def _grouped_key(x_MK, x_scale_MJ, w_EKN, w_scale_EIJ, counts_E, *, out_dtype=torch.bfloat16, comm_sms=0) -> tuple:
-    x, w = _meta(x_MK), _meta(w_EKN)
+def _grouped_key(x_MK, x_scale_MJ, w_ENK, w_scale_EIJ, counts_E, *, out_dtype=torch.bfloat16, comm_sms=0) -> tuple:
+    x, w = _meta(x_MK), _meta(w_ENK)
     y = _grouped_out(x, w, out_dtype)
     return _key(_grouped_launch(x, _meta(x_scale_MJ), w, _meta(w_scale_EIJ), _meta(counts_E), y))
 
 
-def _wgrad_key(a_MN, a_scale_TN, b_MK, b_scale_TK, counts_E=None, *, comm_sms=0) -> tuple:
-    a, b, counts = _meta(a_MN), _meta(b_MK), _meta(counts_E)
+def _wgrad_key(a_CN, a_scale_TN, b_CK, b_scale_TK, counts_E=None, *, comm_sms=0) -> tuple:
+    a, b, counts = _meta(a_CN), _meta(b_CK), _meta(counts_E)
     dw = _wgrad_out(a, b, counts)
     return _key(_wgrad_launch(a, _meta(a_scale_TN), b, _meta(b_scale_TK), counts, dw.view(-1, *dw.shape[-2:])))
 
@@ -372,33 +377,49 @@ _WGRAD = Specialization(
 
 @register_aot
 def _aot_specs(shapes: KernelShapes) -> list:
-    """Every CUDA config of: the FP8 linear's GEMM at each of ``shapes.fp8_linears`` (T token rows), the experts'
-    forward grouped GEMM (x [T x top-k, D] @ w [E, D, 2F]) and their weight gradient (dw [E, D, 2F] from the
-    routed rows in 128x1 tiles)."""
+    """Every CUDA config of every phase, its operands in the layouts :mod:`kernels.fp8` hands them: the FP8
+    linear's forward and input gradient at each of ``shapes.fp8_linears`` (T token rows), the experts' forward
+    grouped GEMM (x [T x top-k, D] @ w1[e], w1 quantized into [E, 2F, D]), its input gradient (dh [T x top-k, 2F]
+    @ w1[e]^T, w1 as stored, [E, D, 2F]) and their weight gradient (dw [E, D, 2F] from the routed rows in 128x1
+    tiles, tokens-contiguous)."""
     from kernels.aot import launch_spec
 
     def meta(*shape: int, dtype: torch.dtype = FP8_DTYPE) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    def scales(*shape: int) -> torch.Tensor:
-        return meta(*shape, dtype=torch.float32)
-
-    t, m = shapes.tokens, shapes.tokens * shapes.top_k
-    d, f2, e = shapes.hidden, 2 * shapes.expert_intermediate, shapes.num_local_experts
-    tiles = column_tile_rows(m, e)
-
     def tiles_of(size: int) -> int:
         return triton.cdiv(size, TILE)
 
+    def rows(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[m, k] in 1x128 tiles, the scales MN-major."""
+        return meta(m, k), meta(tiles_of(k), m, dtype=torch.float32).t()
+
+    def weight(*lead: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[..., n, k] in 128x128 blocks (K-major)."""
+        return meta(*lead, n, k), meta(*lead, tiles_of(n), tiles_of(k), dtype=torch.float32)
+
+    def columns(c: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[c, k] in 128x1 tiles, a view of [k, c] storage."""
+        return meta(k, c).t(), meta(c // TILE, k, dtype=torch.float32)
+
+    t, m = shapes.tokens, shapes.tokens * shapes.top_k
+    d, f2, e = shapes.hidden, 2 * shapes.expert_intermediate, shapes.num_local_experts
     launches = {}
     for k, n in shapes.fp8_linears:
-        a, a_s, b, b_s = meta(t, k), scales(t, tiles_of(k)), meta(n, k), scales(tiles_of(n), tiles_of(k))
-        launches[f"fp8_gemm {k}->{n}"] = _gemm_launch(a, a_s, b, b_s, meta(t, n, dtype=shapes.dtype))
-    x, x_s, w, w_s = meta(m, d), scales(m, tiles_of(d)), meta(e, d, f2), scales(e, tiles_of(d), tiles_of(f2))
+        launches[f"fp8_gemm {k}->{n}"] = _gemm_launch(*rows(t, k), *weight(n=n, k=k), meta(t, n, dtype=shapes.dtype))
+        launches[f"fp8_gemm dgrad {n}->{k}"] = _gemm_launch(
+            *rows(t, n), *weight(n=k, k=n), meta(t, k, dtype=shapes.dtype)
+        )
     counts = meta(e, dtype=torch.int64)
-    launches["fp8_grouped_gemm"] = _grouped_launch(x, x_s, w, w_s, counts, meta(m, f2, dtype=shapes.dtype))
+    launches["fp8_grouped_gemm"] = _grouped_launch(
+        *rows(m, d), *weight(e, n=f2, k=d), counts, meta(m, f2, dtype=shapes.dtype)
+    )
+    launches["fp8_grouped_gemm dgrad"] = _grouped_launch(
+        *rows(m, f2), *weight(e, n=d, k=f2), counts, meta(m, d, dtype=shapes.dtype)
+    )
+    c = column_tile_rows(m, e) * TILE
     dw = meta(e, d, f2, dtype=torch.float32)
-    launches["fp8_gemm_wgrad"] = _wgrad_launch(x, scales(tiles, d), meta(m, f2), scales(tiles, f2), counts, dw)
+    launches["fp8_gemm_wgrad"] = _wgrad_launch(*columns(c, d), *columns(c, f2), counts, dw)
     specs = []
     for name, launch in launches.items():
         for cfg in launch.configs:
@@ -420,7 +441,8 @@ def fp8_gemm(
     """``y = dequantize(a) @ dequantize(b)^T`` -> ``[M, N]`` in out_dtype, float32 accumulation promoted every 128.
 
     a: ``[M, K]`` float8_e4m3fn in 1x128 tiles, a_scale ``[M, J]``; b: ``[N, K]`` float8_e4m3fn in 128x128
-    blocks, b_scale ``[ceil(N/128), J]``; any strides (the input gradient's transposed weight view).
+    blocks, b_scale ``[ceil(N/128), J]``: a linear's weight for the forward, ``W^T`` quantized into ``[K, N]``
+    storage for the input gradient. Any strides; K-major operands and MN-major a_scale pipeline on sm_90.
     """
     _check_fp8("fp8_gemm", a=a_MK, b=b_NK)
     (m, k), n = a_MK.shape, b_NK.shape[0]
@@ -441,70 +463,72 @@ def fp8_gemm(
 def fp8_grouped_gemm(
     x_MK: torch.Tensor,
     x_scale_MJ: torch.Tensor,
-    w_EKN: torch.Tensor,
+    w_ENK: torch.Tensor,
     w_scale_EIJ: torch.Tensor,
     tokens_per_expert_E: torch.Tensor,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     comm_sms: int = 0,
 ) -> torch.Tensor:
-    """FP8 grouped GEMM: ``y[rows of e] = dequantize(x)[rows of e] @ dequantize(w[e])`` -> ``[M, N]`` in
-    out_dtype, zeros in the rows past the groups.
+    """FP8 grouped GEMM: ``y[rows of e] = dequantize(x)[rows of e] @ dequantize(w[e])^T`` -> ``[M, N]`` in
+    out_dtype; rows past the groups are left unwritten.
 
-    x: ``[M, K]`` float8_e4m3fn in 1x128 tiles, x_scale ``[M, J]``; w: ``[E, K, N]`` float8_e4m3fn in 128x128
-    blocks, w_scale ``[E, J, ceil(N/128)]`` (the input gradient passes ``w.transpose(1, 2)`` and its scales
-    transposed: any strides); tokens_per_expert ``[E]`` int32/int64 on the device, summing to at most M, never
-    read on the host. comm_sms SMs are left to communication.
+    x: ``[M, K]`` float8_e4m3fn in 1x128 tiles, x_scale ``[M, J]``; w: ``[E, N, K]`` float8_e4m3fn in 128x128
+    blocks, w_scale ``[E, ceil(N/128), J]`` (any strides; K-major operands and MN-major x_scale pipeline on
+    sm_90); tokens_per_expert ``[E]`` int32/int64 on the device, summing to at most M, never read on the host.
+    comm_sms SMs are left to communication.
     """
-    _check_fp8("fp8_grouped_gemm", x=x_MK, w=w_EKN)
+    _check_fp8("fp8_grouped_gemm", x=x_MK, w=w_ENK)
     _check_counts("fp8_grouped_gemm", tokens_per_expert_E, x_MK.device)
-    (m, k), (num_experts, w_k, n) = x_MK.shape, w_EKN.shape
+    (m, k), (num_experts, n, w_k) = x_MK.shape, w_ENK.shape
     if w_k != k or tokens_per_expert_E.shape[0] != num_experts:
-        raise ValueError(f"fp8_grouped_gemm: x {tuple(x_MK.shape)}, w {tuple(w_EKN.shape)} and tokens_per_expert "
+        raise ValueError(f"fp8_grouped_gemm: x {tuple(x_MK.shape)}, w {tuple(w_ENK.shape)} and tokens_per_expert "
                          f"{tuple(tokens_per_expert_E.shape)} do not agree on K or E")  # fmt: skip
     j = triton.cdiv(k, TILE)
     _check_scale("fp8_grouped_gemm", "x_scale", x_scale_MJ, (m, j), x_MK.device)
-    _check_scale("fp8_grouped_gemm", "w_scale", w_scale_EIJ, (num_experts, j, triton.cdiv(n, TILE)), x_MK.device)
+    _check_scale("fp8_grouped_gemm", "w_scale", w_scale_EIJ, (num_experts, triton.cdiv(n, TILE), j), x_MK.device)
     _check_out_dtype("fp8_grouped_gemm", out_dtype)
-    y_MN = _grouped_out(x_MK, w_EKN, out_dtype)
+    y_MN = _grouped_out(x_MK, w_ENK, out_dtype)
     if m == 0 or n == 0:
         return y_MN
     if k == 0 or num_experts == 0:
         return y_MN.zero_()
-    launch = _grouped_launch(x_MK, x_scale_MJ, w_EKN, w_scale_EIJ, tokens_per_expert_E, y_MN)
+    launch = _grouped_launch(x_MK, x_scale_MJ, w_ENK, w_scale_EIJ, tokens_per_expert_E, y_MN)
     _run(launch, x_MK.device, comm_sms)
     return y_MN
 
 
 @register("triton", specialization=_WGRAD, strided=True)
 def fp8_gemm_wgrad(
-    a_MN: torch.Tensor,
+    a_CN: torch.Tensor,
     a_scale_TN: torch.Tensor,
-    b_MK: torch.Tensor,
+    b_CK: torch.Tensor,
     b_scale_TK: torch.Tensor,
     tokens_per_group_E: torch.Tensor | None = None,
     *,
     comm_sms: int = 0,
 ) -> torch.Tensor:
-    """The weight gradient's contraction over rows: ``dequantize(a)^T @ dequantize(b)`` per row group, float32.
+    """The weight gradient's contraction over rows: ``dequantize(a)^T @ dequantize(b)`` over each group's tiles,
+    float32.
 
-    a ``[M, N]`` and b ``[M, K]`` float8_e4m3fn with their ``[T, N]`` / ``[T, K]`` scales as
-    :func:`~kernels.triton_fp8_quant.quantize_fp8_columns` returns them for the same groups (128x1 tiles);
-    any strides. tokens_per_group None -> ``[N, K]``; ``[E]`` counts on the device (never read on the host)
-    -> ``[E, N, K]``, zeros for an empty group. comm_sms SMs are left to communication.
+    a ``[C, N]`` and b ``[C, K]`` float8_e4m3fn with their ``[T, N]`` / ``[T, K]`` scales (C = 128 T) as
+    :func:`~kernels.triton_fp8_quant.quantize_fp8_columns` returns them for the same groups (128x1 tiles, each
+    group's from a multiple of 128 rows, zeros past its rows; any strides, the rows contiguous pipeline on
+    sm_90). tokens_per_group None -> ``[N, K]`` over all T tiles; ``[E]`` counts on the device (never read on
+    the host) -> ``[E, N, K]``, zeros for an empty group. comm_sms SMs are left to communication.
     """
-    _check_fp8("fp8_gemm_wgrad", a=a_MN, b=b_MK)
+    _check_fp8("fp8_gemm_wgrad", a=a_CN, b=b_CK)
     if tokens_per_group_E is not None:
-        _check_counts("fp8_gemm_wgrad", tokens_per_group_E, a_MN.device)
-    (m, n), k = a_MN.shape, b_MK.shape[1]
-    if b_MK.shape[0] != m:
-        raise ValueError(f"fp8_gemm_wgrad: a {tuple(a_MN.shape)} and b {tuple(b_MK.shape)} differ in rows")
-    tiles = column_tile_rows(m, None if tokens_per_group_E is None else tokens_per_group_E.shape[0])
-    _check_scale("fp8_gemm_wgrad", "a_scale", a_scale_TN, (tiles, n), a_MN.device)
-    _check_scale("fp8_gemm_wgrad", "b_scale", b_scale_TK, (tiles, k), a_MN.device)
-    dw = _wgrad_out(a_MN, b_MK, tokens_per_group_E)
+        _check_counts("fp8_gemm_wgrad", tokens_per_group_E, a_CN.device)
+    (c, n), k = a_CN.shape, b_CK.shape[1]
+    if b_CK.shape[0] != c or c % TILE:
+        raise ValueError(f"fp8_gemm_wgrad: a {tuple(a_CN.shape)} and b {tuple(b_CK.shape)} must have the same "
+                         f"rows, a multiple of {TILE}")  # fmt: skip
+    _check_scale("fp8_gemm_wgrad", "a_scale", a_scale_TN, (c // TILE, n), a_CN.device)
+    _check_scale("fp8_gemm_wgrad", "b_scale", b_scale_TK, (c // TILE, k), a_CN.device)
+    dw = _wgrad_out(a_CN, b_CK, tokens_per_group_E)
     dw_ENK = dw.view(-1, n, k)
-    if dw.numel() == 0 or m == 0:
+    if dw.numel() == 0 or c == 0:
         return dw.zero_()
-    _run(_wgrad_launch(a_MN, a_scale_TN, b_MK, b_scale_TK, tokens_per_group_E, dw_ENK), a_MN.device, comm_sms)
+    _run(_wgrad_launch(a_CN, a_scale_TN, b_CK, b_scale_TK, tokens_per_group_E, dw_ENK), a_CN.device, comm_sms)
     return dw

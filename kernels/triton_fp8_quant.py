@@ -2,7 +2,7 @@
 per expert (:func:`quantize_fp8_columns`), and the way back (:func:`dequantize_fp8`).
 
 Legend for shape suffixes: M rows, K columns (the contraction of the GEMM that consumes them), E groups
-(experts), I and J tile rows and tile columns (RT and CT in the kernels), T tiles of 128 rows.
+(experts), I and J tile rows and tile columns, T tiles of 128 rows, C their stored rows (128 T).
 
 The numerics are :mod:`kernels.reference_fp8`'s, bit for bit: a tile's scale is ``amax / 448`` divided in
 IEEE float32 (``div_rn``: Triton's ``/`` is the approximate ``div.full.f32`` on CUDA), 1 for an all-zero tile;
@@ -15,10 +15,18 @@ right in the interpreter.
 
 Memory-bound, one pass over the input where the tile fits a program's registers: a 1x128 program reads its
 rows once, a 128x128 program its tile once, and each writes one byte per element plus its scales.
+
+Layouts (the reference's "Layouts"): q is written contiguous whatever the input's strides, so quantizing a
+transposed view writes the transposed storage in the same pass (the weights' K-major copies); the 1x128 scales
+are written MN-major (``[J, rows]`` storage); the 128x1 quantization writes q into ``[K, C]`` storage, the
+tokens contiguous, each group's tiles from a multiple of 128 columns. The kernels load along the input's
+contiguous dimension and store along the output's; Triton moves the tile between the two register layouts
+through shared memory.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -39,8 +47,9 @@ __all__ = ["dequantize_fp8", "quantize_fp8", "quantize_fp8_columns"]
 _TILE_ELEMS = 16384
 # The column quantization reads 128 rows x this many columns per program (64 values per thread at 4 warps).
 _COLUMN_BLOCK = 64
-# Row counts change every step (routed rows): never specialised on, so they add no compile classes.
-_ROW_COUNTS = ("R", "M")
+# Row counts change every step (routed rows): never specialised on, so they add no compile classes. The scale
+# strides are row counts too where the scales are MN-major (row tiles).
+_ROW_COUNTS = ("R", "M", "stride_sb", "stride_si", "stride_sj")
 
 
 @triton.jit
@@ -74,10 +83,11 @@ def _quantize(x, scale, EMULATE: tl.constexpr):
 
 @triton.jit(do_not_specialize=_ROW_COUNTS)
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, R, C, CT, stride_xr, stride_xc,
+    x_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_xc,
     TILE_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
-    """1 x TILE_C tiles of x [R, C]: BLOCK_R rows of one column tile per program, one scale per row."""
+    """1 x TILE_C tiles of x [R, C]: BLOCK_R rows of one column tile per program, one scale per row, stored
+    MN-major (scale [R, J] as [J, R] storage)."""
     j = tl.program_id(1)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     in_tile = tl.arange(0, BLOCK_C)
@@ -88,7 +98,7 @@ def _quantize_rows_kernel(
     scale = _scale(tl.max(tl.abs(x), axis=1))
     q = _quantize(x, scale[:, None], EMULATE)
     tl.store(q_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
-    tl.store(s_ptr + rows * CT + j, scale, mask=row_mask)
+    tl.store(s_ptr + j * R + rows, scale, mask=row_mask)
 
 
 @triton.jit
@@ -108,7 +118,7 @@ def _tile_chunk(
 
 @triton.jit(do_not_specialize=_ROW_COUNTS)
 def _quantize_blocks_kernel(
-    x_ptr, q_ptr, s_ptr, R, C, RT, CT, stride_xb, stride_xr, stride_xc,
+    x_ptr, q_ptr, s_ptr, R, C, stride_xb, stride_xr, stride_xc, stride_sb, stride_si, stride_sj,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
     """TILE_R x TILE_C tiles, one program and one scale per tile; a tile larger than BLOCK_R x BLOCK_C is read
@@ -135,19 +145,21 @@ def _quantize_blocks_kernel(
                 offs, mask, x = _tile_chunk(x_ptr, r0, c0, dr, dc, R, C, stride_xr, stride_xc,
                                             TILE_R, TILE_C, BLOCK_R, BLOCK_C)  # fmt: skip
                 tl.store(q_ptr + offs, _quantize(x, scale, EMULATE), mask=mask)
-    tl.store(s_ptr + (batch * RT + i) * CT + j, scale)
+    tl.store(s_ptr + batch * stride_sb + i * stride_si + j * stride_sj, scale)
 
 
 @triton.jit(do_not_specialize=_ROW_COUNTS)
 def _quantize_columns_kernel(
-    x_ptr, q_ptr, s_ptr, counts_ptr, M, K, E, stride_xm, stride_xk,
+    x_ptr, q_ptr, s_ptr, counts_ptr, M, K, E, stride_xm, stride_xk, stride_qk,
     GROUPED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
-    """128x1 tiles: program (t, c) quantizes scale row t over BLOCK_C columns.
+    """128x1 tiles: program (t, c) quantizes scale row t over BLOCK_C columns into q's storage columns
+    128 t .. 128 t + 127 ([K, C] storage, row stride stride_qk = C, a multiple of 128).
 
     With groups, tile t is found from the device-side counts like the grouped GEMM finds its tiles: group e
-    owns scale rows t_e .. t_e + ceil(c_e / 128) - 1. A t past the last group's tiles masks every row: its
-    scale row becomes 1 (the reference's value there; the spec leaves it unspecified) and no q is written.
+    owns scale rows t_e .. t_e + ceil(c_e / 128) - 1. A tile's rows past its group are stored as zeros (the
+    GEMM then reads whole tiles, unmasked). A t past the last group's tiles masks every row: its scale row
+    becomes 1 (the reference's value there; the spec leaves it unspecified) and no q is written.
     """
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -163,11 +175,17 @@ def _quantize_columns_kernel(
         local = t - tl.sum(tl.where(is_e, tile_end_E - tiles_E, 0), axis=0)
     else:
         row_lo, row_hi, local = 0, M, t
-    rows = (row_lo + local * 128 + tl.arange(0, 128)).to(tl.int64)
+    first = row_lo + local * 128
+    rows = (first + tl.arange(0, 128)).to(tl.int64)
     mask = (rows < row_hi)[:, None] & col_mask[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
     scale = _scale(tl.max(tl.abs(x), axis=0))
-    tl.store(q_ptr + rows[:, None] * K + cols[None, :], _quantize(x, scale[None, :], EMULATE), mask=mask)
+    # A tile of a group is stored whole (its rows past the group as the zeros loaded there); one past the groups
+    # not at all.
+    tile_rows = tl.where(first < row_hi, 128, 0)
+    stored = (t.to(tl.int64) * 128 + tl.arange(0, 128))[:, None] + cols.to(tl.int64)[None, :] * stride_qk
+    store_mask = (tl.arange(0, 128) < tile_rows)[:, None] & col_mask[None, :]
+    tl.store(q_ptr + stored, _quantize(x, scale[None, :], EMULATE), mask=store_mask)
     tl.store(s_ptr + t.to(tl.int64) * K + cols, scale, mask=col_mask)
 
 
@@ -226,17 +244,18 @@ def _quantize_launch(x_MK, q, scale, block: tuple[int, int], device: torch.devic
         x2 = x_MK.reshape(-1, cols)
         j = triton.cdiv(cols, tile_c)
         block_r = max(1, min(16, _TILE_ELEMS // 4 // block_c))  # 16 rows of a 1x128 tile: 16 values a thread
-        args = {"x_ptr": x2, "q_ptr": q, "s_ptr": scale, "R": x2.shape[0], "C": cols, "CT": j,
+        args = {"x_ptr": x2, "q_ptr": q, "s_ptr": scale, "R": x2.shape[0], "C": cols,
                 **_strides("stride_x", "rc", x2)}  # fmt: skip
         options = {"TILE_C": tile_c, "BLOCK_R": block_r, "BLOCK_C": block_c, "EMULATE": emulate}
         return _quantize_rows_kernel, (triton.cdiv(x2.shape[0], block_r), j), args, options
-    x3 = x_MK.reshape(-1, rows, cols)
+    x3, s3 = x_MK.reshape(-1, rows, cols), scale.reshape(-1, *scale.shape[-2:])
     i, j = triton.cdiv(rows, tile_r), triton.cdiv(cols, tile_c)
     block_c = min(block_c, 128)
     block_r = min(triton.next_power_of_2(tile_r), _TILE_ELEMS // block_c)
-    stride_xb = x3.stride(0) if x3.shape[0] > 1 else 0  # one matrix: no batch offset, whatever its size
-    args = {"x_ptr": x3, "q_ptr": q, "s_ptr": scale, "R": rows, "C": cols, "RT": i, "CT": j,
-            **_strides("stride_x", "brc", x3), "stride_xb": stride_xb}  # fmt: skip
+    args = {"x_ptr": x3, "q_ptr": q, "s_ptr": s3, "R": rows, "C": cols, **_strides("stride_x", "brc", x3),
+            **_strides("stride_s", "bij", s3)}  # fmt: skip
+    if x3.shape[0] == 1:  # one matrix: no batch offset, whatever its size
+        args["stride_xb"] = args["stride_sb"] = 0
     options = {"TILE_R": tile_r, "TILE_C": tile_c, "BLOCK_R": block_r, "BLOCK_C": block_c, "EMULATE": emulate,
                "num_warps": 8 if block_r * block_c >= 8192 else 4}  # fmt: skip
     return _quantize_blocks_kernel, (i, j, x3.shape[0]), args, options
@@ -265,7 +284,7 @@ def _columns_launch(x_MK, q, scale, counts_E, device: torch.device) -> _Launch:
     num_groups = 1 if counts_E is None else counts_E.shape[0]
     block_c = min(_COLUMN_BLOCK, triton.next_power_of_2(k)) if device.type == "cuda" else 16
     args = {"x_ptr": x_MK, "q_ptr": q, "s_ptr": scale, "counts_ptr": counts_E, "M": m, "K": k, "E": num_groups,
-            **_strides("stride_x", "mk", x_MK)}  # fmt: skip
+            **_strides("stride_x", "mk", x_MK), "stride_qk": q.stride(1)}  # fmt: skip
     options = {"GROUPED": counts_E is not None, "BLOCK_E": triton.next_power_of_2(num_groups), "BLOCK_C": block_c,
                "EMULATE": _emulate(device)}  # fmt: skip
     return _quantize_columns_kernel, (scale.shape[0], triton.cdiv(k, block_c)), args, options
@@ -277,17 +296,23 @@ def _run(launch: _Launch) -> None:
 
 
 def _quantize_outputs(x_MK: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = x_MK.shape[-2:]
+    """q contiguous; the scales MN-major for row tiles (``[J, rows]`` storage viewed as ``[..., M, J]``, the
+    reference's :func:`~kernels.reference_fp8.mn_major`), row-major otherwise."""
+    *lead, rows, cols = x_MK.shape
     i, j = triton.cdiv(rows, block[0]), triton.cdiv(cols, block[1])
     q = torch.empty(x_MK.shape, dtype=FP8_DTYPE, device=x_MK.device)
-    return q, torch.empty(*x_MK.shape[:-2], i, j, dtype=torch.float32, device=x_MK.device)
+    if block[0] == 1:
+        scale = torch.empty(j, math.prod(lead) * rows, dtype=torch.float32, device=x_MK.device)
+        return q, scale.t().view(*lead, rows, j)
+    return q, torch.empty(*lead, i, j, dtype=torch.float32, device=x_MK.device)
 
 
 def _columns_outputs(x_MK: torch.Tensor, counts_E: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[C, K]`` as a view of ``[K, C]`` storage (C = 128 T, the tokens contiguous), scale ``[T, K]``."""
     m, k = x_MK.shape
     tiles = column_tile_rows(m, None if counts_E is None else counts_E.shape[0])
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x_MK.device)
-    return q, torch.empty(tiles, k, dtype=torch.float32, device=x_MK.device)
+    q_KC = torch.empty(k, tiles * TILE, dtype=FP8_DTYPE, device=x_MK.device)
+    return q_KC.t(), torch.empty(tiles, k, dtype=torch.float32, device=x_MK.device)
 
 
 # --- what the warm-up and kernels.aot need of these ops (kernels.registry.Specialization, register_aot) ---
@@ -335,8 +360,9 @@ _COLUMNS = Specialization(key=_columns_key, meta=lambda rows, x, counts=None: _c
 @register_aot
 def _aot_specs(shapes: KernelShapes) -> list:
     """At a model's shapes: the activations' 1x128 quantization (T token rows; M = T x top-k routed rows for the
-    experts), the weights' 128x128 one, the routed rows' 128x1 one over the local experts, and the dequantization
-    of saved 1x128 activations."""
+    experts), the weights' 128x128 one as the input gradient reads them (w [E, D, 2F] as stored) and as the
+    forward does (its transposed view, written K-major), the routed rows' 128x1 one over the local experts, and
+    the dequantization of saved 1x128 activations."""
     from kernels.aot import launch_spec
 
     def meta(*shape: int, dtype: torch.dtype = shapes.dtype) -> torch.Tensor:
@@ -346,9 +372,13 @@ def _aot_specs(shapes: KernelShapes) -> list:
     m = shapes.tokens * shapes.top_k
     x, w, counts = meta(m, d), meta(e, d, 2 * f), meta(e, dtype=torch.int64)
     q, scale = _quantize_outputs(x, (1, TILE))
+    w_t = w.transpose(1, 2)
     launches = {
         "quantize_fp8 1x128": _quantize_launch(x, q, scale, (1, TILE), _CUDA),
         "quantize_fp8 128x128": _quantize_launch(w, *_quantize_outputs(w, (TILE, TILE)), (TILE, TILE), _CUDA),
+        "quantize_fp8 128x128 transposed": _quantize_launch(
+            w_t, *_quantize_outputs(w_t, (TILE, TILE)), (TILE, TILE), _CUDA
+        ),
         "quantize_fp8_columns": _columns_launch(x, *_columns_outputs(x, counts), counts, _CUDA),
         "dequantize_fp8 1x128": _dequantize_launch(q, scale, x, (1, TILE), _CUDA),
     }
@@ -360,9 +390,10 @@ def quantize_fp8(x_MK: torch.Tensor, block: tuple[int, int] = (1, TILE)) -> tupl
     """Quantize the last two dimensions in ``block`` tiles -> ``(q [..., M, K] float8_e4m3fn, scale [..., I, J]
     float32)``, bit for bit :func:`kernels.reference_fp8.quantize_fp8`.
 
-    x: ``[..., M, K]`` floating point, any strides. block: ``(1, c)`` tiles take the row kernel (several rows
-    of one tile per program, leading dimensions folded into the rows); other tile shapes (``(128, 128)`` for
-    weights) take one program per tile.
+    x: ``[..., M, K]`` floating point, any strides (q is written contiguous: a transposed view is quantized into
+    transposed storage in this one pass). block: ``(1, c)`` tiles take the row kernel (several rows of one tile
+    per program, leading dimensions folded into the rows) and get MN-major scales; other tile shapes (``(128,
+    128)`` for weights) take one program per tile and get row-major scales.
     """
     block = _check_block("quantize_fp8", block)
     if x_MK.dim() < 2 or not x_MK.is_floating_point():
@@ -408,14 +439,14 @@ def dequantize_fp8(
 def quantize_fp8_columns(
     x_MK: torch.Tensor, tokens_per_group_E: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize in 128x1 tiles -> ``(q [M, K] float8_e4m3fn, scale [T, K] float32)``, T =
-    :func:`~kernels.reference_fp8.column_tile_rows`; bit for bit the reference on the groups' rows and their
-    scale rows.
+    """Quantize in 128x1 tiles -> ``(q [C, K] float8_e4m3fn, a view of [K, C] storage; scale [T, K] float32)``,
+    T = :func:`~kernels.reference_fp8.column_tile_rows`, C = 128 T, each group's tiles from a multiple of 128
+    rows with zeros past its rows (the reference's layout); bit for bit the reference on the groups' tiles.
 
     x: ``[M, K]`` floating point, any strides. tokens_per_group: None (one group of M rows), or ``[E]``
     int32/int64 counts on x's device summing to at most M, read on the device only (no host sync: the grid is
-    T programs per column block, T bounded on the host). q rows past the groups are left unwritten; scale rows
-    past the last group's tiles are 1.
+    T programs per column block, T bounded on the host). q's tiles past the last group's are left unwritten,
+    their scale rows are 1.
     """
     if x_MK.dim() != 2 or not x_MK.is_floating_point():
         raise ValueError(f"quantize_fp8_columns: x must be a floating-point [M, K], got {x_MK.dtype} "

@@ -62,5 +62,27 @@ def test_fp8_gemms_use_hopper_matrix_units(reports):
     assert {name.split()[0] for name in gemms} == {"fp8_gemm", "fp8_grouped_gemm", "fp8_gemm_wgrad"}
     for name in gemms:
         assert reports[name]["wgmma"] > 0, f"{name}: no wgmma"
-    quantization = {"quantize_fp8 1x128", "quantize_fp8 128x128", "quantize_fp8_columns", "dequantize_fp8 1x128"}
+    quantization = {"quantize_fp8 1x128", "quantize_fp8 128x128", "quantize_fp8 128x128 transposed",
+                    "quantize_fp8_columns", "dequantize_fp8 1x128"}  # fmt: skip
     assert quantization <= set(reports)
+
+
+def _stages(name: str) -> int:
+    """The pipelining depth in a launch's tag ("... w8 s3" -> 3)."""
+    return int(name.rsplit(" s", 1)[1])
+
+
+@pytest.mark.slow
+def test_every_fp8_phase_pipelines_as_deeply_as_the_bf16_gemm(reports):
+    # sm_90's wgmma takes 8-bit operands K-major only; an operand in another layout is transposed through
+    # registers and its loads drop out of the cp.async pipeline (before the K-major layouts: 3 copies of 6 in
+    # the grouped forward, none in the weight gradient). With both operands K-major, each FP8 phase issues as
+    # many asynchronous copies per stage as the bf16 grouped GEMM's two operands do.
+    bf16 = {_stages(n): r["async_copies"] for n, r in reports.items() if n.startswith("grouped_gemm bf16")}
+    phases = ("fp8_gemm ", "fp8_gemm dgrad ", "fp8_grouped_gemm ", "fp8_grouped_gemm dgrad ", "fp8_gemm_wgrad ")
+    for phase in phases:
+        launches = [n for n in reports if n.startswith(phase)]
+        assert launches, f"no {phase.strip()} launch in the AOT report"
+        for name in launches:
+            want = bf16.get(_stages(name), 2 * _stages(name))
+            assert reports[name]["async_copies"] >= want, f"{name}: {reports[name]['async_copies']} < {want}"

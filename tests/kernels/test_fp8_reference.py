@@ -36,6 +36,8 @@ def test_quantize_matches_a_tile_by_tile_oracle(shape, block):
     q, scale = ops.quantize_fp8(x, block)
     want_q, want_scale = _oracle_quantize(x, block)
     assert torch.equal(scale, want_scale)
+    # Row tiles' scales are MN-major (the rows contiguous), as DeepGEMM and the GEMMs here read them.
+    assert scale.stride(0) == (1 if block[0] == 1 else scale.shape[1])
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     # E4M3 keeps 3 mantissa bits: each value within 2^-4 of itself, or (subnormal) within 2^-10 of its scale.
     back = ops.dequantize_fp8(q, scale, block)
@@ -54,6 +56,19 @@ def test_a_tiles_amax_maps_to_448_and_leading_dims_keep_one_grid_per_matrix():
         ops.dequantize_fp8(q, scale[:, :1], (128, 128))
 
 
+def test_a_transposed_weight_quantizes_into_the_transposed_blocks():
+    # Why kernels.fp8 may quantize each phase's K-major copy of a weight from its own view: a 128x128 block and its
+    # transpose have the same amax, so quantizing W^T is W's quantization transposed, bit for bit, written into
+    # W^T's own (contiguous) storage.
+    torch.manual_seed(6)
+    w = torch.randn(2, 200, 130) * torch.logspace(-2, 2, 130)
+    q, scale = ops.quantize_fp8(w, (128, 128))
+    q_t, scale_t = ops.quantize_fp8(w.transpose(1, 2), (128, 128))
+    assert q_t.is_contiguous() and q_t.shape == (2, 130, 200)
+    assert torch.equal(q_t.view(torch.uint8), q.transpose(1, 2).view(torch.uint8))
+    assert torch.equal(scale_t, scale.transpose(1, 2))
+
+
 def _oracle_columns(x: torch.Tensor, counts: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each group's (q, scale) of 128x1 tiles, tiles restarting at the group's first row."""
     out_q, out_s, lo = [], [], 0
@@ -70,19 +85,26 @@ def test_column_tiles_restart_at_every_group():
     counts = [130, 0, 5, 129]
     x = torch.randn(sum(counts) + 3, 40)  # 3 padded rows past the groups
     q, scale = ops.quantize_fp8_columns(x, torch.tensor(counts))
-    assert scale.shape == (ops.column_tile_rows(x.shape[0], len(counts)), 40)
+    tiles = ops.column_tile_rows(x.shape[0], len(counts))
+    assert scale.shape == (tiles, 40) and q.shape == (tiles * TILE, 40)
+    # Stored [K, C]: the weight gradient's contraction (the rows) contiguous, K-major.
+    assert q.stride() == (1, tiles * TILE)
     want_q, want_s = _oracle_columns(x, counts)
-    lo = tile = 0
+    tile = 0
     for c, wq, ws in zip(counts, want_q, want_s):
         if c:
-            assert torch.equal(q[lo : lo + c].t().float(), wq.float())
             n = ws.shape[1]
+            # The group's rows from its first tile's first row on, zeros to the end of its last tile.
+            rows = q[tile * TILE : (tile + n) * TILE]
+            assert torch.equal(rows[:c].t().float(), wq.float())
+            assert not rows[c:].float().any()
             assert torch.equal(scale[tile : tile + n].t(), ws)
             tile += n
-        lo += c
+    assert ops.group_tiles(torch.tensor(counts), tiles) == [(0, 2), (2, 2), (2, 3), (3, 5)]
     one_q, one_s = ops.quantize_fp8_columns(x)
     assert one_s.shape == (-(-x.shape[0] // TILE), 40)
-    assert torch.equal(one_q.t().float(), _oracle_quantize(x.t().contiguous(), (1, TILE))[0].float())
+    assert torch.equal(one_q[: x.shape[0]].t().float(), _oracle_quantize(x.t().contiguous(), (1, TILE))[0].float())
+    assert not one_q[x.shape[0] :].float().any()
 
 
 def _promoted(qa, sa, qb, sb_rows):
@@ -110,14 +132,14 @@ def test_fp8_gemm_is_the_promoted_block_scaled_sum():
 def test_grouped_gemm_is_the_dense_gemm_per_expert_and_zero_past_the_groups():
     torch.manual_seed(3)
     counts = torch.tensor([3, 0, 4])
-    x, w = torch.randn(9, 140), torch.randn(3, 140, 20)
+    x, w = torch.randn(9, 140), torch.randn(3, 20, 140)  # w [E, N, K]: y = x @ w[e]^T, as fp8_gemm's b [N, K]
     qx, sx = ops.quantize_fp8(x)
     qw, sw = ops.quantize_fp8(w, (128, 128))
     y = ops.fp8_grouped_gemm(qx, sx, qw, sw, counts, out_dtype=torch.float32)
     for e, (lo, hi) in enumerate([(0, 3), (3, 3), (3, 7)]):
         if hi > lo:
-            want = ops.fp8_gemm(qx[lo:hi], sx[lo:hi], qw[e].t(), sw[e].t(), out_dtype=torch.float32)
-            torch.testing.assert_close(y[lo:hi], want)
+            want = _promoted(qx[lo:hi], sx[lo:hi], qw[e], sw[e].repeat_interleave(TILE, 0)[:20])
+            torch.testing.assert_close(y[lo:hi], want, rtol=1e-5, atol=1e-4)
     assert y[7:].abs().sum() == 0
 
 

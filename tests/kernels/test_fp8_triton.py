@@ -7,8 +7,10 @@ away from zero), so the quantization kernels round in integers there (their EMUL
 (``cvt.rn.satfinite``) is checked by the GPU tests only. bf16 results are checked on the GPU only (the
 interpreter rounds bf16 wrongly); bf16 inputs are fine.
 
-Quantization is compared bit for bit (q's bytes and the scales), except the rows the spec leaves unspecified;
-the GEMMs to float32 rounding (``dequantize @ dequantize`` summed in another order).
+Quantization is compared bit for bit (q's bytes and the scales, and their layouts), except the rows the spec
+leaves unspecified; the GEMMs to float32 rounding (``dequantize @ dequantize`` summed in another order). The
+layouts the GEMMs receive from kernels.fp8 (K-major operands, MN-major scales) are checked on the launchers'
+arguments, and the grouped GEMM's padded rows on a poisoned output.
 """
 
 from __future__ import annotations
@@ -31,9 +33,15 @@ def _bits(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8).cpu()
 
 
+def _layout(t: torch.Tensor) -> tuple[int | None, ...]:
+    """t's strides, None for dimensions of size 1 (whose stride means nothing)."""
+    return tuple(stride if size > 1 else None for size, stride in zip(t.shape, t.stride(), strict=True))
+
+
 def _assert_same_quantization(got: tuple, want: tuple) -> None:
     (q, scale), (ref_q, ref_scale) = got, want
     assert q.dtype == FP8_DTYPE and q.shape == ref_q.shape and scale.shape == ref_scale.shape
+    assert (_layout(q), _layout(scale)) == (_layout(ref_q), _layout(ref_scale)), "layouts differ"
     assert torch.equal(scale.cpu(), ref_scale.cpu()), "scales differ"
     diff = (_bits(q) != _bits(ref_q)).nonzero()
     assert diff.numel() == 0, f"{diff.shape[0]} fp8 values differ, first at {diff[0].tolist()}"
@@ -62,17 +70,20 @@ def _recording(seen: set):
 
 
 @pytest.mark.parametrize(
-    ("shape", "block", "dtype"),
+    ("shape", "block", "dtype", "transposed"),
     [
-        ((13, 300), (1, TILE), torch.float32),  # partial last column tile, 3 scales a row
-        ((2, 5, 200), (1, TILE), torch.bfloat16),  # leading dims fold into the rows
-        ((2, 130, 260), (TILE, TILE), torch.float16),  # partial blocks on both edges, one grid per expert
-        ((5, 250), (2, 200), torch.float32),  # a tile larger than a program's chunk: amax pass, then quantize
+        ((13, 300), (1, TILE), torch.float32, False),  # partial last column tile, 3 scales a row
+        ((2, 5, 200), (1, TILE), torch.bfloat16, False),  # leading dims fold into the rows
+        ((2, 130, 260), (TILE, TILE), torch.float16, False),  # partial blocks on both edges, one grid per expert
+        ((2, 130, 260), (TILE, TILE), torch.float32, True),  # a weight's K-major copy from its transposed view
+        ((5, 250), (2, 200), torch.float32, False),  # a tile larger than a program's chunk: amax pass, then quantize
+        ((3, 1100), (1, 1100), torch.float32, False),  # a row tile too wide for the row kernel: MN-major all the same
     ],
 )
-def test_quantize_is_the_reference_bit_for_bit(device, shape, block, dtype):
+def test_quantize_is_the_reference_bit_for_bit(device, shape, block, dtype, transposed):
     gen = torch.Generator().manual_seed(sum(shape))
     x = _wide_range(*shape, gen=gen).to(device, dtype)
+    x = x.transpose(-1, -2) if transposed else x
     _assert_same_quantization(ops.quantize_fp8(x, block), reference_fp8.quantize_fp8(x, block))
 
 
@@ -121,10 +132,10 @@ def test_quantize_columns_restart_per_group(device, counts, rows):
     got_q, got_scale = ops.quantize_fp8_columns(x, counts_E)
     ref_q, ref_scale = reference_fp8.quantize_fp8_columns(x, counts_E)
     groups = [rows] if counts is None else counts
-    used_rows, used_tiles = sum(groups), sum(-(-c // TILE) for c in groups)
+    used = sum(-(-c // TILE) for c in groups)  # the groups' tiles, zeros past each group's rows included
     assert got_scale.shape == ref_scale.shape
-    _assert_same_quantization((got_q[:used_rows], got_scale[:used_tiles]), (ref_q[:used_rows], ref_scale[:used_tiles]))
-    assert torch.equal(got_scale[used_tiles:].cpu(), torch.ones_like(got_scale[used_tiles:]).cpu())
+    _assert_same_quantization((got_q[: used * TILE], got_scale[:used]), (ref_q[: used * TILE], ref_scale[:used]))
+    assert torch.equal(got_scale[used:].cpu(), torch.ones_like(got_scale[used:]).cpu())
 
 
 def _assert_gemm_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -163,22 +174,29 @@ def test_fp8_gemm_forward_and_transposed_weight(device, out_dtype):
         triton_gemm.fp8_gemm(x, x_scale, w, w_scale.t())
 
 
-def test_fp8_grouped_gemm_empty_experts_padding_and_dgrad_view(device):
+def test_fp8_grouped_gemm_empty_experts_and_unwritten_padding(device, monkeypatch):
     gen = torch.Generator().manual_seed(2)
     e, k, n, rows = 4, 260, 144, 40
     counts_E = torch.tensor([9, 0, 21, 3], dtype=torch.int32, device=device)  # 7 padded rows after the groups
     x, x_scale = _quantized_rows(rows, k, gen=gen, device=device)
-    w, w_scale = _quantized_weight(e, k, n, gen=gen, device=device)
+    w, w_scale = _quantized_weight(e, n, k, gen=gen, device=device)  # [E, N, K], K-major
+    # The output the launcher allocates, poisoned: the routed rows must be written, the padded ones left alone
+    # (a zero fill of the padding is what the sync-free mode's 8x row bound made expensive).
+    poisoned = torch.full((rows, n), float("nan"), device=device)
+    monkeypatch.setattr(triton_gemm, "_grouped_out", lambda *args: poisoned)
     # comm_sms=1 leaves 3 of the interpreter's 4 pretend SMs: each persistent program walks several tiles.
     y = ops.fp8_grouped_gemm(x, x_scale, w, w_scale, counts_E, out_dtype=torch.float32, comm_sms=1)
     ref = reference_fp8.fp8_grouped_gemm(x, x_scale, w, w_scale, counts_E, out_dtype=torch.float32)
-    _assert_gemm_close(y, ref)
-    assert not y[33:].any(), "the rows past the groups must be zeros"
-    dy, dy_scale = _quantized_rows(rows, n, gen=gen, device=device)
-    wt, wt_scale = w.transpose(1, 2), w_scale.transpose(1, 2)
-    dx = triton_gemm.fp8_grouped_gemm(dy, dy_scale, wt, wt_scale, counts_E, out_dtype=torch.float32)
-    ref = reference_fp8.fp8_grouped_gemm(dy, dy_scale, wt, wt_scale, counts_E, out_dtype=torch.float32)
-    _assert_gemm_close(dx, ref)
+    assert y is poisoned
+    _assert_gemm_close(y[:33], ref[:33])
+    assert y[33:].isnan().all(), "a padded row past the groups was written"
+    # Any strides give the same numbers (here w as a transposed view, the layout that pipelines worse).
+    monkeypatch.undo()
+    dy, dy_scale = _quantized_rows(rows, k, gen=gen, device=device)
+    wt = w.transpose(1, 2).contiguous().transpose(1, 2)
+    dx = triton_gemm.fp8_grouped_gemm(dy, dy_scale, wt, w_scale, counts_E, out_dtype=torch.float32)
+    ref = reference_fp8.fp8_grouped_gemm(dy, dy_scale, w, w_scale, counts_E, out_dtype=torch.float32)
+    _assert_gemm_close(dx[:33], ref[:33])
 
 
 @pytest.mark.parametrize("counts", [None, [130, 0, 3, 5]])
@@ -219,27 +237,74 @@ def test_the_fp8_training_gemms_through_the_switch(device, monkeypatch):
 
 def test_meta_results_are_the_real_results_shapes():
     # The warm-up replays calls on meta tensors with each op's declared meta result; it must match what the op
-    # returns (shapes and dtypes), here against the reference on real tensors.
+    # returns (shapes, dtypes and layouts: the strides are part of a launch's class), here against the reference
+    # on real tensors.
     gen = torch.Generator().manual_seed(5)
     counts_E = torch.tensor([5, 0, 9])
     x = torch.randn(17, 200, generator=gen)
     xq = reference_fp8.quantize_fp8(x)
-    wq = reference_fp8.quantize_fp8(torch.randn(3, 200, 136, generator=gen), (TILE, TILE))
+    wq = reference_fp8.quantize_fp8(torch.randn(3, 136, 200, generator=gen), (TILE, TILE))
     cols = reference_fp8.quantize_fp8_columns(x, counts_E)
-    calls = {
-        "quantize_fp8": ((x, (TILE, TILE)), {}),
-        "dequantize_fp8": ((*xq,), {"out_dtype": torch.float16}),
-        "quantize_fp8_columns": ((x, counts_E), {}),
-        "fp8_gemm": ((*xq, wq[0][0].t(), wq[1][0].t()), {"out_dtype": torch.float32}),
-        "fp8_grouped_gemm": ((*xq, *wq, counts_E), {"comm_sms": 0}),
-        "fp8_gemm_wgrad": ((*cols, *cols, counts_E), {}),
-    }
-    for name, (args, kwargs) in calls.items():
+    calls = [
+        ("quantize_fp8", (x, (TILE, TILE)), {}),
+        ("quantize_fp8", (x,), {}),  # row tiles: MN-major scales
+        ("dequantize_fp8", (*xq,), {"out_dtype": torch.float16}),
+        ("quantize_fp8_columns", (x, counts_E), {}),
+        ("fp8_gemm", (*xq, wq[0][0], wq[1][0]), {"out_dtype": torch.float32}),
+        ("fp8_grouped_gemm", (*xq, *wq, counts_E), {"comm_sms": 0}),
+        ("fp8_gemm_wgrad", (*cols, *cols, counts_E), {}),
+    ]
+    for name, args, kwargs in calls:
         want = registry.implementation(name, "torch")(*args, **kwargs)
-        meta_args = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+        meta_args = [_on_meta(a) if isinstance(a, torch.Tensor) else a for a in args]
         got = registry.specialization(name).meta(0, *meta_args, **kwargs)
         for g, r in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, want)), strict=True):
-            assert (g.shape, g.dtype) == (r.shape, r.dtype), name
+            assert (g.shape, g.dtype, _layout(g)) == (r.shape, r.dtype, _layout(r)), name
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _spy_on_gemms(monkeypatch, seen: dict) -> None:
+    """Replace the three Triton FP8 GEMM launchers by spies that record their tensor arguments and answer with
+    the reference (the registry looks launchers up on their module at each call)."""
+    for name in ("fp8_gemm", "fp8_grouped_gemm", "fp8_gemm_wgrad"):
+        reference = registry.implementation(name, "torch")
+
+        def spy(*args, _name=name, _reference=reference, **kwargs):
+            seen.setdefault(_name, []).append([a for a in args if isinstance(a, torch.Tensor)])
+            return _reference(*args, **kwargs)
+
+        monkeypatch.setattr(triton_gemm, name, spy)
+
+
+def test_every_fp8_gemm_receives_k_major_operands(device, monkeypatch):
+    # sm_90's FP8 tensor cores take 8-bit operands K-major only (anything else is transposed through registers
+    # and loses the copy pipelining): every phase of kernels.fp8 must hand its GEMM the contraction dimension
+    # contiguous, the 1x128 scales MN-major, and the weight gradient's tokens in 128-row aligned storage.
+    gen = torch.Generator().manual_seed(6)
+    rows, d, f, e = 20, 136, 144, 3
+    counts_E = random_counts(e, rows - 3, gen, empty=1).to(device)
+    x, dy = torch.randn(rows, d, generator=gen).to(device), torch.randn(rows, f, generator=gen).to(device)
+    w_EKN, w_NK = torch.randn(e, d, f, generator=gen).to(device), torch.randn(f, d, generator=gen).to(device)
+    seen: dict = {}
+    _spy_on_gemms(monkeypatch, seen)
+    fp8.grouped_forward(x, w_EKN, counts_E)
+    fp8.grouped_dgrad(dy, w_EKN, counts_E)
+    fp8.grouped_wgrad(x, dy, counts_E)
+    fp8.linear_forward(x, w_NK)
+    fp8.linear_dgrad(dy, w_NK)
+    fp8.linear_wgrad(dy, x)
+    assert {k: len(v) for k, v in seen.items()} == {"fp8_grouped_gemm": 2, "fp8_gemm": 2, "fp8_gemm_wgrad": 2}
+    for a, a_scale, b, _b_scale, *_ in seen["fp8_grouped_gemm"] + seen["fp8_gemm"]:
+        assert a.stride(-1) == 1 and b.stride(-1) == 1, "an operand is not K-major"
+        assert a_scale.stride(0) == 1, "the 1x128 scales are not MN-major"
+    assert [b.shape[-2:] for _, _, b, *_ in seen["fp8_grouped_gemm"]] == [(f, d), (d, f)]
+    for a, a_scale, b, b_scale, *_ in seen["fp8_gemm_wgrad"]:
+        assert a.stride(0) == 1 and b.stride(0) == 1, "the weight gradient's operands are not tokens-contiguous"
+        assert a.stride(1) % TILE == 0 and b.stride(1) % TILE == 0  # each tile's first token 128-aligned
+        assert a_scale.stride(1) == 1 and b_scale.stride(1) == 1
 
 
 def test_the_warm_up_covers_the_fp8_path():
@@ -300,16 +365,6 @@ def test_aot_lists_the_fp8_launches(capsys):
         assert any(n.startswith(launch) for n in names), launch
 
 
-def test_bench_fp8_rows_need_a_gpu():
-    from bench import harness
-    from bench import kernels as bench_kernels
-
-    bench = harness.Bench("unit", torch.device("cpu"), warmup=1, repeats=1)
-    bench_kernels.bench_fp8(bench, bench_kernels.SHAPES["small"][0], comm_sms=0)
-    assert bench.rows == []
-    assert bench.notes == ["fp8 rows skipped: no CUDA device (the FP8 GEMMs are sm_90 Triton kernels)"]
-
-
 # --- GPU tier: compiled kernels, the hardware's fp8 cast, bf16 outputs, real shapes (skipped without CUDA) ---
 
 
@@ -324,7 +379,7 @@ def test_gpu_quantize_is_the_reference_bit_for_bit(block):
     got_q, got_s = ops.quantize_fp8_columns(x2, counts_E)
     ref_q, ref_s = reference_fp8.quantize_fp8_columns(x2, counts_E)
     tiles = int((-(-counts_E // TILE)).sum())
-    _assert_same_quantization((got_q[:3000], got_s[:tiles]), (ref_q[:3000], ref_s[:tiles]))
+    _assert_same_quantization((got_q[: tiles * TILE], got_s[:tiles]), (ref_q[: tiles * TILE], ref_s[:tiles]))
 
 
 @pytest.mark.gpu
@@ -337,17 +392,19 @@ def test_gpu_fp8_gemms_at_v3_like_shapes():
     for out_dtype in (torch.bfloat16, torch.float32):
         y = ops.fp8_gemm(x, x_scale, w, w_scale, out_dtype=out_dtype)
         _assert_gemm_close(y, reference_fp8.fp8_gemm(x, x_scale, w, w_scale, out_dtype=out_dtype))
-    we, we_scale = _quantized_weight(e, k, n, gen=gen, device=torch.device("cuda"))
+    we, we_scale = _quantized_weight(e, n, k, gen=gen, device=torch.device("cuda"))  # [E, N, K], K-major
     y = ops.fp8_grouped_gemm(x, x_scale, we, we_scale, counts_E, comm_sms=20)
-    _assert_gemm_close(y, reference_fp8.fp8_grouped_gemm(x, x_scale, we, we_scale, counts_E))
+    routed = m - 57  # the padded rows are left unwritten
+    _assert_gemm_close(y[:routed], reference_fp8.fp8_grouped_gemm(x, x_scale, we, we_scale, counts_E)[:routed])
     a = reference_fp8.quantize_fp8_columns(torch.randn(m, k, generator=gen).cuda(), counts_E)
     b = reference_fp8.quantize_fp8_columns(torch.randn(m, n, generator=gen).cuda(), counts_E)
     _assert_gemm_close(ops.fp8_gemm_wgrad(*a, *b, counts_E), reference_fp8.fp8_gemm_wgrad(*a, *b, counts_E))
 
 
 def test_the_switch_hands_strided_launchers_their_views(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The FP8 launchers take any strides: the input gradient's transposed weight reaches the kernel as the
-    view it is (no copy into the layout FP8 tensor cores read worse); the others still get contiguous tensors."""
+    """The FP8 launchers take any strides: a view reaches the kernel as it is (the weight gradient's operands are
+    views of tokens-contiguous storage, which a contiguous copy would undo); the others still get contiguous
+    tensors."""
     import kernels.triton_fp8_gemm as module
     from kernels import ops, registry
 
