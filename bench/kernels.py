@@ -645,9 +645,12 @@ def main(argv: list[str] | None = None) -> Path:
         for shape in SHAPES[args.shapes]:
             inp = Inputs(shape, dtype, device)
             for op in selected:
-                if args.budget_s is not None and time.monotonic() - started > args.budget_s:
+                elapsed = time.monotonic() - started
+                if args.budget_s is not None and elapsed > args.budget_s:
                     skipped.append(f"{op} {shape.label}")
                     continue
+                # Where the time goes, as it goes: a run killed by an outer timeout still shows how far it got.
+                print(f"[{elapsed:6.1f} s] {op} {shape.label}", flush=True)
                 for case in OPS[op](inp, args.comm_sms, backend):
                     runner.run(case, inp)
             del inp
