@@ -321,9 +321,9 @@ _CUDA = torch.device("cuda")  # only its type is read: classes and AOT launches 
 
 
 def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
-    """t as the launcher receives it from kernels.ops (contiguous: its switch copies Triton operands so), on the
-    meta device: a key never allocates or copies."""
-    return None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+    """t on the meta device with its strides (the switch hands these launchers their tensors as they are, and a
+    transposed weight view is a class of its own): a key never allocates or copies."""
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def _key(launch: _Launch) -> tuple:

@@ -31,8 +31,11 @@ class combination, enumerated by :func:`shape_classes`.
 
 With ``KernelShapes.fp8`` the expert path runs its GEMMs in FP8 (:mod:`kernels.fp8`: the 1x128, 128x128 and
 128x1 quantizations, the FP8 grouped GEMM and weight gradient) and each of ``fp8_linears`` runs a linear's
-three FP8 GEMMs on the T token rows. The FP8 kernels never specialise on a row count (``do_not_specialize``),
-so the row classes above add no compiles there.
+three FP8 GEMMs on the T token rows, every operand in the K-major layout its phase reads (the 128x128
+quantization runs on a weight as stored and on its transposed view: two classes). The FP8 kernels never
+specialise on a row count (``do_not_specialize``, which covers the MN-major scales' strides too; the 128x1
+operands' stored row stride, 128 x their tile count, is always a multiple of 16), so the row classes above add
+no compiles there.
 
 What a call's class is, and what its result looks like on meta tensors, each Triton module declares next to
 its launcher (:class:`kernels.registry.Specialization`); this module keeps no list of kernels, and sees the

@@ -321,6 +321,11 @@ def test_the_warm_up_covers_the_fp8_path():
     runs = len(warmup._expert_runs(shapes))
     grouped = {c for c in classes if c.op == "fp8_grouped_gemm"}
     assert runs > 4 and len(grouped) <= 4, grouped  # one per GEMM layout (2 forward, 2 dgrad), whatever the rows
+    # Two expert weight gradients and the linear's, whatever the rows (the stored row stride of the 128x1 operands
+    # moves with them but is always a multiple of 128); the weights' 128x128 quantization as stored and transposed.
+    assert len({c for c in classes if c.op == "fp8_gemm_wgrad"}) == 3
+    blocks = {c.key for c in classes if c.op == "quantize_fp8" and c.key[0] == "_quantize_blocks_kernel"}
+    assert len(blocks) == 2
     seen: set = set()
     with pytest.MonkeyPatch.context() as mp, registry.intercept(_recording(seen)):
         mp.setenv(ops.ENV_VAR, "torch")
