@@ -14,7 +14,10 @@ with ``on_step`` and ``close``.
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
+import traceback
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -173,24 +176,31 @@ class HostSyncs:
 
     count: int
     sites: dict[str, int] = field(default_factory=dict)
-    """``"file:line" -> syncs there``, the first :data:`SYNC_SITES` sites in the order they were met."""
+    """``"file:line in function" -> syncs there``, the first :data:`SYNC_SITES` sites in the order they were met."""
 
 
-def count_host_syncs(
-    recorded: Iterable[warnings.WarningMessage], sites: int = SYNC_SITES
-) -> tuple[HostSyncs, list[warnings.WarningMessage]]:
-    """(the host syncs among ``recorded`` warnings, the other warnings). A sync warning names the Python line that
-    called the op (for an op of autograd's backward: the line that started the backward)."""
-    count, where, others = 0, {}, []
-    for w in recorded:
-        if SYNC_WARNING not in str(w.message):
-            others.append(w)
-            continue
+def count_host_syncs(sites: Iterable[str], named: int = SYNC_SITES) -> HostSyncs:
+    """The syncs at ``sites`` (one call site per sync, in order), the first ``named`` sites with their counts."""
+    count, where = 0, {}
+    for site in sites:
         count += 1
-        site = f"{w.filename}:{w.lineno}"
-        if site in where or len(where) < sites:
+        if site in where or len(where) < named:
             where[site] = where.get(site, 0) + 1
-    return HostSyncs(count, where), others
+    return HostSyncs(count, where)
+
+
+_NOT_A_SITE = (f"{os.sep}torch{os.sep}", warnings.__file__, __file__)
+
+
+def _call_site() -> str:
+    """The innermost frame of the stack outside torch, the warnings module and this file: the line whose op made
+    the host wait (for an op of autograd's backward, whose warnings torch replays when the backward returns: the
+    line that ran the backward)."""
+    for frame in reversed(traceback.extract_stack()):
+        if not any(part in frame.filename for part in _NOT_A_SITE):
+            path = os.path.relpath(frame.filename) if frame.filename.startswith(os.getcwd()) else frame.filename
+            return f"{path}:{frame.lineno} in {frame.name}"
+    return "?"
 
 
 class SyncDebug:
@@ -200,26 +210,36 @@ class SyncDebug:
             step()
         syncs.result  # HostSyncs
 
-    Inside, ``torch.cuda.set_sync_debug_mode("warn")`` is on and every warning is recorded (TORCH_WARN reaches
-    Python as a warning; those raised in autograd's device threads are replayed on the thread that ran the
-    backward); on exit the previous mode is back, the syncs are counted (:func:`count_host_syncs`) and any
-    other warning is issued again under the caller's filters. Off CUDA, or not ``enabled``, it does nothing and
-    ``result`` stays None. Not re-entrant (warning filters are process-wide)."""
+    Inside, ``torch.cuda.set_sync_debug_mode("warn")`` is on: torch issues :data:`SYNC_WARNING` as a Python warning
+    for every op that syncs, and each is counted at its call site (:func:`_call_site`) instead of being shown;
+    every other warning goes on to the caller's filters and display as before. On exit the previous mode, filters
+    and display are back and ``result`` holds the count (:func:`count_host_syncs`). Off CUDA, or not ``enabled``,
+    it does nothing and ``result`` stays None. Not re-entrant (warning filters are process-wide)."""
 
     def __init__(self, device: torch.device, *, enabled: bool = True) -> None:
         self.enabled = enabled and device.type == "cuda" and torch.cuda.is_available()
         self.result: HostSyncs | None = None
         self._catch: warnings.catch_warnings | None = None
-        self._recorded: list[warnings.WarningMessage] = []
+        self._sites: list[str] = []
         self._mode = 0
 
     def __enter__(self) -> SyncDebug:
-        if self.enabled:
-            self._catch = warnings.catch_warnings(record=True)
-            self._recorded = self._catch.__enter__()
-            warnings.simplefilter("always")  # every sync, not the first per call site
-            self._mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("warn")
+        if not self.enabled:
+            return self
+        self._catch = warnings.catch_warnings()  # restores the filters and warnings.showwarning on exit
+        self._catch.__enter__()
+        warnings.filterwarnings("always", message=re.escape(SYNC_WARNING))  # each sync, not once per site
+        show = warnings.showwarning
+
+        def count_or_show(message, category, filename, lineno, file=None, line=None) -> None:
+            if SYNC_WARNING in str(message):
+                self._sites.append(_call_site())
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = count_or_show
+        self._mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -228,6 +248,4 @@ class SyncDebug:
         torch.cuda.set_sync_debug_mode(self._mode)
         self._catch.__exit__(*exc)
         self._catch = None
-        self.result, others = count_host_syncs(self._recorded)
-        for w in others:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        self.result = count_host_syncs(self._sites)
