@@ -235,6 +235,48 @@ def test_the_fp8_training_gemms_through_the_switch(device, monkeypatch):
         _assert_gemm_close(got, want)
 
 
+# The NaN rows are the point: the interpreter's numpy warns about them (an all-NaN amax, SiLU's exp).
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")
+def test_no_consumer_reads_the_unwritten_padded_rows(device, monkeypatch):
+    # The FP8 expert MLP with a sync-free row bound (counts summing to less than M), forward and backward, every
+    # grouped GEMM output poisoned (NaN) before the kernel writes it, and the padded input rows NaN as permute
+    # leaves them: had a consumer (SwiGLU and its backward, the quantizers, the other GEMMs) carried a padded row
+    # into a routed one or into a weight gradient, NaN would show there. Compared with the reference on the
+    # routed rows.
+    from kernels import functional
+
+    gen = torch.Generator().manual_seed(7)
+    rows, routed, d, f, e = 24, 19, 136, 72, 3
+    counts_E = random_counts(e, routed, gen, empty=1).to(device)
+    x = torch.randn(rows, d, generator=gen)
+    x[routed:] = float("nan")
+    scale = torch.rand(rows, generator=gen)
+    scale[routed:] = 0.0  # row_weights' value for a padded row
+    w1, w2 = torch.randn(e, d, 2 * f, generator=gen) / d**0.5, torch.randn(e, f, d, generator=gen) / f**0.5
+    g = torch.randn(routed, d, generator=gen)
+    recipe = fp8.FP8Recipe(save_fp8=True)
+    monkeypatch.setattr(
+        triton_gemm,
+        "_grouped_out",
+        lambda x_MK, w_ENK, out_dtype: torch.full((x_MK.shape[0], w_ENK.shape[1]), float("nan"), dtype=out_dtype,
+                                                  device=x_MK.device),
+    )  # fmt: skip
+
+    def run() -> list[torch.Tensor]:
+        leaves = [t.clone().to(device).requires_grad_() for t in (x, w1, w2)]
+        y = functional.grouped_experts(*leaves, counts_E, scale_M=scale.to(device), fp8_recipe=recipe)
+        (y[:routed] * g.to(device)).sum().backward()
+        return [y, leaves[0].grad, leaves[1].grad, leaves[2].grad]
+
+    y, dx, dw1, dw2 = run()
+    assert y[routed:].isnan().all() and dx[routed:].isnan().all()  # poisoned, and left so
+    triton_out = [y[:routed], dx[:routed], dw1, dw2]
+    monkeypatch.setenv(ops.ENV_VAR, "torch")
+    y, dx, dw1, dw2 = run()
+    for got, want in zip(triton_out, [y[:routed], dx[:routed], dw1, dw2], strict=True):
+        _assert_gemm_close(got.detach(), want.detach())
+
+
 def test_meta_results_are_the_real_results_shapes():
     # The warm-up replays calls on meta tensors with each op's declared meta result; it must match what the op
     # returns (shapes, dtypes and layouts: the strides are part of a launch's class), here against the reference
