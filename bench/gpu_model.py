@@ -6,7 +6,8 @@ and how many times does a step make the host wait for the GPU (``--sync-debug``)
 
 Each run is ``python -m moe.train`` in a process of its own (one rank, NCCL over an in-process store; no
 torchrun), under :func:`bench.process_tree.run`, so a run that fails or hangs is killed with its whole process
-tree and the next one still runs; each gets a fair share of what is left of ``--budget-s``. Writes ONE
+tree and the next one still runs; each may use what is left of ``--budget-s`` but :data:`LATER_RUN_S` for each
+run after it (:func:`time_limit`: bf16 goes first and may overrun its half, the FP8 run still starts). Writes ONE
 summary JSON (``gpu-model-<device>-<date>.json``: per run the loss at the first step and over the last
 steps and whether it fell, tokens/s and MFU as medians after the warm-up steps, the peak memory beside the
 pre-flight estimate, the host syncs per step and their first call sites) and ONE log with both runs' output
@@ -39,7 +40,8 @@ fall from the initial weights' and for a median of tokens/s over 8 steps after t
 step grows the allocator's pool and creates the communicator), and a small share of the budget next to the
 fixed start-up, so 2 runs of 40-80 s fit in ``--budget-s`` 170 (the check gives the step 180). The learning
 rate is DeepSeek-V3's peak (2.2e-4, reached after 2 warm-up steps): the published rate for this width, where
-AdamW's first updates move every weight by about the rate itself.
+AdamW's first updates move every weight by about the rate itself. The steps are timed with ``--sync-debug`` on:
+each sync it counts costs the host a stack walk (tens of microseconds), part of what it measures.
 
 The loss fell when the mean of its last 3 steps is at least :data:`MIN_FALL` below the first step's, the loss
 of the initial weights: a margin that the differences between batches alone do not reach.
@@ -67,7 +69,17 @@ from bench.harness import device_slug
 from bench.process_tree import run as run_tree
 from moe.config import PRESETS
 
-__all__ = ["MIN_FALL", "RUNS", "RunSpec", "main", "read_records", "summarize", "trainer_argv"]
+__all__ = [
+    "LATER_RUN_S",
+    "MIN_FALL",
+    "RUNS",
+    "RunSpec",
+    "main",
+    "read_records",
+    "summarize",
+    "time_limit",
+    "trainer_argv",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -94,6 +106,16 @@ class RunSpec:
 
 RUNS = (RunSpec("bf16"), RunSpec("fp8", ("--fp8", "--fp8-activations")))
 """bf16 first: when the budget runs out, the run every later figure is compared with has finished."""
+
+LATER_RUN_S = 60.0
+"""Seconds of the budget kept for each run still to come: a cold start, its Triton tuning and its steps (the
+module docstring); less and a later run could not finish even where its own kernels are already compiled."""
+
+
+def time_limit(left_s: float, runs_left: int) -> float:
+    """Seconds the next of ``runs_left`` runs may take with ``left_s`` of the budget left: all of it but
+    :data:`LATER_RUN_S` for each later run, and never less than an equal share."""
+    return max(left_s - LATER_RUN_S * (runs_left - 1), left_s / runs_left)
 
 
 def trainer_argv(args: argparse.Namespace, run: RunSpec, metrics: Path) -> list[str]:
@@ -206,7 +228,7 @@ def run_one(args: argparse.Namespace, run: RunSpec, tmp: Path, limit_s: float, l
     except subprocess.TimeoutExpired as exc:
         stdout, stderr = exc.stdout or "", exc.stderr or ""
         stdout, stderr = (s.decode() if isinstance(s, bytes) else s for s in (stdout, stderr))
-        out["error"] = f"timed out after {limit_s:.0f} s (its share of --budget-s); its process tree was killed"
+        out["error"] = f"timed out after {limit_s:.0f} s (its part of --budget-s); its process tree was killed"
     out["wall_s"] = time.monotonic() - t0
     log.write(stdout + stderr + f"=== {run.name}: exit {out['exit_code']} after {out['wall_s']:.1f} s\n")
     log.flush()
@@ -279,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     # the runs' metrics files are read into the summary and not kept
     with open(log_path, "w") as log, tempfile.TemporaryDirectory(prefix="gpu-model-") as tmp:
         for i, spec in enumerate(RUNS):
-            share = (deadline - time.monotonic()) / (len(RUNS) - i)
-            runs[spec.name] = run_one(args, spec, Path(tmp), share, log)
+            limit = time_limit(deadline - time.monotonic(), len(RUNS) - i)
+            runs[spec.name] = run_one(args, spec, Path(tmp), limit, log)
     failures = [f"{name}: {r['error']}" for name, r in runs.items() if r["error"]]
     summary = {
         "what": f"{args.model} slice trained on one {args.device} device, bf16 and FP8",

@@ -183,3 +183,10 @@ def test_records_stop_at_a_line_cut_short(tmp_path: Path) -> None:
     assert gm.read_records(path) == []
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
     assert gm.read_records(path) == [{"step": 1}, {"step": 2}]
+
+
+def test_the_first_run_may_overrun_its_half_but_leaves_the_next_its_floor() -> None:
+    later = gm.LATER_RUN_S
+    assert gm.time_limit(170.0, 2) == 170.0 - later  # bf16 may take 110 s of 170
+    assert gm.time_limit(100.0, 2) == 50.0  # never less than an equal share
+    assert gm.time_limit(70.0, 1) == 70.0  # the last run takes what is left
