@@ -70,32 +70,42 @@ def defer_wgrad(fn: Callable[[], None]) -> None:
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fp8: FP8Recipe | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fp8: FP8Recipe | None, feature_dims: int) -> torch.Tensor:
         # The weight is kept on ctx, not saved: its backward accumulates into ``weight.grad``, which needs the
         # parameter object itself, and a saved tensor comes back as a new alias under saved-tensors hooks
         # (activation checkpointing, offloading, moe.memory's tracker).
-        ctx.weight, ctx.fp8 = weight, fp8
+        ctx.weight, ctx.fp8, ctx.feature_dims = weight, fp8, feature_dims
+        # x itself is saved, a strided view included: the GEMM's contiguous operand is a temporary, made again
+        # for the weight gradient, so that a view of a kept tensor costs no memory between forward and backward.
         ctx.save_for_backward(x)
+        x = _features(x, feature_dims)
         return F.linear(x, weight) if fp8 is None else kernel_fp8.linear_forward(x, weight)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        weight, fp8 = ctx.weight, ctx.fp8
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        weight, fp8, feature_dims = ctx.weight, ctx.fp8, ctx.feature_dims
         (x,) = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
             dx = dy @ weight if fp8 is None else kernel_fp8.linear_dgrad(dy, weight)
+            dx = dx.view(x.shape)
         if ctx.needs_input_grad[1]:
             # The weight never gets an autograd gradient: the closure accumulates into .grad directly, so a
             # deferred closure and an immediate one leave the same result.
             def wgrad() -> None:
+                x_TK = _features(x, feature_dims).reshape(-1, weight.shape[1])
                 if fp8 is None:
-                    accumulate_grad(weight, dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+                    accumulate_grad(weight, dy.reshape(-1, dy.shape[-1]).t() @ x_TK)
                 else:
-                    accumulate_grad(weight, kernel_fp8.linear_wgrad(dy, x))
+                    accumulate_grad(weight, kernel_fp8.linear_wgrad(dy, x_TK))
 
             defer_wgrad(wgrad)
-        return dx, None, None
+        return dx, None, None, None
+
+
+def _features(x: torch.Tensor, feature_dims: int) -> torch.Tensor:
+    """``x [..., *F]`` with its last ``feature_dims`` dims as one, ``[..., prod(F)]`` (a copy where no view can be)."""
+    return x if feature_dims == 1 else x.flatten(-feature_dims)
 
 
 class Linear(nn.Module):
@@ -112,8 +122,11 @@ class Linear(nn.Module):
         self.keep_precision = keep_precision
         self.fp8: FP8Recipe | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearFn.apply(x, self.weight, self.fp8)
+    def forward(self, x: torch.Tensor, *, feature_dims: int = 1) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]``. ``feature_dims``: how many trailing dims of ``x`` hold the input
+        features (``[..., H, V]`` with ``in = H * V``: attention heads straight from SDPA's output); a strided ``x``
+        (a slice) is then saved as the view it is, its contiguous copy made only for the GEMMs."""
+        return _LinearFn.apply(x, self.weight, self.fp8, feature_dims)
 
     def extra_repr(self) -> str:
         out, inp = self.weight.shape

@@ -16,7 +16,11 @@ fall back to the memory-efficient kernel on CUDA and to the math path on the CPU
 ``S x S`` scores. The padding is exact: a zero value column gives a zero output column and leaves the other
 columns' weighted sums alone, zero query/key columns add nothing to q.k, and the softmax scale is set
 explicitly from C. It costs PV (and its backward) at W instead of V: for DeepSeek-V3 a quarter more attention
-FLOPs, against a fused kernel for the whole of it.
+FLOPs (about 2% of a layer's), against a fused kernel for the whole of it; and SDPA keeps its output W wide,
+which ``o_proj`` reads as a strided view (no copy kept), while v, padded, is W wide instead of a view of
+``kv_b_proj``'s N + V wide output: for DeepSeek-V3 the two even out. cuDNN's kernel, which recent torch
+releases prefer on sm_90 and sm_100, takes V != C as well; the padding runs everywhere, so that one module
+keeps one set of tensors whatever kernel a machine picks.
 
 Attribute names are the checkpoint's (``model.layers.{i}.self_attn.<name>.weight``), so a hub state dict
 loads 1:1. Every matmul is a :class:`moe.layers.Linear` (deferrable weight gradient).
@@ -123,8 +127,6 @@ class MLAttention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """``x_BSD -> out_BSD``; the first token of every sequence is position 0."""
-        b, s, _ = x_BSD.shape
-        h, v = self.num_heads, self.v_head_dim
         # The latents (or, without a query latent, the full queries) and the shared rotary key: kept for backward.
         q_in_BSX = self.q_proj(x_BSD) if self.q_lora_rank is None else self.q_a_proj(x_BSD)
         c_kv_BSL, k_rope_BSR = self.kv_a_proj_with_mqa(x_BSD).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
@@ -136,8 +138,8 @@ class MLAttention(nn.Module):
         o_BSHW = causal_attention(q_BSHW, k_BSHW, v_BSHW, scale=self.softmax_scale)
         # Selective recompute: the attention's saved q, k, v are refilled from the latents in its backward.
         release((q_BSHW, k_BSHW, v_BSHW), after=o_BSHW)
-        # With W > V the slice is strided, so o_proj's input is a copy of it (W == V: a view of SDPA's output).
-        return self.o_proj(o_BSHW[..., :v].reshape(b, s, h * v))
+        # o_proj keeps the slice as a view of SDPA's output (which SDPA keeps anyway), not a copy of it.
+        return self.o_proj(o_BSHW[..., : self.v_head_dim], feature_dims=2)
 
     def up_project(
         self, q_in_BSX: torch.Tensor, c_kv_BSL: torch.Tensor, k_rope_BSR: torch.Tensor

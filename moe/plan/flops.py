@@ -201,8 +201,15 @@ def attention_ops(cfg: MoEConfig, tokens: int, seq_len: int, b: int, fp8: bool =
             # the padded columns are executed work: PV and its backward at W (model FLOPs count V)
             _sdpa(seqs, seq_len, h, h, w, w, b),
         ]
-        if v < w:  # the output sliced back to V: a strided copy; its gradient is written back W wide
-            ops.append(Op("sdpa_out_slice", fwd_bytes=2 * b * t * h * v, dx_bytes=b * t * h * (v + w)))
+        if v < w:  # o_proj's operand: the output sliced back to V, copied for its GEMM and again for its dW
+            ops.append(
+                Op(
+                    "sdpa_out_slice",
+                    fwd_bytes=2 * b * t * h * v,
+                    dx_bytes=b * t * h * (v + w),
+                    dw_bytes=2 * b * t * h * v,
+                )
+            )
         ops.append(_gemm("o_proj", t, h * v, d, b, fp8=fp8))
     else:
         c, g = cfg.attn_head_dim, cfg.num_kv_heads

@@ -155,16 +155,15 @@ def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int) -> list[Saved]:
         w = sdpa_head_dim(c, v)
         # v padded to W is a copy; unpadded (V == W) it is a view of kv_b_proj's output, which it keeps whole
         v_kept = t * h * (w if v < w else n + v)
-        out += [
+        return [
+            *out,
             _s("attn.rotary_tables", 2 * seq_len * (r // 2), FP32),
             _s("attn.sdpa_q", t * h * w, b, UP),
             _s("attn.sdpa_k", t * h * w, b, UP),
             _s("attn.sdpa_v", v_kept, b, UP),
-            _s("attn.sdpa_out", t * h * w, b),
+            _s("attn.sdpa_out", t * h * w, b),  # o_proj's input is a view of it, sliced back to V
+            lse,
         ]
-        if w > v:  # the output sliced back to V is strided: o_proj saves a copy of it
-            out.append(_s("attn.o_proj_input", t * h * v, b))
-        return [*out, lse]
     c, g = cfg.attn_head_dim, cfg.num_kv_heads
     out = []
     if cfg.attention == "gqa-qk-norm":  # per-head RMSNorm on q and k; rotary saves none of its output
@@ -206,8 +205,8 @@ def saved_tensors(
     kv_b_proj's output), its output and the fp32 log-sum-exp (FlashAttention's set; its output is laid out
     ``[B, S, H, Cv]``, so the output projection's input is a view of it, not a copy); MLA hands SDPA q, k and v
     at one head dim ``W = max(C, V)`` (:func:`moe.models.mla.sdpa_head_dim`): the padded ones are copies, the
-    output is ``W`` wide and, sliced back to ``V < W``, the output projection saves a copy of the slice; MLA's
-    latent norms save as a block norm does; the router saves fp32 sigmoid scores, the int64 top-k ids and the chosen
+    output is ``W`` wide and the output projection saves its slice back to ``V``, a view; MLA's latent norms
+    save as a block norm does; the router saves fp32 sigmoid scores, the int64 top-k ids and the chosen
     scores; the grouped experts save the sorted rows, the gate/up output and one fp32 routing weight per
     row (applied to the SwiGLU output: no expert output is kept), permute and the combine the int64 row
     ids; the received rows' routing weights stay as a piece input; the received rows themselves are freed
