@@ -282,6 +282,16 @@ def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def _all_gather_single(out: torch.Tensor, mine: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Post the all-gather of every rank's ``mine`` into ``out`` (``[size * numel]``, rank order); async.
+
+    torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` and the old name warns from then on;
+    the floor (pyproject.toml) has only the old one, so the name is looked up per call.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, mine, group=group, async_op=True)
+
+
 def _comm_device(group: dist.ProcessGroup | None, params: Sequence[torch.Tensor]) -> torch.device:
     if params:
         return params[0].device
@@ -588,7 +598,7 @@ class DistributedOptimizer:
                     state[k] = t
 
     def _all_gather(self, group_index: int) -> None:
-        """Every rank's new rows of the group's parameters onto every rank: one ``all_gather_single`` per
+        """Every rank's new rows of the group's parameters onto every rank: one all-gather into a tensor per
         :class:`_Gather`, each rank's part of the output being its own input (in place). Gathers stay in flight
         while their outputs take at most ``_MAX_IN_FLIGHT_BYTES`` (each is at most half of it, so the next one is
         posted before the last is unpacked); the oldest is unpacked to make room."""
@@ -604,7 +614,7 @@ class DistributedOptimizer:
             mine = out[rank * gather.numel : (rank + 1) * gather.numel]
             for w in gather.windows:
                 _pack(w, mine)
-            pending.append((dist.all_gather_single(out, mine, group=group, async_op=True), out, gather))
+            pending.append((_all_gather_single(out, mine, group), out, gather))
             in_flight += nbytes
         while pending:
             _finish(*pending.popleft(), size)
