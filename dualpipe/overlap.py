@@ -335,12 +335,14 @@ def stage_output(run: Any, output: torch.Tensor, inputs: Sequence[Any]) -> torch
 def _find_run(roots: Iterable[torch.Tensor]) -> Any:
     # Walk the graph from the roots to the nearest stage node (the loss graph above it is small).
     stack = [r.grad_fn for r in roots]
-    seen: set[int] = set()
+    # Nodes are kept, not only their ids: torch (2.11) makes a fresh Python object for a node on each
+    # next_functions and frees it with its last reference, so a dropped node's id can come back as another's.
+    seen: dict[int, Any] = {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if hasattr(node, "run") and type(node).__name__ == "_StageNodeBackward":
             if node.run is None:
                 break
