@@ -8,51 +8,70 @@ resolves every one (and checks the torch version) before the bridge registers an
 renamed or reshaped one fails with that name, not inside a step.
 
 Written against torch 2.13 (``schedules.py``: ``_PipelineScheduleRuntime._step_microbatches`` and its nested
-``_perform_action``; ``stage.py``: ``_PipelineStageBase``).
+``_perform_action``; ``stage.py``: ``_PipelineStageBase``) and compared with the same two files of every torch
+in :data:`KNOWN_TORCH`, which holds what differs per version.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining import stage as _stage
 
 __all__ = [
+    "KNOWN_TORCH",
     "TESTED_TORCH",
+    "Internals",
     "Pair",
     "StepInputs",
     "TorchPipeliningMismatch",
+    "check_backend",
     "check_schedule",
     "check_torch",
     "count_backward",
     "intercept_compute",
+    "internals",
     "local_stages",
     "pair_of",
     "record_loss",
     "register_overlap",
+    "resolve",
     "runtime_class",
     "step_inputs",
     "stored_loss",
     "wait_receives",
 ]
 
-TESTED_TORCH = (2, 13)
-"""The torch (major, minor) this module was written against and tested with."""
-
 
 class TorchPipeliningMismatch(RuntimeError):
     """This torch's pipelining internals are not the ones the bridge was written against."""
 
 
+@dataclass(frozen=True, slots=True)
+class Internals:
+    """What differs, between torch versions, in the private names the bridge needs."""
+
+    runtime_methods: Mapping[str, tuple[str, ...]]
+    """``_PipelineScheduleRuntime`` methods the bridge calls -> their leading parameter names."""
+    loss_kwargs: bool
+    """``step()`` and ``_maybe_compute_loss`` take ``loss_kwargs`` (the loss function's keyword arguments)."""
+    greets_own_rank: bool
+    """A stage's first step sends a warm-up message to each neighbour stage, also to one on its own rank
+    (``_get_init_p2p_neighbors_ops``; a V schedule always has one): gloo cannot send to its own rank, so
+    torch's ScheduleDualPipeV does not start on CPU ranks there, with or without the bridge."""
+
+
 # What check_torch resolves. Parameter names are checked because the bridge passes them by keyword or relies
-# on their order; they are torch 2.13's.
+# on their order.
 _MODULE_NAMES = (
     "_PipelineScheduleRuntime",
     "_PipelineContext",
@@ -62,11 +81,27 @@ _MODULE_NAMES = (
     "FORWARD",
     "FULL_BACKWARD",
 )
-_RUNTIME_METHODS: dict[str, tuple[str, ...]] = {
+_RUNTIME_METHODS_2_13: dict[str, tuple[str, ...]] = {
     "register_custom_function": ("computation_type", "custom_function"),
     "_maybe_compute_loss": ("stage", "output", "target_mbs", "mb_index", "loss_kwargs"),
     "_maybe_get_loss": ("stage", "mb_index"),
 }
+# torch 2.11's loss function takes (output, target) only: no loss_kwargs in step() or _maybe_compute_loss
+_RUNTIME_METHODS_2_11 = {
+    **_RUNTIME_METHODS_2_13,
+    "_maybe_compute_loss": ("stage", "output", "target_mbs", "mb_index"),
+}
+KNOWN_TORCH: dict[tuple[int, int], Internals] = {
+    (2, 11): Internals(runtime_methods=_RUNTIME_METHODS_2_11, loss_kwargs=False, greets_own_rank=True),
+    (2, 13): Internals(runtime_methods=_RUNTIME_METHODS_2_13, loss_kwargs=True, greets_own_rank=False),
+    (2, 15): Internals(runtime_methods=_RUNTIME_METHODS_2_13, loss_kwargs=True, greets_own_rank=False),
+}
+"""Each torch (major, minor) the bridge was compared with and tested on -> what its internals look like there.
+The names not listed here (stage methods, action and context fields, runtime state) are the same in all."""
+
+TESTED_TORCH = tuple(KNOWN_TORCH)
+"""The torch (major, minor) versions the bridge was tested with, oldest first."""
+
 _STAGE_METHODS: dict[str, tuple[str, ...]] = {
     "forward_one_chunk": ("fwd_chunk_id", "args", "kwargs", "save_forward_output"),
     "backward_one_chunk": ("bwd_chunk_id", "loss", "full_backward", "last_backward"),
@@ -79,25 +114,62 @@ _STAGE_METHODS: dict[str, tuple[str, ...]] = {
 _ACTION_FIELDS = ("stage_index", "computation_type", "microbatch_index", "sub_actions")
 _CONTEXT_FIELDS = ("schedule_ref", "arg_mbs", "kwarg_mbs", "target_mbs")
 _RUNTIME_STATE = ("_stages", "_n_microbatches", "fwd_recv_ops", "bwd_recv_ops", "backward_counter")
-_STAGE_STATE = ("submod", "stage_index", "is_first", "is_last", "has_backward")
+_STAGE_STATE = ("submod", "stage_index", "is_first", "is_last", "has_backward", "device", "group")
 # the keys torch's backward_one_chunk hands to backward_maybe_with_nosync
 _BACKWARD_KWARGS = ("stage_output", "output_grads", "input_values")
 
 
-def _torch_minor() -> tuple[int, int] | None:
-    m = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
+def _minor(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version)
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def _tested() -> str:
-    return ".".join(map(str, TESTED_TORCH))
+def _dotted(version: tuple[int, int]) -> str:
+    return ".".join(map(str, version))
+
+
+def _nearest_known(version: tuple[int, int] | None) -> tuple[int, int]:
+    """The newest known version not after ``version`` (the oldest known one for an older or unreadable one)."""
+    older = [v for v in KNOWN_TORCH if version is not None and v <= version]
+    return max(older) if older else min(KNOWN_TORCH)
+
+
+def resolve(version: str, allow_untested: bool = False) -> tuple[tuple[int, int], Internals]:
+    """(the known torch whose internals apply, those internals) for torch ``version`` (``"2.11.0+cu130"``).
+
+    An unknown version raises :class:`TorchPipeliningMismatch` in one line naming it and the known ones, unless
+    ``allow_untested``: then the nearest older known version's internals apply (every name is still checked).
+    """
+    minor = _minor(version)
+    if minor in KNOWN_TORCH:
+        return minor, KNOWN_TORCH[minor]
+    if not allow_untested:
+        known = ", ".join(_dotted(v) for v in KNOWN_TORCH)
+        raise TorchPipeliningMismatch(
+            f"dualpipe's torch bridge knows the torch.distributed.pipelining internals of torch {known} and was "
+            f"tested there only; this is torch {version}. Use one of those, or pass allow_untested_torch=True to "
+            f"try with torch {_dotted(_nearest_known(minor))}'s (every private name it needs is still checked)."
+        )
+    near = _nearest_known(minor)
+    return near, KNOWN_TORCH[near]
+
+
+@functools.cache
+def _resolved(version: str) -> tuple[tuple[int, int], Internals]:
+    return resolve(version, allow_untested=True)
+
+
+def internals() -> Internals:
+    """The internals of the running torch (an unknown version: the nearest older known one's)."""
+    return _resolved(str(torch.__version__))[1]
 
 
 def _mismatch(what: str) -> TorchPipeliningMismatch:
+    near = _dotted(_resolved(str(torch.__version__))[0])
     return TorchPipeliningMismatch(
-        f"dualpipe's torch bridge needs {what}, a torch.distributed.pipelining internal as of torch {_tested()}; "
-        f"torch {torch.__version__} lacks it or changed it. Use torch {_tested()}.x, or run the schedule "
-        "without the bridge."
+        f"dualpipe's torch bridge needs {what}, a torch.distributed.pipelining internal as of torch {near}; "
+        f"torch {torch.__version__} lacks it or changed it. Use a torch in "
+        f"dualpipe._torch_pipelining.KNOWN_TORCH, or run the schedule without the bridge."
     )
 
 
@@ -112,19 +184,14 @@ def _check_params(owner: str, fn: Any, names: Sequence[str]) -> None:
 
 def check_torch(allow_untested: bool = False) -> None:
     """Raise :class:`TorchPipeliningMismatch` naming the first missing or reshaped private name, or the torch
-    version when it is not :data:`TESTED_TORCH` (unless ``allow_untested``)."""
-    if not allow_untested and _torch_minor() != TESTED_TORCH:
-        raise TorchPipeliningMismatch(
-            f"dualpipe's torch bridge uses torch.distributed.pipelining internals as of torch {_tested()} and "
-            f"was tested there only; this is torch {torch.__version__}. Use torch {_tested()}.x, or pass "
-            "allow_untested_torch=True to try (every private name it needs is still checked)."
-        )
+    version when it is not in :data:`KNOWN_TORCH` (unless ``allow_untested``)."""
+    _, needs = resolve(str(torch.__version__), allow_untested)
     where = "torch.distributed.pipelining.schedules"
     for name in _MODULE_NAMES:
         if not hasattr(_schedules, name):
             raise _mismatch(f"{where}.{name}")
     runtime = _schedules._PipelineScheduleRuntime
-    for name, params in _RUNTIME_METHODS.items():
+    for name, params in needs.runtime_methods.items():
         if not callable(getattr(runtime, name, None)):
             raise _mismatch(f"{where}._PipelineScheduleRuntime.{name}")
         _check_params(f"{where}._PipelineScheduleRuntime.{name}", getattr(runtime, name), params)
@@ -160,6 +227,20 @@ def check_schedule(schedule: Any) -> None:
         for name in _STAGE_STATE:
             if not hasattr(stage, name):
                 raise _mismatch(f"the pipeline stage's {name} attribute")
+
+
+def check_backend(schedule: Any) -> None:
+    """Refuse, in one line, a schedule this torch cannot start: stages on CPU ranks over gloo where the first
+    step greets the stage on the same rank (:attr:`Internals.greets_own_rank`)."""
+    if not internals().greets_own_rank:
+        return
+    for stage in schedule._stages:
+        if torch.device(stage.device).type == "cpu" and "gloo" in str(dist.get_backend(stage.group)):
+            raise TorchPipeliningMismatch(
+                f"torch {torch.__version__}'s ScheduleDualPipeV cannot start on CPU ranks over gloo: its first step "
+                "sends a warm-up message to the stage on the same rank, which gloo cannot deliver (torch 2.13's "
+                "does not); use NCCL, or torch 2.13 or later on CPU"
+            )
 
 
 def local_stages(schedule: Any) -> dict[int, Any]:
@@ -220,8 +301,12 @@ def stored_loss(schedule: Any, stage: Any, chunk: int) -> torch.Tensor | None:
 
 
 def record_loss(schedule: Any, stage: Any, output: Any, target_mbs: Any, chunk: int, loss_kwargs: Any) -> None:
-    """Compute and store ``chunk``'s loss when ``stage`` is the last one, as torch's forward action does."""
-    schedule._maybe_compute_loss(stage, output, target_mbs, chunk, loss_kwargs)
+    """Compute and store ``chunk``'s loss when ``stage`` is the last one, as torch's forward action does
+    (on a torch whose loss takes no ``loss_kwargs``, the bridge passes None)."""
+    if internals().loss_kwargs:
+        schedule._maybe_compute_loss(stage, output, target_mbs, chunk, loss_kwargs)
+    else:
+        schedule._maybe_compute_loss(stage, output, target_mbs, chunk)
 
 
 def count_backward(schedule: Any, stage_index: int) -> bool:

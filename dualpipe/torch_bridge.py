@@ -42,7 +42,7 @@ from dualpipe.weight_grad import GradStore, active_store
 __all__ = ["TESTED_TORCH", "GradStoreStage", "TorchPipeliningMismatch", "overlap_torch_schedule"]
 
 TESTED_TORCH = tp.TESTED_TORCH
-"""The torch (major, minor) the bridge was written against and tested with."""
+"""The torch (major, minor) versions the bridge was tested with (:data:`dualpipe._torch_pipelining.KNOWN_TORCH`)."""
 TorchPipeliningMismatch = tp.TorchPipeliningMismatch
 
 
@@ -136,7 +136,7 @@ class _OverlappedPairs:
         stages = tp.local_stages(schedule)
         f, b = stages[pair.forward_stage], stages[pair.backward_stage]
         if not b.has_backward:
-            # torch 2.13's own sequential path fails here too (it hands gradients between the local stages)
+            # torch's own sequential path fails here too (it hands gradients between the local stages)
             raise RuntimeError("overlap_torch_schedule: overlapped pairs need a training step; eval() runs no backward")
         # As torch's runtime: a stage waits for what it received, unless its neighbour is local (the V's turn).
         if not f.is_first and pair.forward_stage - 1 not in stages:
@@ -208,7 +208,7 @@ def overlap_torch_schedule(
     Checked here, before any communication: a ``TypeError`` for a schedule that is not a torch
     ``_PipelineScheduleRuntime``, a ``ValueError`` for the stages, and
     :class:`TorchPipeliningMismatch` naming the private torch name or the torch
-    version that differs from the ones the bridge was written against (torch 2.13;
+    version that differs from the ones the bridge was written against (:data:`TESTED_TORCH`;
     ``allow_untested_torch=True`` skips only the version check).
 
     ``observer`` (a :class:`dualpipe.PipelineObserver`) sees every overlapped pair as an ``"action"`` span
@@ -223,6 +223,7 @@ def overlap_torch_schedule(
             f"_PipelineScheduleRuntime, the schedules that run OVERLAP_F_B actions), got {type(schedule).__name__}"
         )
     tp.check_schedule(schedule)
+    tp.check_backend(schedule)
     if getattr(schedule.step, "_dualpipe_overlapped_pairs", None) is not None:
         raise ValueError("overlap_torch_schedule: this schedule already runs its pairs through the hook")
     _check_stages(list(tp.local_stages(schedule).values()))
@@ -231,9 +232,11 @@ def overlap_torch_schedule(
     step = schedule.step
 
     @functools.wraps(step)
-    def step_passing_options(*args: Any, return_outputs: bool = True, loss_kwargs: Any = None, **kwargs: Any) -> Any:
-        pairs.return_outputs, pairs.loss_kwargs = return_outputs, loss_kwargs
-        return step(*args, return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs)
+    def step_passing_options(*args: Any, return_outputs: bool = True, **kwargs: Any) -> Any:
+        # a torch whose step() takes no loss_kwargs (2.11) hands any such keyword to the model, as without us
+        pairs.return_outputs = return_outputs
+        pairs.loss_kwargs = kwargs.get("loss_kwargs") if tp.internals().loss_kwargs else None
+        return step(*args, return_outputs=return_outputs, **kwargs)
 
     step_passing_options._dualpipe_overlapped_pairs = pairs  # type: ignore[attr-defined]
     schedule.step = step_passing_options

@@ -30,6 +30,7 @@ from bench.overlap_stats import (
     rank_hidden,
     replayed_bubble,
 )
+from dualpipe import _torch_pipelining as tp
 from dualpipe.events import hidden_fraction
 from dualpipe.schedule import build_schedule
 from dualpipe.simulate import Costs, simulate
@@ -308,6 +309,10 @@ def _check_outputs(out_dir, modes: list[str]) -> dict:
 def test_smoke_run_on_loopback(tmp_path, capsys):
     modes = ["dualpipev-overlap", "dualpipev", "dualpipe-overlap", "1f1b", "torch-dualpipev", "torch-dualpipev-overlap"]
     argv = [*TINY, "--steps", "1", "--modes", *modes, "--out", str(tmp_path), "--timeout", "120", "--keep-events"]
+    if tp.internals().greets_own_rank:  # a torch whose ScheduleDualPipeV cannot start on gloo: the bridge says so
+        with pytest.raises(SystemExit, match="cannot start on CPU ranks over gloo"):
+            overlap.main(argv)
+        return
     assert overlap.main(argv) == 0
     printed = capsys.readouterr().out
     assert "targets (DualPipeV with overlap)" in printed and "loopback" in printed and "CPU floor" in printed
