@@ -10,7 +10,7 @@ import pytest
 
 from dualpipe.schedule import SCHEDULES
 from moe.config import PRESETS
-from moe.pipeline_layout import shift_to_last
+from moe.pipeline_layout import expand
 from moe.plan.cli import JSON_SCHEMA_VERSION, main
 from moe.plan.layouts import LAYOUT_SHIFTS
 from moe.plan.params import auto_layout
@@ -148,6 +148,10 @@ def test_model_takes_a_preset_or_a_checkpoint_directory(tmp_path: Path, capsys: 
         main(["--model", str(ckpt), *argv])
 
 
+def _first_stage_layers(layout: str) -> int:
+    return expand(layout).split("|")[0].count("t")
+
+
 def test_deepseek_v3_side_by_side_in_the_json(tmp_path: Path) -> None:
     """The report's layout and memory options for the deepseek-v3 preset (its MTP module on the last stage),
     each figure beside the report's: the memory the footprint gives, the tokens/s of 14.8T tokens in 2,664K
@@ -173,12 +177,13 @@ def test_deepseek_v3_side_by_side_in_the_json(tmp_path: Path) -> None:
     assert mem["planner"] == pytest.approx(layout["memory_bytes"]["total"] / 2**30)
     assert mem["report"] == pytest.approx(80e9 / 2**30) and mem["fits"] == layout["fits"]
     assert mem["planner"] < 0.6 * mem["without_options"]
-    # both figures: the planner's layout (auto's, or it with layers moved off the first stage) and Megatron-Core's
-    # V3 example at 16 stages, each its fullest rank of 16; auto's beside them
+    # both figures: the planner's layout (auto's, or one with layers moved off the first stage: a shift of auto's
+    # or, where none fits, a memory descent) and Megatron-Core's V3 example at 16 stages, each its fullest rank of
+    # 16; auto's beside them
     lay = v3["memory_gib_layout"]
     auto = auto_layout(PRESETS["deepseek-v3"], 16, "dualpipe")
     assert mem["auto_layout"] == auto and lay["pipeline_layout"] == V3_LAYOUT
-    assert mem["pipeline_layout"] in {"auto", *(shift_to_last(auto, k) for k in LAYOUT_SHIFTS)}
+    assert mem["pipeline_layout"] == "auto" or _first_stage_layers(mem["pipeline_layout"]) < _first_stage_layers(auto)
     assert mem["planner"] <= mem["auto"] or not mem["fits"]
     # nothing fits the planner's headroom at this layout: the least memory of the layouts it tried, below auto's
     least = mem["least"]
