@@ -24,7 +24,7 @@ published 129,280 the head alone would be a third of the slice's FLOPs and 1.85B
 ``--vocab-size 129280`` runs it anyway (about 107 GiB estimated). At sequence 4096, micro-batch 1, DualPipeV
 at pp = 1 (its two stages on the one rank, two micro-batches a step, the overlapped pair run as on a
 cluster), bf16 with fp32 master weights, gradients and AdamW moments: 3.87B parameters, and a pre-flight
-estimate (moe.plan's footprint) of 76.0 GiB in bf16 and 75.0 GiB with FP8 activations, about 55% of the
+estimate (moe.plan's footprint) of 75.3 GiB in bf16 and 74.3 GiB with FP8 activations, about 54% of the
 H200's 139 GiB: wide of the trainer's 90% limit, so an estimate short by a third would still fit. The FP8 run
 adds ``--fp8 --fp8-activations`` (the FP8 GEMMs of :mod:`kernels.fp8`, the experts' saved activations in FP8).
 MFU is against the GPU's dense bf16 peak in both runs.
