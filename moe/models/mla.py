@@ -18,7 +18,8 @@ columns' weighted sums alone, zero query/key columns add nothing to q.k, and the
 explicitly from C. It costs PV (and its backward) at W instead of V: for DeepSeek-V3 a quarter more attention
 FLOPs (about 2% of a layer's), against a fused kernel for the whole of it; and SDPA keeps its output W wide,
 which ``o_proj`` reads as a strided view (no copy kept), while v, padded, is W wide instead of a view of
-``kv_b_proj``'s N + V wide output: for DeepSeek-V3 the two even out. cuDNN's kernel, which recent torch
+``kv_b_proj``'s N + V wide output: for DeepSeek-V3 the two even out (under selective recompute, which drops
+v, the output's extra columns remain). cuDNN's kernel, which recent torch
 releases prefer on sm_90 and sm_100, takes V != C as well; the padding runs everywhere, so that one module
 keeps one set of tensors whatever kernel a machine picks.
 
