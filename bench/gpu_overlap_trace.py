@@ -162,7 +162,7 @@ def _one_rank_group(device: torch.device) -> bool:
     return True
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, default=2, help="override the preset's layer count (0: keep it)")
@@ -238,7 +238,7 @@ def _pair(stage: MoEStage, cfg, args, device: torch.device, seed: int) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if device.type == "cuda":

@@ -593,7 +593,7 @@ def _triton_version() -> str | None:
         return None
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", choices=sorted(SHAPES), default="small")
     p.add_argument("--only", action="append", default=None, metavar="NAME",
@@ -613,7 +613,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also write the planner's costs file (python -m moe.plan --costs FILE)")  # fmt: skip
     p.add_argument("--costs-shape", type=int, default=0, metavar="N",
                    help="which shape of the set the costs file describes (index, default the first)")  # fmt: skip
-    return p.parse_args(argv)
+    return p
 
 
 def _selected(args: argparse.Namespace) -> list[str]:
@@ -627,7 +627,7 @@ def _selected(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> Path:
     """Run the benchmark, print and save it; SystemExit (non-zero) after saving when an op failed its check."""
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.costs_out and not 0 <= args.costs_shape < len(SHAPES[args.shapes]):
         raise SystemExit(f"--costs-shape {args.costs_shape}: the {args.shapes} set has {len(SHAPES[args.shapes])}")
     selected = _selected(args)

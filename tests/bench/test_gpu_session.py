@@ -9,8 +9,10 @@ checks the layout and the dispatcher).
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -87,6 +89,19 @@ def test_the_one_gpu_check_is_four_steps_in_nine_minutes(tmp_path: Path) -> None
     assert "-m bench.gpu_overlap_trace --emulated-gbps" in commands[4]
     out = str(tmp_path / "out")
     assert all(f"--out {out}" in c for c in commands[2:])  # every result lands in $OUT
+
+
+def test_every_python_step_is_a_command_its_module_accepts(tmp_path: Path) -> None:
+    """Each ``python -m MODULE ARGS`` step parses with that module's own parser (a renamed flag fails here)."""
+    steps = _steps(_dry_run(tmp_path, "bench/gpu_session.sh").stdout)
+    modules = []
+    for _, _, command in steps:
+        argv = shlex.split(command)
+        if argv[1:2] != ["-m"] or argv[2] == "pytest":
+            continue
+        modules.append(argv[2])
+        importlib.import_module(argv[2]).build_parser().parse_args(argv[3:])  # SystemExit(2) on a bad flag
+    assert modules == ["bench.kernels", "bench.gpu_model", "bench.gpu_overlap_trace"]
 
 
 @pytest.mark.parametrize("args", [("1",), ("--dry-run", "4"), ("deepep",)])
