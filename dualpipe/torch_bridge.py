@@ -223,10 +223,10 @@ def overlap_torch_schedule(
             f"_PipelineScheduleRuntime, the schedules that run OVERLAP_F_B actions), got {type(schedule).__name__}"
         )
     tp.check_schedule(schedule)
-    tp.check_backend(schedule)
     if getattr(schedule.step, "_dualpipe_overlapped_pairs", None) is not None:
         raise ValueError("overlap_torch_schedule: this schedule already runs its pairs through the hook")
     _check_stages(list(tp.local_stages(schedule).values()))
+    tp.check_backend(schedule)
 
     pairs = _OverlappedPairs(observer)
     step = schedule.step
