@@ -16,14 +16,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import moe.models.mla as mla
 from dualpipe.weight_grad import WeightGradStore
-from moe import MoEModel, lm_loss
+from moe import MoEModel
 from moe.config import PRESETS
 from moe.layers import Linear, causal_attention, selective_recompute
-from moe.memory import MemoryMeter, SavedTensorTracker
+from moe.memory import SavedTensorTracker
 from moe.models.mla import MLAttention
 from moe.models.rope import RopeConfig
 from moe.plan.footprint import LEAVES, layer_activations, module_activation_bytes
-from tests.moe.helpers import batch
+from tests.moe.helpers import tracked_peak_bytes
 
 B, S, HIDDEN, HEADS, NOPE, ROPE = 2, 24, 64, 4, 16, 8
 C = NOPE + ROPE
@@ -148,12 +148,7 @@ def test_a_linear_over_a_strided_slice_keeps_the_view() -> None:
 def _kept_bytes(cfg, dtype: torch.dtype, b: int) -> tuple[int, float]:
     """(the tracker's peak of saved-for-backward bytes over one micro-batch of 2 x 32 tokens, the planner's
     listing of the same, the runtime's piece inputs aside)."""
-    model = MoEModel(cfg, seed=0, piecewise=True).to(dtype)
-    ids, labels = batch(cfg, size=2, seq=32)
-    meter = MemoryMeter(model)
-    meter.start_step()
-    lm_loss(model(ids), labels).backward()
-    measured = meter.stop_step()["peak_activation_bytes"]
+    measured = tracked_peak_bytes(MoEModel(cfg, seed=0, piecewise=True).to(dtype), cfg, size=2, seq=32)
     layers = range(cfg.num_layers)
     listed = module_activation_bytes(cfg, layers, 64, 32, b, 1, first=True, last=True, recompute="none")
     leaves = sum(v for i in layers for k, v in layer_activations(cfg, i, 64, 32, b).items() if k in LEAVES)

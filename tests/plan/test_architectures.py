@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from moe import MoEModel, lm_loss
+from moe import MoEModel
 from moe.block import Block
 from moe.config import PRESETS, preset
 from moe.dispatch.local import LocalDispatcher
@@ -31,7 +31,7 @@ from moe.plan.params import (
     total_params,
 )
 from moe.stage import MoEStage
-from tests.moe.helpers import batch
+from tests.moe.helpers import tracked_peak_bytes
 
 # DeepSeek-V3 tiny (MLA with a query latent, an MTP module), the same without a query latent (V2-Lite's MLA),
 # Qwen3-MoE tiny (q/k norms, no shared expert).
@@ -165,12 +165,7 @@ def test_activation_bytes_match_the_tracker(cfg, dtype: torch.dtype, b: int) -> 
     runtime's kept piece inputs aside) within 5% of moe.memory's tracker, as tests/plan/test_footprint.py
     does for our GQA blocks."""
     model = MoEModel(cfg, seed=0, piecewise=True).to(dtype)
-    ids, labels = batch(cfg, size=2, seq=32)
-    meter = MemoryMeter(model)
-    meter.start_step()
-    out = model(ids, labels) if cfg.mtp_layers else model(ids)
-    lm_loss(out, labels).backward()
-    measured = meter.stop_step()["peak_activation_bytes"]
+    measured = tracked_peak_bytes(model, cfg, size=2, seq=32, mtp=bool(cfg.mtp_layers))
     tokens, layers = 64, range(cfg.num_layers)
     listed = module_activation_bytes(cfg, layers, tokens, 32, b, 1, first=True, last=True, recompute="none")
     blocks = [*layers, *range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers)]

@@ -10,7 +10,7 @@ import torch
 from dualpipe.pieces import BlockRun, Compute
 from dualpipe.schedule import build_schedule
 from dualpipe.simulate import simulate
-from moe import MoEModel, MoEStage, lm_loss
+from moe import MoEModel, MoEStage
 from moe.memory import MemoryMeter
 from moe.optimizer import DistributedAdamW, ShardGroup
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages
@@ -24,7 +24,7 @@ from moe.plan.footprint import (
 )
 from moe.plan.hardware import GPUS
 from moe.plan.params import ParamSpec, rank_params
-from tests.moe.helpers import SEED, batch, tiny_config
+from tests.moe.helpers import SEED, tiny_config, tracked_peak_bytes
 from tests.moe.test_experts import DeliveringDispatcher
 
 
@@ -88,12 +88,7 @@ def test_activation_bytes_match_the_tracker(dtype: torch.dtype, b: int) -> None:
     """One micro-batch through the whole model: the saved tensors listed per sub-stage (the runtime's kept
     piece inputs aside, which the tracker does not see) within 5% of the tracker's peak."""
     cfg = tiny_config()
-    model = MoEModel(cfg, seed=0, piecewise=True).to(dtype)
-    ids, labels = batch(cfg, size=4, seq=32)
-    meter = MemoryMeter(model)
-    meter.start_step()
-    lm_loss(model(ids), labels).backward()
-    measured = meter.stop_step()["peak_activation_bytes"]
+    measured = tracked_peak_bytes(MoEModel(cfg, seed=0, piecewise=True).to(dtype), cfg, size=4, seq=32)
     tracked = module_activation_bytes(cfg, range(4), 128, 32, b, 1, first=True, last=True, recompute=False)
     leaves = sum(v for i in range(4) for k, v in layer_activations(cfg, i, 128, 32, b).items() if k in LEAVES)
     assert tracked - leaves == pytest.approx(measured, rel=0.05)

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from kernels.fp8 import FP8Recipe
-from moe import MoEModel, lm_loss
+from moe import MoEModel
 from moe.config import PRESETS, MoEConfig
 from moe.layers import use_fp8
-from moe.memory import MemoryMeter
 from moe.plan import flops as fl
 from moe.plan.cli import main
 from moe.plan.costs import NO_FP8, Parallelism, Precision, Workload, substage_costs
@@ -24,7 +23,7 @@ from moe.plan.measured import MeasuredCosts
 from moe.plan.pair import BlockTimes, chunk_times
 from moe.plan.report import RunShape, evaluate, v3_comparison, v3_side_by_side
 from moe.plan.search import Candidate
-from tests.moe.helpers import batch
+from tests.moe.helpers import tracked_peak_bytes
 
 # GQA, hidden 32, 4 heads of 8 (2 key/value heads), 8 experts, top-2, expert width 16, one shared expert.
 CFG = MoEConfig(
@@ -144,11 +143,7 @@ def test_fp8_activations_against_the_tracker(name: str) -> None:
     measured, listed = {}, {}
     for save in (False, True):
         model = use_fp8(MoEModel(cfg, seed=0, piecewise=True).to(torch.bfloat16), FP8Recipe(save_fp8=save))
-        ids, labels = batch(cfg, size=2, seq=32)
-        meter = MemoryMeter(model)
-        meter.start_step()
-        lm_loss(model(ids, labels) if cfg.mtp_layers else model(ids), labels).backward()
-        measured[save] = meter.stop_step()["peak_activation_bytes"]
+        measured[save] = tracked_peak_bytes(model, cfg, size=2, seq=32, mtp=bool(cfg.mtp_layers))
         total = module_activation_bytes(cfg, layers, 64, 32, 2, 1, first=True, last=True, recompute="none", fp8=save)
         leaves = sum(
             v for i in blocks for k, v in layer_activations(cfg, i, 64, 32, 2, fp8=save).items() if k in LEAVES
