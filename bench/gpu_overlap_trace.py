@@ -163,7 +163,11 @@ def _one_rank_group(device: torch.device) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gpu_overlap_trace",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, default=2, help="override the preset's layer count (0: keep it)")
     p.add_argument("--micro-batch", type=int, default=2)
