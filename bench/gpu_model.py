@@ -31,7 +31,7 @@ MFU is against the GPU's dense bf16 peak in both runs.
 
 Time (estimated from the parts, not measured: the budget of the check's step is 180 s for both runs).
 Per run: interpreter and imports about 10 s; the weights initialised on the CPU from the seed
-(moe.stage.MoEStage.reset_parameters: one normal draw per parameter, 3.87B of them, at 150-300M/s) and
+(moe.models.stage.MoEStage.reset_parameters: one normal draw per parameter, 3.87B of them, at 150-300M/s) and
 uploaded, 15-30 s; Triton's compile and autotune of every kernel at these shapes before step 1
 (kernels.warmup), the part no CPU can size: tens of seconds, more for the FP8 run; then the steps, each 8,192
 tokens of 12 GFLOP (98.6 TFLOP a step, 0.2-0.5 s at 20-50% of the H200's 989 TFLOP/s, plus AdamW over 3.87B
@@ -67,7 +67,7 @@ import torch
 
 from bench.harness import device_slug
 from bench.process_tree import run as run_tree
-from moe.config import PRESETS
+from moe.models.config import PRESETS
 
 __all__ = [
     "LATER_RUN_S",
@@ -180,7 +180,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     else:
         keys = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "peak_activation_bytes")
         peak = max(sum(r[k] for k in keys) for r in records)
-        source = "moe.memory: parameters + gradients + optimizer state + saved activations"
+        source = "moe.train.memory: parameters + gradients + optimizer state + saved activations"
     counted = [r for r in records if "host_syncs" in r]
     return {
         "steps": len(records),

@@ -53,9 +53,9 @@ import torch.distributed as dist
 from dualpipe.events import HiddenFraction, hidden_fraction, interval_overlap, interval_union, timeline_text
 from kernels.warmup import KernelShapes, warm_up
 from moe import MoEStage, lm_loss, next_token_batch
-from moe.config import PRESETS, preset
 from moe.dispatch import DEFAULT_COMM_SMS, EmulatedDispatcher, TokenDispatcher, make_dispatcher
 from moe.dispatch.emulated import DEFAULT_EP, DEFAULT_GBPS, LINK_KERNEL
+from moe.models.config import PRESETS, preset
 
 __all__ = ["HostDeviceRecorder", "comm_under_compute", "main"]
 

@@ -76,8 +76,8 @@ import torch
 from bench.harness import Bench, Check, Row, Tolerance, check_close, tensor_bytes
 from kernels import fp8, ops, reference, reference_fp8
 from kernels.reference_fp8 import TILE
-from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS
+from moe.models.config import MoEConfig
 from moe.plan.measured import MeasuredCosts, measured_ops, save_costs, work_ratio
 
 

@@ -36,7 +36,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from bench.overlap_stats import RankSteps
-from moe.config import MoEConfig
+from moe.models.config import MoEConfig
 from moe.plan.measured import MeasuredCosts
 
 __all__ = ["SPAN_FIELDS", "calibration_costs", "link_rates", "rate_bytes_per_s", "substage_seconds"]

@@ -51,10 +51,10 @@ from dualpipe import PIPELINES
 from dualpipe.events import EventRecorder
 from dualpipe.observer import PipelineObserver, SpanKind, span_label
 from dualpipe.schedule import SCHEDULES, schedule_spec
-from moe.config import MoEConfig
 from moe.data import BYTE_VOCAB_SIZE, Loader, open_data
 from moe.dispatch import Traffic
-from moe.model import lm_loss
+from moe.models.config import MoEConfig
+from moe.models.model import lm_loss
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout, with_schedule
 
 __all__ = ["CALIBRATION_MODE", "MODES", "TORCH_MODE", "TORCH_MODES", "WorkerOptions", "model_config", "worker_main"]

@@ -248,7 +248,7 @@ COMM_KINDS = {
     "combine.bwd": "backward combine",
     "counts.fwd": "row-count exchange",
 }
-"""The all-to-all kinds :mod:`moe.block` records (``name.direction``), in the order reports list them."""
+"""The all-to-all kinds :mod:`moe.models.block` records (``name.direction``), in the order reports list them."""
 
 
 def comm_kind(c: CommSpan) -> str:

@@ -4,13 +4,13 @@ same schedule running our overlapped pairs through :func:`dualpipe.overlap_torch
 Same stage split as our DualPipeV (rank r holds stages r and 2N-1-r of 2N), same weights
 (:meth:`MoEStage.reset_parameters` with the same seed), same micro-batches. ``torch-dualpipev`` builds the
 stages with ``piecewise=False``: one plain autograd graph per stage whose all-to-alls are blocking autograd
-nodes (:class:`moe.block.Block` with a communicating dispatcher). No ``OVERLAP_F_B`` callback is
+nodes (:class:`moe.models.block.Block` with a communicating dispatcher). No ``OVERLAP_F_B`` callback is
 registered, so its paired actions run the forward, then the backward, and every all-to-all is exposed.
 ``torch-dualpipev-overlap`` builds piecewise stages and registers the bridge: each paired action is one
 call of :meth:`MoEStage.overlapped_forward_backward`, inside torch's own bookkeeping. ``scale_grads=True``
 averages gradients over micro-batches, as our ``loss_reduction="mean"`` does.
 
-Weight gradients: our layers compute them inside their own autograd functions (``moe.layers.Linear``,
+Weight gradients: our layers compute them inside their own autograd functions (``moe.models.layers.Linear``,
 the grouped experts) and hand them to ``WeightGradStore`` when it is enabled, so torch's default split
 backward, which asks autograd for gradient edges to the parameters, finds none. The stages are therefore
 :class:`dualpipe.GradStoreStage` s: the ``dw_builder`` that ``PipelineStage`` documents for this case,
@@ -37,8 +37,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from dualpipe.events import EventRecorder
 from dualpipe.observer import PipelineObserver, span_label
 from dualpipe.torch_bridge import GradStoreStage, overlap_torch_schedule
-from moe.config import MoEConfig
-from moe.model import lm_loss
+from moe.models.config import MoEConfig
+from moe.models.model import lm_loss
 from moe.parallel import ParallelLayout, build_stages
 
 __all__ = ["build_torch_dualpipev"]

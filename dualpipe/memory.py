@@ -44,7 +44,7 @@ class SavedTensorTracker:
 
     Under saved-tensors hooks a saved tensor comes back from ``ctx.saved_tensors`` as a new alias, never as
     the object that was saved: a backward that writes ``weight.grad`` on a saved weight would lose it. Keep
-    such weights on ``ctx`` instead (as ``moe.layers.Linear`` does).
+    such weights on ``ctx`` instead (as ``moe.models.layers.Linear`` does).
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:

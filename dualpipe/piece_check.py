@@ -152,7 +152,7 @@ def _check_compute(
 
 def _run(piece: Compute, ctx: Context, args: tuple[Any, ...]) -> tuple[list[Any], tuple[Any, ...]]:
     # Fresh copies each run: a piece may free an input it is the last reader of (the rows an all-to-all
-    # delivered, moe.experts' free_input).
+    # delivered, moe.models.experts' free_input).
     leaves = [
         a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args
     ]

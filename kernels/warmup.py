@@ -138,7 +138,7 @@ class KernelShapes:
         top_k, n_group, topk_group, route_scale, num_shared_experts, dense_intermediate_size, num_layers and
         ``is_moe_layer(i)``); read by name so that this package stays free of ``moe``.
         tokens: micro-batch size x sequence length. fp8, fp8_linears: as the fields (the model knows its FP8
-        linears: e.g. the (in, out) features of every module ``moe.layers.use_fp8`` gave the recipe).
+        linears: e.g. the (in, out) features of every module ``moe.models.layers.use_fp8`` gave the recipe).
         """
         if ep < 1 or cfg.num_experts % ep:
             raise ValueError(f"ep={ep} must be positive and divide num_experts={cfg.num_experts}")
@@ -232,7 +232,7 @@ def _randn(*shape: int, dtype: torch.dtype, device: torch.device, requires_grad:
 
 def _run_expert_path(r: int, m: int, shapes: KernelShapes, device: torch.device, comm_sms: int) -> None:
     """permute -> grouped experts (routing weights on the SwiGLU output) -> combine, forward and backward, as
-    the model's MoE layer (moe.experts.GroupedExperts) runs them."""
+    the model's MoE layer (moe.models.experts.GroupedExperts) runs them."""
     d, f, e, k, dt = shapes.hidden, shapes.expert_intermediate, shapes.num_local_experts, shapes.top_k, shapes.dtype
     x_RD = _randn(r, d, dtype=dt, device=device, requires_grad=True)
     w1_EDF2 = _randn(e, d, 2 * f, dtype=dt, device=device, requires_grad=True)
@@ -248,7 +248,7 @@ def _run_expert_path(r: int, m: int, shapes: KernelShapes, device: torch.device,
 
 
 def _run_fp8_linear(in_features: int, out_features: int, shapes: KernelShapes, device: torch.device) -> None:
-    """A linear layer's three FP8 GEMMs on the T token rows, as moe.layers.Linear runs them."""
+    """A linear layer's three FP8 GEMMs on the T token rows, as moe.models.layers.Linear runs them."""
     t, dt = shapes.tokens, shapes.dtype
     x_TK = _randn(t, in_features, dtype=dt, device=device)
     w_NK = _randn(out_features, in_features, dtype=dt, device=device)

@@ -2,7 +2,14 @@
 
 Entry points: :class:`MoEConfig` / :func:`preset`, :class:`MoEModel` (single process), :class:`MoEStage`
 (a pipeline stage with ``overlapped_forward_backward``), :func:`lm_loss`, the dispatchers in
-:mod:`moe.dispatch`, and the parallel layout in :mod:`moe.parallel`. A training step at (pp, dp, ep)::
+:mod:`moe.dispatch`, and the parallel layout in :mod:`moe.parallel`.
+
+Rooms, each importing only those below it (tests/moe/test_rooms.py): the commands ``convert`` and ``eval``;
+:mod:`moe.train` (the trainer and all it keeps: optimizer, checkpoints, guards, gradient sync, memory);
+:mod:`moe.parallel` (the (pp, dp, ep) layout); :mod:`moe.plan` (the planner); :mod:`moe.hf` (Hugging Face
+checkpoints); :mod:`moe.models` (what a block is made of: config, layers, attention, router, experts, block,
+stage, MTP); :mod:`moe.dispatch` and :mod:`moe.data`; at the bottom :mod:`moe.optim_state` (the optimizers' byte
+rules), :mod:`moe.pipeline_layout`, :mod:`moe.groups` and :mod:`moe.command`. A training step at (pp, dp, ep)::
 
     layout = init_layout(ParallelConfig(pp=2, dp=8, ep=4, schedule="dualpipev", dispatcher="alltoall"), "cuda")
     stages = build_stages(preset("small"), layout, seed=0, dtype=torch.bfloat16, device="cuda")
@@ -14,11 +21,11 @@ Entry points: :class:`MoEConfig` / :func:`preset`, :class:`MoEModel` (single pro
 """
 
 from dualpipe.events import Event, EventRecorder
-from moe.config import PRESETS, MoEConfig, preset
-from moe.grad_sync import balance_routers, reduce_gradients
-from moe.model import MoEModel, lm_loss, next_token_batch
+from moe.models.config import PRESETS, MoEConfig, preset
+from moe.models.model import MoEModel, lm_loss, next_token_batch
+from moe.models.stage import MoEStage
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout
-from moe.stage import MoEStage
+from moe.train.grad_sync import balance_routers, reduce_gradients
 
 __all__ = [
     "PRESETS",

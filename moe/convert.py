@@ -9,7 +9,7 @@ The direction follows SRC: a directory with config.json is a Hugging Face checkp
 - ours -> HF: config.json from the checkpoint's meta.json (its model config), safetensors shards of at most
   ``--max-shard-size`` bytes and their index, in the hub layout (:mod:`moe.hf.export`); optimizer state is left
   out. ``--dtype`` defaults to the checkpoint's (fp32 masters, usually).
-- HF -> ours: a checkpoint ``DST/step_00000000`` (and ``DST/latest``) that :func:`moe.checkpoint.load_checkpoint`
+- HF -> ours: a checkpoint ``DST/step_00000000`` (and ``DST/latest``) that :func:`moe.train.checkpoint.load_checkpoint`
   and ``Trainer.resume`` read at any (pp, dp, ep): the weights (FP8 ones dequantized), the buffers a fresh model
   has (expert-load counts, rotary frequencies) and a fresh optimizer state for ``--optimizer`` (zeros at step 0,
   as before a first step; ``none`` leaves it out, for evaluation only). No data position or random state: a
@@ -40,13 +40,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from moe.checkpoint import checkpoint_entries
 from moe.command import run_command
-from moe.config import MoEConfig
 from moe.dispatch.local import LocalDispatcher
-from moe.manifest import CheckpointError, verify_checkpoint, write_manifest
-from moe.optimizer import OPTIMIZERS
-from moe.stage import MoEStage
+from moe.models.config import MoEConfig
+from moe.models.stage import MoEStage
+from moe.train.checkpoint import checkpoint_entries
+from moe.train.manifest import CheckpointError, verify_checkpoint, write_manifest
+from moe.train.optimizer import OPTIMIZERS
 
 __all__ = ["ConvertError", "hf_to_ours", "main", "ours_to_hf"]
 
@@ -100,7 +100,7 @@ def _empty_target(dst: Path) -> None:
 
 def _our_step(src: Path) -> Path:
     """The verified ``step_*`` directory of ``src`` (itself, or what its ``latest`` names)."""
-    from moe.checkpoint import latest_checkpoint
+    from moe.train.checkpoint import latest_checkpoint
 
     step = src if (src / "meta.json").is_file() else latest_checkpoint(src)
     if step is None:
@@ -129,7 +129,7 @@ def ours_to_hf(src: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_byt
 
     shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
     for key, shape in checkpoint_shapes(_skeleton(cfg)).items():
-        expert = ".experts." in key  # stored one expert per entry (moe.checkpoint)
+        expert = ".experts." in key  # stored one expert per entry (moe.train.checkpoint)
         name = entry(key, 0 if expert else None)
         if name not in stored:
             raise ConvertError(f"error: {step}: the checkpoint lacks {name}")

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from dualpipe.schedule import SCHEDULES
-from moe.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
 from moe.command import run_command
-from moe.config import MoEConfig
 from moe.data import DataError, open_data
-from moe.model import lm_loss
+from moe.models.config import MoEConfig
+from moe.models.model import lm_loss
 from moe.parallel import ParallelConfig, build_stages, init_layout
+from moe.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
 
 __all__ = ["main", "windows"]
 

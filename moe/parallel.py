@@ -13,7 +13,7 @@ pipeline on consecutive ranks instead.
 
 The schedule's layout places the stages. Where it holds a stage twice (DualPipe: stages r and N-1-r on
 pipeline rank r), the two copies' gradients (and expert-load counts) are summed over a two-rank "mirror"
-group before anything else. Gradient reduction and the router balancing step live in :mod:`moe.grad_sync`.
+group before anything else. Gradient reduction and the router balancing step live in :mod:`moe.train.grad_sync`.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ import torch.distributed as dist
 
 from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, schedule_spec
 from kernels.fp8 import FP8Recipe
-from moe.config import MoEConfig
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
 from moe.groups import group_timeout, new_groups, with_timeout
-from moe.layers import RECOMPUTE, recompute_granularity, selective_recompute, use_fp8
+from moe.models.config import MoEConfig
+from moe.models.layers import RECOMPUTE, recompute_granularity, selective_recompute, use_fp8
+from moe.models.stage import MoEStage
 from moe.pipeline_layout import AUTO, StagePlan, expand, plan_stages
 from moe.plan.params import layout_costs
-from moe.stage import MoEStage
 
 __all__ = [
     "MESH_DIMS",
@@ -98,7 +98,7 @@ class ParallelConfig:
     recompute: bool | str = "none"
     """Activation recompute in backward: ``none`` keeps every activation;
     ``selective`` (the DeepSeek-V3 report's) keeps only the inputs of the RMSNorms and of MLA's up-projections
-    and runs those again in backward (:func:`moe.layers.selective_recompute`); ``full`` keeps only each
+    and runs those again in backward (:func:`moe.models.layers.selective_recompute`); ``full`` keeps only each
     attention and MLP sub-stage's inputs and runs the sub-stage again before its backward. ``true`` and
     ``false`` (a bare ``--recompute``, ``--no-recompute``, earlier job files) mean ``full`` and ``none``."""
     sync_free: bool = False
@@ -432,7 +432,7 @@ def build_stages(
     Weights come from :meth:`MoEStage.reset_parameters` (``seed``), so they equal :class:`MoEModel`'s.
     ``piecewise=False`` builds plain-graph stages (blocking all-to-all autograd nodes) for baselines that
     schedule an ordinary graph. ``fp8``: the recipe every FP8-capable layer's GEMMs follow
-    (:func:`moe.layers.use_fp8`); None runs them in ``dtype``. ``fp8_dispatch``: the dispatch-direction
+    (:func:`moe.models.layers.use_fp8`); None runs them in ``dtype``. ``fp8_dispatch``: the dispatch-direction
     all-to-alls move FP8 rows with their scales (:mod:`moe.dispatch.fp8`; with ep=1 the same round trip, so one
     process computes what the expert-parallel run does).
     """
@@ -480,7 +480,7 @@ def tie_embeddings(stages: Sequence[MoEStage]) -> None:
     """The stage with multi-token prediction uses the embedding of the first stage on the same rank, and (on a
     stage of its own, ``m|L``) the final norm and head of the last stage on the same rank: one parameter each,
     whose gradient gathers both uses. Where those stages are on another rank, it keeps its own copies,
-    initialised alike (by name) and kept equal by :func:`moe.grad_sync.reduce_gradients` over
+    initialised alike (by name) and kept equal by :func:`moe.train.grad_sync.reduce_gradients` over
     :attr:`ParallelLayout.embed_group`."""
     first = next((s for s in stages if s.first), None)
     last = next((s for s in stages if s.last), None)

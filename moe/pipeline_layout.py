@@ -10,7 +10,7 @@ layer), ``m`` (one multi-token-prediction module) and ``L`` (the final norm, the
 
 The MTP modules come together after the last layer, on the head's stage or on the stage just before a last
 stage that holds only the head: that stage takes the labels in forward and hands the main hidden state on
-with the MTP loss attached to it (:func:`moe.block.attach_loss`).
+with the MTP loss attached to it (:func:`moe.models.block.attach_loss`).
 
 Layers are numbered in order over the whole string. ``auto`` (the default) balances the stages by cost
 (:func:`balance`): each piece weighs its matmul FLOPs per token (:class:`Costs`, from the planner's parameter

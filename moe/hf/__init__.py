@@ -24,8 +24,8 @@ from moe.hf.config import (
 )
 from moe.hf.fp8 import Dequantized
 from moe.hf.keys import RULES, HFCheckpointError, checkpoint_shapes, to_hub, to_ours
-from moe.model import MoEModel
-from moe.stage import MoEStage
+from moe.models.model import MoEModel
+from moe.models.stage import MoEStage
 
 __all__ = [
     "HF_CONFIGS",

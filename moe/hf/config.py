@@ -1,4 +1,4 @@
-"""Hugging Face ``config.json`` to :class:`moe.config.MoEConfig` and back, one entry per ``model_type``.
+"""Hugging Face ``config.json`` to :class:`moe.models.config.MoEConfig` and back, one entry per ``model_type``.
 
 Both config styles are read: the hub's (``rope_theta`` + ``rope_scaling``, Qwen's ``num_experts``) and what
 transformers 5.x writes (``rope_parameters``, ``num_local_experts``). A config this stack cannot run exactly
@@ -23,7 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from moe.config import MoEConfig
+from moe.models.config import MoEConfig
 from moe.models.rope import RopeConfig
 
 __all__ = [

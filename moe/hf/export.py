@@ -36,10 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe.config import MoEConfig
 from moe.hf.config import to_hf_config
 from moe.hf.keys import checkpoint_shapes, to_hub
-from moe.stage import MoEStage
+from moe.models.config import MoEConfig
+from moe.models.stage import MoEStage
 
 __all__ = ["MAX_SHARD_BYTES", "HFExportError", "Piece", "check_target", "plan_pieces", "save_hf", "write_hf_dir"]
 

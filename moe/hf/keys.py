@@ -123,7 +123,7 @@ def _experts(hub: Mapping[str, torch.Tensor], rule: Rule, layer: str, experts: r
 
 
 def checkpoint_shapes(model: nn.Module) -> dict[str, torch.Size]:
-    """The shapes of what a checkpoint of ``model`` (a whole :class:`moe.model.MoEModel`, every expert) holds:
+    """The shapes of what a checkpoint of ``model`` (a whole :class:`moe.models.model.MoEModel`, every expert) holds:
     every parameter, and the routers' selection bias where the published router stores it (DeepSeek-V3's
     sigmoid router, ``e_score_correction_bias``; Qwen3-MoE's softmax router has none, so ours keeps its own)."""
     shapes = {key: p.shape for key, p in model.named_parameters()}

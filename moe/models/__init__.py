@@ -1,6 +1,10 @@
-"""The published architectures' block parts: rotary embeddings (:mod:`.rope`), DeepSeek-V3's multi-head latent
-attention (:mod:`.mla`), Qwen3-MoE's attention and balance loss (:mod:`.qwen3_moe`), and the one registry of
-attention variants a block can hold (:data:`ATTENTIONS`, named by ``MoEConfig.attention``).
+"""What a block is made of: the config (:mod:`.config`), layers (:mod:`.layers`), the router and its balance
+losses (:mod:`.router`), the grouped experts (:mod:`.experts`), the block with its four sub-stages
+(:mod:`.block`), the pipeline stage (:mod:`.stage`), the single-process model and the LM loss (:mod:`.model`,
+:mod:`.loss`), DeepSeek-V3's multi-token prediction (:mod:`.mtp`); the published architectures' parts: rotary
+embeddings (:mod:`.rope`), DeepSeek-V3's multi-head latent attention (:mod:`.mla`), Qwen3-MoE's attention
+(:mod:`.qwen3_moe`); and the one registry of attention variants a block can hold (:data:`ATTENTIONS`, named by
+``MoEConfig.attention``).
 """
 
 from __future__ import annotations
@@ -11,13 +15,13 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from moe.layers import Attention
+from moe.models.layers import Attention
 from moe.models.mla import MLAttention
 from moe.models.qwen3_moe import Qwen3Attention
 from moe.models.rope import RopeConfig
 
 if TYPE_CHECKING:
-    from moe.config import MoEConfig
+    from moe.models.config import MoEConfig
 
 __all__ = ["ATTENTIONS", "build_attention"]
 

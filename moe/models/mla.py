@@ -24,7 +24,7 @@ releases prefer on sm_90 and sm_100, takes V != C as well; the padding runs ever
 keeps one set of tensors whatever kernel a machine picks.
 
 Attribute names are the checkpoint's (``model.layers.{i}.self_attn.<name>.weight``), so a hub state dict
-loads 1:1. Every matmul is a :class:`moe.layers.Linear` (deferrable weight gradient).
+loads 1:1. Every matmul is a :class:`moe.models.layers.Linear` (deferrable weight gradient).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.layers import Linear, RMSNorm, causal_attention, recompute, release
+from moe.models.layers import Linear, RMSNorm, causal_attention, recompute, release
 from moe.models.rope import RopeConfig, apply_rotary, hf_field, rotary_cos_sin
 
 __all__ = ["LATENT_NORM_EPS", "MLAttention", "sdpa_head_dim"]
@@ -60,7 +60,7 @@ class MLAttention(nn.Module):
 
     selective_recompute: bool = False
     """Recompute :meth:`up_project` in backward (from the latents it keeps) instead of keeping the per-head q,
-    k, v and what the latent norms save (:func:`moe.layers.selective_recompute`)."""
+    k, v and what the latent norms save (:func:`moe.models.layers.selective_recompute`)."""
 
     def __init__(
         self,

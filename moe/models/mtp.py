@@ -20,7 +20,7 @@ The stage therefore takes its micro-batch's labels in forward
 (:attr:`dualpipe.overlap.OverlapStage.forward_takes_labels`).
 
 :func:`mtp_pieces` declares every depth as one block of the overlap runtime: each depth's attention,
-dispatch, experts and combine are the pieces of an MoE :class:`moe.block.Block` (so the depths overlap like
+dispatch, experts and combine are the pieces of an MoE :class:`moe.models.block.Block` (so the depths overlap like
 any block), followed by its head and loss; a last piece attaches the weighted losses to the main hidden
 state, which flows on to the main head.
 """
@@ -36,14 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from dualpipe.pieces import Compute, Context, Pieces
-from moe.block import Block, attach_loss
-from moe.config import MoEConfig
 from moe.dispatch.base import TokenDispatcher
-from moe.layers import Linear, RMSNorm
-from moe.loss import chunked_cross_entropy
+from moe.models.block import Block, attach_loss
+from moe.models.config import MoEConfig
+from moe.models.layers import Linear, RMSNorm
+from moe.models.loss import chunked_cross_entropy
 
 if TYPE_CHECKING:
-    from moe.stage import MoEStage
+    from moe.models.stage import MoEStage
 
 __all__ = ["IGNORE_INDEX", "MTPBlock", "mtp_graph", "mtp_inputs", "mtp_pieces", "mtp_targets"]
 

@@ -1,26 +1,26 @@
-"""Qwen3-MoE as published: attention with a per-head RMSNorm on q and k and the Switch-style load-balancing
-loss (its softmax top-k router is :class:`moe.router.Router` with ``router_scoring="softmax"``).
+"""Qwen3-MoE as published: attention with a per-head RMSNorm on q and k (its softmax top-k router is
+:class:`moe.models.router.Router` with ``router_scoring="softmax"``, and its Switch-style load-balancing loss
+:func:`moe.models.router.load_balancing_loss`).
 
 Legend for shape suffixes: B batch, S sequence, D hidden, H query heads, G key/value heads, C head dim,
 P rotary pairs (C/2), T tokens (B*S), E experts, K top-k.
 
 Attribute names are the checkpoint's (``model.layers.N.self_attn.{q,k,v,o}_proj.weight``,
 ``...self_attn.{q,k}_norm.weight``), so state-dict keys map 1:1. The oracle is transformers'
-``Qwen3MoeAttention``, ``Qwen3MoeTopKRouter`` and ``load_balancing_loss_func`` (tests/models/test_qwen3_moe.py).
+``Qwen3MoeAttention``, ``Qwen3MoeTopKRouter`` and ``load_balancing_loss_func`` (tests/moe/models/test_qwen3_moe.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from moe.layers import Linear, RMSNorm, causal_attention
+from moe.models.layers import Linear, RMSNorm, causal_attention
 from moe.models.rope import RopeConfig, apply_rotary, hf_field, rotary_cos_sin
 
-__all__ = ["Qwen3Attention", "load_balancing_loss"]
+__all__ = ["Qwen3Attention"]
 
 
 class Qwen3Attention(nn.Module):
@@ -60,7 +60,7 @@ class Qwen3Attention(nn.Module):
         (every published Qwen3-MoE checkpoint has none of them).
         """
         if hf_field(config, "attention_bias", False):
-            raise ValueError("attention_bias=True is not supported (moe.layers.Linear has no bias)")
+            raise ValueError("attention_bias=True is not supported (moe.models.layers.Linear has no bias)")
         if hf_field(config, "use_sliding_window", False):
             raise ValueError("use_sliding_window=True is not supported")
         rope = RopeConfig.from_hf_config(config)
@@ -87,48 +87,3 @@ class Qwen3Attention(nn.Module):
         k_BSGC = apply_rotary(k_BSGC, cos_SP, sin_SP, interleave=False)
         o_BSHC = causal_attention(q_BSHC, k_BSGC, v_BSGC)  # scale head_dim ** -0.5, the published one
         return self.o_proj(o_BSHC.reshape(b, s, self.num_heads * self.head_dim))
-
-
-def load_balancing_loss(
-    logits_per_layer: torch.Tensor | Sequence[torch.Tensor],
-    top_k: int,
-    *,
-    coef: float = 1.0,
-    mask_BS: torch.Tensor | None = None,
-    topk_idx_per_layer: torch.Tensor | Sequence[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Switch-Transformer balance loss as Qwen3-MoE trains with it: ``coef * E * sum_e f_e * P_e``.
-
-    logits_per_layer: the router logits ``[T, E]`` of every MoE layer (one tensor: one layer). The layers
-    are pooled *before* the product: ``f_e`` = top-k picks of expert e over all layers / (layers * T) (so
-    ``sum_e f_e = K``), ``P_e`` = its softmax probability summed over all layers / (layers * T).
-    ``mask_BS`` (1 for real tokens, 0 for padding; T = B*S) leaves padding out of both sums and the count.
-    ``topk_idx_per_layer``: the experts each layer chose ``[T, K]`` (default: the top-k of the softmax, as
-    transformers counts them; a router whose selection bias steers the choice passes what it chose).
-    ``coef`` = ``router_aux_loss_coef`` gives what ``Qwen3MoeForCausalLM`` adds to the LM loss; 1 gives its
-    ``aux_loss`` output. Returns an fp32 scalar, differentiable through the probabilities (not the picks).
-    Training takes it per layer (:class:`moe.router.Router`, ``MoEConfig.router_aux_loss_coef``).
-    """
-    if isinstance(logits_per_layer, torch.Tensor):
-        logits_per_layer = (logits_per_layer,)
-    if isinstance(topk_idx_per_layer, torch.Tensor):
-        topk_idx_per_layer = (topk_idx_per_layer,)
-    if topk_idx_per_layer is not None and len(topk_idx_per_layer) != len(logits_per_layer):
-        raise ValueError(f"{len(topk_idx_per_layer)} layers of picks for {len(logits_per_layer)} layers of logits")
-    num_experts = logits_per_layer[0].shape[-1]
-    device = logits_per_layer[0].device
-    mask_T = None if mask_BS is None else mask_BS.reshape(-1, 1).to(device, torch.float32)
-    picks_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    probs_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = torch.zeros((), dtype=torch.float32, device=device)
-    for i, logits_TE in enumerate(logits_per_layer):
-        probs_TE = torch.softmax(logits_TE.float(), dim=-1)
-        if topk_idx_per_layer is None:
-            idx_TK = probs_TE.detach().topk(top_k, dim=-1).indices
-        else:
-            idx_TK = topk_idx_per_layer[i]
-        weight_TK = torch.ones_like(idx_TK, dtype=torch.float32) if mask_T is None else mask_T.expand_as(idx_TK)
-        picks_E = picks_E.index_add(0, idx_TK.reshape(-1), weight_TK.reshape(-1))
-        probs_E = probs_E + (probs_TE if mask_T is None else probs_TE * mask_T).sum(0)
-        rows = rows + (len(probs_TE) if mask_T is None else mask_T.sum())
-    return coef * num_experts * ((picks_E / rows) * (probs_E / rows)).sum()

@@ -120,11 +120,11 @@ class RopeConfig:
 
     @classmethod
     def from_moe_config(cls, cfg: Any) -> RopeConfig:
-        """The rotary parameters of a :class:`moe.config.MoEConfig` (its ``rope_theta`` and ``rope_*`` fields)."""
+        """The rotary parameters of a :class:`moe.models.config.MoEConfig` (``rope_theta``, ``rope_*``)."""
         return cls(**{ours: getattr(cfg, theirs) for ours, (theirs, _) in _MOE_FIELDS.items()})
 
     def moe_config_fields(self) -> dict[str, Any]:
-        """These parameters as :class:`moe.config.MoEConfig` keyword arguments of its types (config.json's
+        """These parameters as :class:`moe.models.config.MoEConfig` keyword arguments of its types (config.json's
         ``40`` becomes ``40.0``), the inverse of :meth:`from_moe_config`."""
         fields = {}
         for ours, (theirs, kind) in _MOE_FIELDS.items():

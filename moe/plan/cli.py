@@ -5,7 +5,7 @@
     python -m moe.plan --model path/to/hf_checkpoint --gpus 64 --gpu h100 --recompute selective
     python -m moe.plan --config my_model.json --gpus 64 --gpu h100 --costs measured.json --json plan.json
 
-``--model`` takes a preset name (:data:`moe.config.PRESETS`; ``--preset`` is the same flag) or a Hugging Face
+``--model`` takes a preset name (:data:`moe.models.config.PRESETS`; ``--preset`` is the same flag) or a Hugging Face
 checkpoint directory (its config.json, :func:`moe.hf.read_hf_config`). Prints the number of candidates and
 how many fit, the best fitting plan (step time, tokens/s per GPU, MFU, bubble, exposed all-to-all, memory per
 GPU by kind and the memory options it uses), and a table of the top ``--top`` with why each loses.
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dualpipe.schedule import SCHEDULES
-from moe.config import PRESETS, MoEConfig, preset
+from moe.models.config import PRESETS, MoEConfig, preset
 from moe.plan.costs import RECOMPUTE, STATE_DTYPES, MemoryOptions, Precision
 from moe.plan.hardware import GPUS, Cluster, gpu, with_overrides
 from moe.plan.measured import device_of, gpu_of, load_costs

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from dualpipe.schedule import schedule_spec
-from moe.config import MoEConfig
-from moe.layers import RECOMPUTE, recompute_granularity
-from moe.optimizer import STATE_DTYPES
+from moe.models.config import MoEConfig
+from moe.models.layers import RECOMPUTE, recompute_granularity
+from moe.optim_state import STATE_DTYPES
 from moe.pipeline_layout import AUTO
 from moe.plan import flops as fl
 from moe.plan.hardware import GPU, Cluster

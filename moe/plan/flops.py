@@ -17,9 +17,9 @@ Conventions
   recomputed scores are executed work, not model work.
 - Bytes are what an op reads and writes in HBM at least once (no cache reuse between ops): the memory
   floor of memory-bound ops. GEMMs count operands, weights and result; a weight gradient is accumulated
-  into an fp32 ``main_grad`` (read and written, 8 bytes an element), as moe.optimizer does.
+  into an fp32 ``main_grad`` (read and written, 8 bytes an element), as moe.train.optimizer does.
 - FP8 GEMMs (``fp8=True``; the trainer's ``training.fp8``, DeepSeek-V3's recipe as :mod:`kernels.fp8` runs
-  it): every linear but the output head and the router's gate (``moe.layers.use_fp8``: attention's
+  it): every linear but the output head and the router's gate (``moe.models.layers.use_fp8``: attention's
   projections, the dense and shared MLPs, the routed experts, MTP's ``eh_proj``) multiplies E4M3 operands,
   activations and gradients in 1x128 tiles and weights in 128x128 blocks with one fp32 scale each
   (:data:`FP8_BYTES`, :data:`FP8_WEIGHT_BYTES`), at the device's FP8 peak (:attr:`Op.fp8`). Its bytes add the
@@ -36,9 +36,9 @@ Conventions
 - :attr:`Op.selective` marks what selective recompute (``Workload.recompute == "selective"``, the DeepSeek-V3
   report 3.2.3) runs again in backward: every RMSNorm, and MLA's up-projections with the rotary and the
   concatenation that build SDPA's q, k and v.
-- The router sits in the attention sub-stage: :meth:`moe.block.Block.attn_compute` runs it (its routing
+- The router sits in the attention sub-stage: :meth:`moe.models.block.Block.attn_compute` runs it (its routing
   must exist before the dispatch starts); permute, experts, unpermute and the shared experts are the MLP
-  sub-stage (:meth:`moe.block.Block.mlp_compute`).
+  sub-stage (:meth:`moe.models.block.Block.mlp_compute`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kernels.reference_fp8 import TILE
-from moe.config import MoEConfig
+from moe.models.config import MoEConfig
 from moe.models.mla import sdpa_head_dim
 from moe.plan.params import active_params
 
@@ -284,7 +284,7 @@ def embed_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
 
 
 def head_ops(cfg: MoEConfig, tokens: int, b: int) -> list[Op]:
-    """Final norm, head GEMM ``[T, D] x [D, V]`` and the chunked cross-entropy (moe/loss.py: forward reads
+    """Final norm, head GEMM ``[T, D] x [D, V]`` and the chunked cross-entropy (moe/models/loss.py: forward reads
     the logits once; backward reads them and writes their gradient). The head stays out of FP8."""
     t, d, v = tokens, cfg.hidden_size, cfg.vocab_size
     return [

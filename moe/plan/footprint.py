@@ -1,10 +1,10 @@
 """Memory per GPU of a layout: parameters, gradients, optimizer state, activations, all-to-all buffers.
 
-Precision policy of issue 12 (moe/optimizer.py): bf16 parameters, fp32 ``main_grad`` buffers (every
+Precision policy of issue 12 (moe/train/optimizer.py): bf16 parameters, fp32 ``main_grad`` buffers (every
 parameter, ZeRO-1 does not shard them), AdamW's two fp32 moments plus an fp32 master copy, sharded under
 ZeRO-1 over the data-parallel group for dense parameters and over the edp replicas for expert parameters.
 The optimizer's sharding splits every checkpoint entry (a tensor, or one expert of an expert tensor) along its
-dim 0 by :func:`moe.optimizer.shard_rows` (torch.chunk's rule): its most loaded rank, rank 0, holds
+dim 0 by :func:`moe.optim_state.shard_rows` (torch.chunk's rule): its most loaded rank, rank 0, holds
 ``ceil(rows / size)`` rows of each, which this module counts. Pure bf16
 (``master_weights=False``) keeps gradients and moments in bf16 and no master. A pure fp32 model
 (``param_bytes=4``) steps the parameters themselves: no master. ``Workload.state_dtype="bfloat16"`` keeps
@@ -29,18 +29,18 @@ count is :func:`dualpipe.simulate.simulate`'s). The memory options the DeepSeek-
   expert-sorted rows ``[M, D]``, the FP8 copy its GEMM made) and the SwiGLU input ``[M, 2F]``, in FP8 with one
   fp32 scale per 1x128 tile along the last dim (:func:`fp8_elem_bytes`: 1 + 4/128 bytes an element when the
   width is a multiple of 128) instead of the activation dtype, as the DeepSeek-V3 report does (3.3.3). Nothing
-  else changes: every ``moe.layers.Linear`` (attention's projections, the dense and shared-expert MLPs, MTP's
+  else changes: every ``moe.models.layers.Linear`` (attention's projections, the dense and shared-expert MLPs, MTP's
   ``eh_proj``) saves its input in the activation dtype as without FP8 (the output projection's input too,
   which the report keeps in E5M6). Selective recompute neither drops nor reruns the experts, so the two
   options compose; under full recompute the rebuilt layer caches in FP8 as well.
 
 Under every option but full recompute an MoE layer keeps neither its experts' output (the routing weight is
 applied inside the experts, :func:`kernels.functional.row_weights`) nor the rows an ep > 1 dispatch received
-(freed once permute has copied them into expert order, :meth:`moe.block.Block._mlp_moe`).
+(freed once permute has copied them into expert order, :meth:`moe.models.block.Block._mlp_moe`).
 
 Headroom: :data:`HEADROOM` of HBM is kept free for the caching allocator's fragmentation, the CUDA
 context, NCCL/DeepEP buffers not listed here and kernel workspaces (cuBLAS, Triton autotuning). 10% is a
-stated allowance, not a measurement: replace it with ``cuda_peak_allocated_bytes`` from a run (moe.memory).
+stated allowance, not a measurement: replace it with ``cuda_peak_allocated_bytes`` from a run (moe.train.memory).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 
 from dualpipe.schedule import Op, build_schedule, schedule_spec
 from kernels.reference_fp8 import TILE
-from moe.config import MoEConfig
+from moe.models.config import MoEConfig
 from moe.models.mla import sdpa_head_dim
-from moe.optimizer import OPTIMIZERS, shard_rows
+from moe.optim_state import OPTIMIZERS, shard_rows
 from moe.plan.costs import Parallelism, Workload, recompute_granularity
 from moe.plan.hardware import GPU
 from moe.plan.params import ParamSpec, rank_params, rank_stages
@@ -88,7 +88,7 @@ SELECTIVE = "selective"  # kept only under selective recompute (what rebuilds th
 LEAVES = frozenset({"attn.input", "mlp.routing_weights"})
 """Entries of :func:`layer_activations` that no autograd op saves: piece inputs the overlap runtime keeps
 for the backward (a bf16 block input, whose fp32 copy is what the norm saves; the routing weights of the
-received rows, which the experts gather per row and keep in that form). moe.memory's tracker counts saved
+received rows, which the experts gather per row and keep in that form). moe.train.memory's tracker counts saved
 tensors only."""
 
 
@@ -199,8 +199,8 @@ def saved_tensors(
     each recompute granularity does to it (entries tagged ``selective`` exist only under selective
     recompute); ``fp8``: FP8 caching (the module docstring).
 
-    Follows the modules (moe/layers.py, moe/models/, moe/block.py, moe/router.py, kernels/functional.py):
-    each RMSNorm saves what :func:`_norm` lists; rotary saves only its cos/sin tables (the multiplications by
+    Follows the modules (moe/models/: layers.py, mla.py, block.py, router.py; kernels/functional.py): each
+    RMSNorm saves what :func:`_norm` lists; rotary saves only its cos/sin tables (the multiplications by
     constants need no input); SDPA saves q, k, v (a view keeps its whole storage: MLA's unpadded v is a view of
     kv_b_proj's output), its output and the fp32 log-sum-exp (FlashAttention's set; its output is laid out
     ``[B, S, H, Cv]``, so the output projection's input is a view of it, not a copy); MLA hands SDPA q, k and v
@@ -222,7 +222,7 @@ def saved_tensors(
     # An fp32 model's block norm saves the block input itself: the input is listed apart only in bf16, or
     # under selective recompute, which keeps it in place of the norm's tensors.
     out = [_s("attn.input", t * d, b, LEAF, *(() if b < FP32 else (SELECTIVE,)))]
-    # selective recompute frees the attention norm's output once its readers have run (moe.layers.release)
+    # selective recompute frees the attention norm's output once its readers have run (moe.models.layers.release)
     out += [*_norm("attn.", t, d, b), _s("attn.norm_output", t * d, b, NORM)]
     out += _attention(cfg, t, seq_len, b)
     out += [*_norm("attn.mlp_", t, d, b), _s("attn.mlp_norm_input", t * d, b, SELECTIVE)]
@@ -308,7 +308,7 @@ def _kept_with_recompute(cfg: MoEConfig, layer: int, tokens: int, act_bytes: int
 
 def _head(prefix: str, t: int, cfg: MoEConfig, b: int) -> list[Saved]:
     """Final norm (its input kept under selective recompute), the head's input (the head stays out of FP8),
-    the logits and the loss's fp32 log-sum-exp, int64 targets and mask (moe/loss.py)."""
+    the logits and the loss's fp32 log-sum-exp, int64 targets and mask (moe/models/loss.py)."""
     return [
         *_norm(prefix, t, cfg.hidden_size, b),
         _s(prefix + "norm_output", t * cfg.hidden_size, b),
@@ -403,9 +403,9 @@ def state_bytes(
     """(parameter, gradient, optimizer-state) bytes of one rank holding ``specs``.
 
     Optimizer state: the optimizer's state tensors of the parameter's size (AdamW's two moments, SGD's one
-    momentum: :attr:`moe.optimizer.OptimizerSpec.moments`), in fp32 (the parameter's dtype without masters)
+    momentum: :attr:`moe.optim_state.OptimizerSpec.moments`), in fp32 (the parameter's dtype without masters)
     or bf16 (``state_dtype``), plus an fp32 master where the parameters are lower precision and
-    ``master_weights``; with ``zero`` the worst rank of moe.optimizer's split (dense over ``dp``, experts over
+    ``master_weights``; with ``zero`` the worst rank of moe.train.optimizer's split (dense over ``dp``, experts over
     ``edp``): rank 0, which holds the largest chunk of every entry. The 0-d step counters are left out, as
     ``DistributedOptimizer.state_bytes`` leaves them."""
     moments = OPTIMIZERS.lookup(optimizer).moments
@@ -490,7 +490,7 @@ def footprint(
 
     ``num_chunks``: micro-batches per step (default: the schedule's default for ``pp``; the peak stops
     growing once it reaches the pipeline depth). ``param_bytes``: 2 for bf16 parameters (issue 12's
-    default), 4 for an fp32 model. ``optimizer``: a name of :data:`moe.optimizer.OPTIMIZERS`. The memory
+    default), 4 for an fp32 model. ``optimizer``: a name of :data:`moe.optim_state.OPTIMIZERS`. The memory
     options (recompute granularity, optimizer-state dtype, MTP sharing, FP8 caching) are ``work``'s."""
     spec = schedule_spec(par.schedule)
     chunks = num_chunks if num_chunks is not None else spec.default_chunks(par.pp)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from moe.config import MoEConfig
+from moe.models.config import MoEConfig
 from moe.pipeline_layout import AUTO, expand, fold, shift_to_last
 from moe.plan.model import LayerCostModel
 from moe.plan.params import auto_layout, rank_stages

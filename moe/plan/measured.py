@@ -54,7 +54,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe.config import MoEConfig
+from moe.models.config import MoEConfig
 from moe.plan.costs import (
     COMPUTE_FIELDS,
     OpTimer,

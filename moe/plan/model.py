@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from moe.config import MoEConfig
+from moe.models.config import MoEConfig
 from moe.plan.costs import (
     NO_FP8,
     TRAINER_DEFAULTS,

@@ -1,9 +1,9 @@
 """Parameter shapes of the model, per layer and per pipeline rank, without building it.
 
-The shapes follow the modules exactly (moe/block.py, moe/layers.py, moe/models/, moe/experts.py,
-moe/router.py, moe/stage.py): the planner's parameter, gradient and optimizer figures are sums over these
+The shapes follow the modules exactly (moe/models/block.py, moe/models/layers.py, moe/models/, moe/models/experts.py,
+moe/models/router.py, moe/models/stage.py): the planner's parameter, gradient and optimizer figures are sums over these
 lists, and the tests check them against the real modules' ``numel``. Every attention of
-:data:`moe.models.ATTENTIONS` has its own list: ``gqa`` (:class:`moe.layers.Attention`), ``gqa-qk-norm``
+:data:`moe.models.ATTENTIONS` has its own list: ``gqa`` (:class:`moe.models.layers.Attention`), ``gqa-qk-norm``
 (:class:`moe.models.qwen3_moe.Qwen3Attention`) and ``mla`` (:class:`moe.models.mla.MLAttention`).
 
 Multi-token prediction (``MoEConfig.mtp_layers``, DeepSeek-V3 report 2.2; :mod:`moe.models.mtp`): each
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dualpipe.schedule import Layout, schedule_spec
-from moe.config import MoEConfig
+from moe.models.config import MoEConfig
 from moe.pipeline_layout import AUTO, Costs, StagePlan, balance, plan_stages
 
 __all__ = [
@@ -45,14 +45,14 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class ParamSpec:
-    """One parameter tensor: its name (as in :class:`moe.stage.MoEStage`), element count, whether it is an
+    """One parameter tensor: its name (as in :class:`moe.models.stage.MoEStage`), element count, whether it is an
     expert weight (sharded over ep, its optimizer state over the edp replicas), and the rows ZeRO-1 splits."""
 
     name: str
     numel: int
     expert: bool = False
     rows: int = 0
-    """Rows of each checkpoint entry, the dimension ZeRO-1 splits (:func:`moe.optimizer.shard_rows`): a weight's
+    """Rows of each checkpoint entry, the dimension ZeRO-1 splits (:func:`moe.optim_state.shard_rows`): a weight's
     dim 0 (output features), an expert tensor's dim 1 (each expert's rows); 0 for a vector (its elements)."""
 
     @property
@@ -163,7 +163,7 @@ def stage_params(
     mtp_shared: bool = True,
     mtp: int | None = None,
 ) -> list[ParamSpec]:
-    """A stage's parameters, as :class:`moe.stage.MoEStage` names them: the embedding (first stage, and a
+    """A stage's parameters, as :class:`moe.models.stage.MoEStage` names them: the embedding (first stage, and a
     stage with MTP modules: the main one where the rank holds both, :func:`rank_params` counts it once), its
     blocks, final norm and head (last), its ``mtp`` MTP modules (``None``: all of them on the last stage;
     a layout puts them there, :func:`moe.pipeline_layout.plan_stages`). ``mtp_shared=False``: each MTP

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dualpipe.schedule import SCHEDULES, schedule_spec
-from moe.config import MoEConfig
+from moe.models.config import MoEConfig
 from moe.pipeline_layout import AUTO, expand
 from moe.plan.costs import NO_FP8, RECOMPUTE, TRAINER_DEFAULTS, MemoryOptions, Precision
 from moe.plan.footprint import HEADROOM, Footprint, layer_activations

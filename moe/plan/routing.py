@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from math import comb
 
-from moe.config import MoEConfig
+from moe.models.config import MoEConfig
 
 __all__ = ["expected_distinct", "expected_nodes", "expected_ranks"]
 

@@ -27,15 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from dualpipe.schedule import SCHEDULES
-from moe.config import PRESETS, ROUTER_SCORINGS, MoEConfig
 from moe.dispatch import DISPATCHERS
 from moe.models import ATTENTIONS
-from moe.optimizer import OPTIMIZERS, STATE_DTYPES
+from moe.models.config import PRESETS, ROUTER_SCORINGS, MoEConfig
 from moe.parallel import RECOMPUTE, ParallelConfig
 from moe.pipeline_layout import AUTO
 from moe.plan.params import auto_layout
 from moe.train.config import DTYPES, SECTIONS, TOKEN_DTYPES, ConfigError, ModelConfig, TrainConfig
 from moe.train.lr import LR_SCHEDULES
+from moe.train.optimizer import OPTIMIZERS, STATE_DTYPES
 
 __all__ = ["FLAG_ALIASES", "UsageError", "build_parser", "config_from_args", "dump_toml", "load_config"]
 

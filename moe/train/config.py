@@ -2,7 +2,7 @@
 
 A job is a :class:`TrainConfig`, composed of sections that each own one concern::
 
-    [model]        a preset by name and any MoEConfig field over it      (moe.config.MoEConfig)
+    [model]        a preset by name and any MoEConfig field over it      (moe.models.config.MoEConfig)
     [parallel]     (pp, dp, ep), schedule, micro-batches, dispatcher     (moe.parallel.ParallelConfig)
     [optimizer]    update rule and its hyper-parameters, ZeRO, clipping  (OptimizerConfig)
     [lr_schedule]  warm-up and decay                                     (LRScheduleConfig)
@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from moe.config import PRESETS, MoEConfig
 from moe.dispatch import DISPATCHERS, Launch
-from moe.optimizer import OPTIMIZERS, STATE_DTYPES
+from moe.models.config import PRESETS, MoEConfig
 from moe.parallel import ParallelConfig
 from moe.train.lr import LR_SCHEDULES
+from moe.train.optimizer import OPTIMIZERS, STATE_DTYPES
 
 __all__ = [
     "DTYPES",
@@ -66,8 +66,8 @@ def _require(ok: bool, name: str, value: object, rule: str) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """The model: a preset of :data:`moe.config.PRESETS`, or a Hugging Face checkpoint directory (its
-    config.json and weights), with any :class:`moe.config.MoEConfig` field set over it (in the file, the
+    """The model: a preset of :data:`moe.models.config.PRESETS`, or a Hugging Face checkpoint directory (its
+    config.json and weights), with any :class:`moe.models.config.MoEConfig` field set over it (in the file, the
     ``[model]`` table holds ``name`` and those fields)."""
 
     name: str = "tiny"
@@ -110,10 +110,10 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
-    """The update rule (:data:`moe.optimizer.OPTIMIZERS`) and what every rule shares."""
+    """The update rule (:data:`moe.optim_state.OPTIMIZERS`) and what every rule shares."""
 
     name: str = "adamw"
-    """Update rule, a name of moe.optimizer.OPTIMIZERS (``adamw``, ``sgd``)."""
+    """Update rule, a name of moe.optim_state.OPTIMIZERS (``adamw``, ``sgd``)."""
     lr: float = 3e-3
     """Peak learning rate (the schedule scales it)."""
     weight_decay: float = 0.01
@@ -149,7 +149,7 @@ class OptimizerConfig:
         _require(ok, "optimizer.state_dtype", self.state_dtype, f"choose one of {', '.join(STATE_DTYPES)}")
 
     def hyper(self) -> dict[str, Any]:
-        """The hyper-parameters the chosen rule takes (:attr:`moe.optimizer.OptimizerSpec.hyper`)."""
+        """The hyper-parameters the chosen rule takes (:attr:`moe.optim_state.OptimizerSpec.hyper`)."""
         return {k: getattr(self, k) for k in OPTIMIZERS[self.name].hyper}
 
 
@@ -253,7 +253,7 @@ class TrainingConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    """Distributed checkpoints (:mod:`moe.checkpoint`): atomic, verified, loadable at another layout."""
+    """Distributed checkpoints (:mod:`moe.train.checkpoint`): atomic, verified, loadable at another layout."""
 
     dir: str | None = None
     """Directory of the checkpoints (``--ckpt-dir``)."""

@@ -2,7 +2,7 @@
 syncs counted inside a step.
 
 A record is a flat dict per step (``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``mfu``, the worst
-``expert_imbalance`` and ``expert_imbalance_per_layer``, the memory figures of moe.memory, the pre-flight
+``expert_imbalance`` and ``expert_imbalance_per_layer``, the memory figures of moe.train.memory, the pre-flight
 ``memory_estimate_bytes`` beside them, ``val_loss`` when evaluated, ``mtp_loss`` for a model with multi-token
 prediction: the main loss is ``loss`` alone; with ``metrics.sync_debug`` on CUDA, ``host_syncs`` and
 ``host_sync_sites``, this rank's: :class:`SyncDebug`).

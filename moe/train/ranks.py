@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from dualpipe import PIPELINES, Pipeline
 from moe.groups import with_timeout
+from moe.models.stage import MoEStage
 from moe.parallel import ParallelLayout, nccl_options
-from moe.stage import MoEStage
 
 __all__ = ["RendezvousError", "init_process_group", "make_pipeline", "pick_device"]
 

@@ -32,22 +32,29 @@ from dualpipe.host_sync import to_device
 from dualpipe.observer import ProfilerObserver
 from kernels.fp8 import FP8Recipe
 from kernels.warmup import KernelShapes, warm_up
-from moe.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from moe.data import DataError, open_data
-from moe.grad_sync import balance_routers, make_optimizer, reduce_gradients
-from moe.guard import find_nonfinite, weights_are_finite
-from moe.layers import fp8_linears
-from moe.memory import MemoryMeter
-from moe.model import lm_loss
-from moe.optimizer import DistributedOptimizer, grad_of
+from moe.models.layers import fp8_linears
+from moe.models.model import lm_loss
+from moe.models.router import Router, bias_rate_at
+from moe.models.stage import MoEStage
 from moe.parallel import build_stages, init_layout
 from moe.plan import model_flops_per_token
-from moe.router import Router, bias_rate_at
-from moe.stage import MoEStage
 from moe.train import preflight
+from moe.train.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from moe.train.config import TrainConfig
+from moe.train.grad_sync import balance_routers, make_optimizer, reduce_gradients
+from moe.train.guard import find_nonfinite, weights_are_finite
 from moe.train.lr import lr_at
+from moe.train.memory import MemoryMeter
 from moe.train.metrics import Callback, JsonlWriter, ProgressPrinter, SyncDebug, TensorBoardWriter, peak_flops
+from moe.train.optimizer import DistributedOptimizer, grad_of
 from moe.train.ranks import init_process_group, make_pipeline, pick_device
 
 __all__ = ["Trainer", "TrainingError"]
@@ -315,7 +322,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step; its figures: the global mean loss, the expert imbalance after the balancing step
         (max / mean tokens per expert over the global batch; the worst layer and each layer), the memory
-        figures of :class:`moe.memory.MemoryMeter` (the fullest rank's) and, with ``metrics.sync_debug`` on CUDA
+        figures of :class:`moe.train.memory.MemoryMeter` (the fullest rank's) and, with ``metrics.sync_debug`` on CUDA
         after the run's first step, this rank's host syncs from the pipeline step to the optimizer step
         (:class:`moe.train.metrics.SyncDebug`; the meter's own synchronisations stay outside)."""
         lr = self.lr(step)

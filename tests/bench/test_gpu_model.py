@@ -71,7 +71,9 @@ def test_memory_off_cuda_is_the_meters_sum() -> None:
         del r["cuda_peak_allocated_bytes"]
         r.update(param_bytes=2**30, grad_bytes=2**30, optimizer_state_bytes=2**31, peak_activation_bytes=r["step"])
     s = gm.summarize(records)
-    assert s["peak_memory_gib"] == pytest.approx(4 + 3 / 2**30) and s["peak_memory_source"].startswith("moe.memory")
+    assert s["peak_memory_gib"] == pytest.approx(4 + 3 / 2**30) and s["peak_memory_source"].startswith(
+        "moe.train.memory"
+    )
     with pytest.raises(ValueError, match="no step"):
         gm.summarize([])
 

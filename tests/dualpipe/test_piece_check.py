@@ -46,7 +46,7 @@ class _Deferred(torch.autograd.Function):
 
 def _linear(x: torch.Tensor, weight: nn.Parameter, overwrite: bool) -> torch.Tensor:
     y = _Deferred.apply(x, weight, overwrite)
-    y.grad_fn.weight_param = weight  # the closure writes the parameter itself, as moe.layers.Linear does
+    y.grad_fn.weight_param = weight  # the closure writes the parameter itself, as moe.models.layers.Linear does
     return y
 
 
@@ -114,9 +114,9 @@ def test_a_gradient_of_the_wrong_shape_is_named():
 
 
 def test_the_moe_stage_passes_in_one_process():
-    from moe.config import MoEConfig
     from moe.dispatch import make_dispatcher
-    from moe.stage import MoEStage
+    from moe.models.config import MoEConfig
+    from moe.models.stage import MoEStage
 
     cfg = MoEConfig(num_layers=2, num_dense_layers=1)
     dispatcher = make_dispatcher("local", cfg.num_experts, None, hidden_size=cfg.hidden_size)
@@ -132,10 +132,10 @@ def test_the_moe_stage_passes_in_one_process():
 def test_fp8_dispatch_is_the_transfer_back_up_to_its_rounding():
     """FP8 dispatch quantizes the dispatch and the combine's gradient: adjoint within 1e-2, not exactly."""
     from kernels.fp8 import FP8Recipe
-    from moe.config import MoEConfig
     from moe.dispatch import make_dispatcher
-    from moe.layers import use_fp8
-    from moe.stage import MoEStage
+    from moe.models.config import MoEConfig
+    from moe.models.layers import use_fp8
+    from moe.models.stage import MoEStage
 
     cfg = MoEConfig(num_layers=1, hidden_size=128)
     dispatcher = make_dispatcher("local", cfg.num_experts, None, hidden_size=cfg.hidden_size, fp8=True)
@@ -148,9 +148,9 @@ def test_fp8_dispatch_is_the_transfer_back_up_to_its_rounding():
 
 
 def _ep_rank(rank: int, world: int) -> tuple[bool, list[str]]:
-    from moe.config import MoEConfig
     from moe.dispatch import make_dispatcher
-    from moe.stage import MoEStage
+    from moe.models.config import MoEConfig
+    from moe.models.stage import MoEStage
 
     cfg = MoEConfig(num_layers=1)
     dispatcher = make_dispatcher("alltoall", cfg.num_experts, dist.group.WORLD, hidden_size=cfg.hidden_size)

@@ -17,7 +17,7 @@ import torch
 
 from bench import process_tree
 from tests.examples.test_launch import ROOT, _env, _free_port
-from tests.train.test_trainer import COMMON
+from tests.moe.train.test_trainer import COMMON
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 TRAIN = str(ROOT / "examples/train.py")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import process_tree
-from tests.train.test_trainer import COMMON
+from tests.moe.train.test_trainer import COMMON
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ def _weights(num_experts: int, hidden: int, inter: int, device, seed: int) -> tu
 
 
 def _routed(x_TD, idx_TK, w_TK, w_gate_up_EDF2, w_down_EFD, num_rows=None):
-    """The MoE layer's expert path (moe.experts.GroupedExperts): permute, the experts with each row's routing
+    """The MoE layer's expert path (moe.models.experts.GroupedExperts): permute, the experts with each row's routing
     weight on its SwiGLU output, an unweighted combine."""
     x_sorted_MD, row_id_M, tokens_per_expert_E = functional.permute_tokens(
         x_TD, idx_TK, w_gate_up_EDF2.shape[0], num_rows
@@ -108,7 +108,7 @@ def test_weights_inside_the_experts_give_the_weighted_combines_gradients(monkeyp
 
 
 def test_the_routed_path_keeps_no_expert_output(force_torch):
-    """Saved for backward (moe.memory's tracker): the sorted rows, the gate/up output, the counts, the row ids
+    """Saved for backward (moe.train.memory's tracker): the sorted rows, the gate/up output, the counts, the row ids
     and one fp32 weight per row; the weighted combine kept the [M, D] expert output and the [T, K] weights."""
     gen = torch.Generator().manual_seed(6)
     num_tokens, hidden, inter, num_experts, top_k = 8, 16, 12, 4, 2

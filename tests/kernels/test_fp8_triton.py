@@ -379,7 +379,7 @@ def test_the_warm_up_covers_an_fp8_models_calls():
     # A tiny model in FP8 (its linears and experts, the router and head kept in precision), forward and backward
     # on the reference: every kernel call it makes has a class the warm-up compiles, given the model's linears.
     from moe import MoEModel, lm_loss
-    from moe.layers import fp8_linears, use_fp8
+    from moe.models.layers import fp8_linears, use_fp8
     from tests.moe.helpers import batch
 
     cfg = tiny_config()

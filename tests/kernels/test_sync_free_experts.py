@@ -74,7 +74,7 @@ def _experts(static_rows: bool, device: torch.device):
     """The expert sub-stage on rows as a sync-free all-to-all delivers them: R = 2 x 9 received rows, the last
     rows of each source padding (ids -1, NaN rows, as DeepEP's ``num_worst_tokens`` leaves them), and real rows
     with some slots served elsewhere. Forward + backward under the detector."""
-    from moe.experts import GroupedExperts
+    from moe.models.experts import GroupedExperts
 
     num_local, hidden, inter, top_k = 3, 16, 16, 2
     experts = GroupedExperts(num_local, hidden, inter).to(device)

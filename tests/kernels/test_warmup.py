@@ -10,7 +10,7 @@ import torch
 from kernels import registry, warmup
 from kernels.warmup import KernelShapes, ShapeClass, int_class, shape_class, shape_classes
 from moe import MoEModel, lm_loss
-from moe.config import preset
+from moe.models.config import preset
 from tests.moe.helpers import batch, tiny_config
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moe import MoEConfig, MoEModel, lm_loss, next_token_batch
-from moe.memory import MemoryMeter
+from moe.train.memory import MemoryMeter
 
 SEED = 3
 
@@ -37,7 +37,7 @@ def batch(cfg: MoEConfig, size: int = 4, seq: int = 16, seed: int = 0) -> tuple[
 
 
 def tracked_peak_bytes(model: MoEModel, cfg: MoEConfig, *, size: int, seq: int, mtp: bool = False) -> int:
-    """moe.memory's tracker: the peak of saved-for-backward bytes over one micro-batch of ``size x seq`` tokens
+    """moe.train.memory's tracker: the peak of saved-for-backward bytes over one micro-batch of ``size x seq`` tokens
     through the whole model, forward and backward (``mtp``: the MTP modules too, given the labels)."""
     ids, labels = batch(cfg, size=size, seq=seq)
     meter = MemoryMeter(model)

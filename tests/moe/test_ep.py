@@ -16,8 +16,8 @@ from dualpipe.testing import OverlapReport, check_overlap
 from dualpipe.utils import run_backward
 from moe import EventRecorder, MoEStage, lm_loss
 from moe.dispatch import make_dispatcher
-from moe.grad_sync import reduce_gradients
 from moe.parallel import ParallelConfig, init_layout
+from moe.train.grad_sync import reduce_gradients
 from tests.distributed import run_ranks
 from tests.moe.helpers import SEED, assert_rel_close, batch, single_process_grads, tiny_config
 
@@ -36,9 +36,9 @@ def _use_fake_deep_ep(kind: str) -> torch.dtype:
     """Inject the emulation for ``deepep`` (V1) or ``deepep-v2``; the row dtype the backend takes (bf16 for
     DeepEP)."""
     if kind == "deepep":
-        from tests.moe import fake_deep_ep as module
+        from tests.moe.dispatch import fake_deep_ep as module
     elif kind == "deepep-v2":
-        from tests.moe import fake_deep_ep_v2 as module
+        from tests.moe.dispatch import fake_deep_ep_v2 as module
     else:
         return torch.float32
     sys.modules["deep_ep"] = module

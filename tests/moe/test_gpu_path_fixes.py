@@ -34,7 +34,7 @@ from tests.moe.helpers import SEED, batch, tiny_config
 META = torch.device("meta")
 PG_TIMEOUT = 41.0
 """The default group's timeout (seconds) in the 2-rank run: every group the layout makes must wait as long."""
-EMULATIONS = "tests/moe/fake_deep_ep"  # the DeepEP emulations stand for kernels: their syncs are not counted
+EMULATIONS = "tests/moe/dispatch/fake_deep_ep"  # the DeepEP emulations stand for kernels: their syncs are not counted
 REFERENCE_KERNELS = "kernels/reference.py"
 
 
@@ -116,7 +116,7 @@ def _trainer_setup(rank: int) -> dict:
     """moe.train's main over the V2 emulation, one step: buffers and JIT builds before and during step 1."""
     from moe.train import main
     from moe.train.trainer import Trainer
-    from tests.moe import fake_deep_ep_v2
+    from tests.moe.dispatch import fake_deep_ep_v2
 
     made: list = []
     real_init, real_step = fake_deep_ep_v2.ElasticBuffer.__init__, Trainer.train_step
@@ -277,7 +277,7 @@ def _counts_timeline(rank: int) -> dict:
 
 def _ranks(rank: int, world: int) -> dict:
     """Every part on both ranks; a part that raises gives its traceback (its test fails with it), the rest run."""
-    sys.modules["deep_ep"] = __import__("tests.moe.fake_deep_ep_v2", fromlist=["ElasticBuffer"])
+    sys.modules["deep_ep"] = __import__("tests.moe.dispatch.fake_deep_ep_v2", fromlist=["ElasticBuffer"])
     parts = {"trainer": _trainer_setup, "v2_pair": _v2_sync_free_pair, "p2p": _p2p_header, "counts": _counts_timeline}
     results = {}
     for name, part in parts.items():

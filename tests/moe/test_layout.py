@@ -15,9 +15,9 @@ import torch
 
 from dualpipe import DualPipe, DualPipeV
 from moe import lm_loss
-from moe.grad_sync import make_optimizer, reduce_gradients
-from moe.model import MoEModel
+from moe.models.model import MoEModel
 from moe.parallel import ParallelConfig, build_stages, init_layout
+from moe.train.grad_sync import make_optimizer, reduce_gradients
 from tests.distributed import run_ranks
 from tests.moe.helpers import SEED, assert_rel_close, batch, tiny_config
 

@@ -62,7 +62,7 @@ def test_stages_and_mirrors_come_from_the_schedule() -> None:
 def _reduce_in_buckets(rank: int, world: int) -> tuple[list[torch.Tensor], list[int]]:
     import torch.distributed as dist
 
-    from moe import grad_sync
+    from moe.train import grad_sync
 
     sizes: list[int] = []
     real = dist.all_reduce

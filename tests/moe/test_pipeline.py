@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from dualpipe import DualPipe, DualPipeV, ZeroBubble1P
 from dualpipe.events import HiddenFraction, hidden_fraction
 from moe import EventRecorder, lm_loss
-from moe.config import preset
-from moe.grad_sync import reduce_gradients
+from moe.models.config import preset
 from moe.parallel import ParallelConfig, build_stages, init_layout
+from moe.train.grad_sync import reduce_gradients
 from tests.distributed import run_ranks
 from tests.moe.helpers import SEED, assert_rel_close, batch, single_process_grads, tiny_config
 

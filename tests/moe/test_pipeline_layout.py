@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moe.config import preset
+from moe.models.config import preset
 from moe.parallel import ParallelConfig
 from moe.pipeline_layout import expand, plan_stages
 
@@ -52,7 +52,7 @@ def test_a_layout_that_does_not_fit_is_one_line() -> None:
 
 
 def test_an_uneven_layout_trains_like_one_process_and_resumes_under_another(tmp_path: Path) -> None:
-    from tests.train.test_trainer import losses, train
+    from tests.moe.train.test_trainer import losses, train
 
     args = ["--model", "deepseek-v3-tiny", "--seq-len", "16"]
     one = train(1, tmp_path, "one", *args, "--schedule", "1f1b", "--steps", "3", "--num-chunks", "8")
@@ -76,7 +76,7 @@ def test_mtp_on_a_stage_of_its_own_trains_like_one_process(tmp_path: Path) -> No
     MTP stage on rank 1, its embedding copy kept equal over the embedding group) and DualPipe at pp=4 (the MTP
     stage on ranks 2 and 1, one per direction, each paired with its direction's first stage), both with
     overlap: the single process's losses and MTP losses."""
-    from tests.train.test_trainer import train
+    from tests.moe.train.test_trainer import train
 
     args = ["--model", "deepseek-v3-tiny", "--seq-len", "16", "--steps", "2"]
     one = train(1, tmp_path, "one", *args, "--schedule", "1f1b", "--num-chunks", "8")
@@ -92,7 +92,7 @@ def test_mtp_on_a_stage_of_its_own_trains_like_one_process(tmp_path: Path) -> No
 def test_the_embedding_and_the_head_on_stages_of_their_own_train_like_one_process(tmp_path: Path) -> None:
     """``E|tt|tt|L``: the first stage only looks the tokens up, the last only runs the head and the loss (no
     block on either), under DualPipeV with overlap at pp=2: the single process's losses."""
-    from tests.train.test_trainer import train
+    from tests.moe.train.test_trainer import train
 
     args = ["--seq-len", "16", "--steps", "2"]
     one = train(1, tmp_path, "one", *args, "--schedule", "1f1b", "--num-chunks", "4")

@@ -22,7 +22,7 @@ from tests.moe.helpers import SEED, batch, tiny_config
 from tests.moe.test_ep import _use_fake_deep_ep
 
 REFERENCE_KERNELS = "kernels/reference.py"
-EMULATION = "tests/moe/fake_deep_ep.py"
+EMULATION = "tests/moe/dispatch/fake_deep_ep.py"
 
 
 def _pair(rank: int, world: int, kind: str, sync_free: bool):
@@ -131,7 +131,7 @@ def test_sync_free_refused_where_unsupported():
 def _worst_tokens(rank: int, world: int):
     """The emulation's ``num_worst_tokens`` against DeepEP's contract, and the dispatcher's padded shapes."""
     _use_fake_deep_ep("deepep")
-    from tests.moe import fake_deep_ep
+    from tests.moe.dispatch import fake_deep_ep
 
     group = torch.distributed.group.WORLD
     buffer = fake_deep_ep.Buffer(group, 1 << 20, explicitly_destroy=True)

@@ -1,6 +1,6 @@
 """Dispatchers over NCCL on 2 and 4 GPUs in bf16: exact row movement, and the MoE step against ``local``.
 
-Two oracles, both from existing tests: ``tests.moe.test_dispatch._check_dispatcher`` (the rows every rank
+Two oracles, both from existing tests: ``tests.moe.dispatch.test_dispatch._check_dispatcher`` (the rows every rank
 must receive, built from all ranks' tokens; rows moved must match exactly in any dtype) run through a
 wrapper that moves its CPU tensors to the rank's GPU and back; and a one-process model on one GPU with the
 ``local`` dispatcher, which an ep-way step must match to bf16 accuracy (each ep rank a data-parallel
@@ -21,11 +21,11 @@ from moe import MoEModel, MoEStage, lm_loss
 from moe.dispatch import DEEPEP_V2_INSTALL_HINT, DEFAULT_COMM_SMS, DISPATCHERS, Dispatched, Pending, make_dispatcher
 from moe.dispatch import deepep as deepep_v1
 from moe.dispatch.deepep_common import import_deep_ep
-from moe.grad_sync import reduce_gradients
 from moe.parallel import ParallelConfig, init_layout
+from moe.train.grad_sync import reduce_gradients
 from tests.distributed import run_ranks
+from tests.moe.dispatch.test_dispatch import NUM_EXPERTS, _check_dispatcher
 from tests.moe.helpers import SEED, assert_rel_close, batch, tiny_config
-from tests.moe.test_dispatch import NUM_EXPERTS, _check_dispatcher
 
 pytestmark = pytest.mark.multigpu
 KINDS = ("alltoall", "deepep", "deepep-v2")
@@ -64,7 +64,7 @@ def _skip_unless_available(kind: str) -> None:
 
 class _OnDevice:
     """A dispatcher seen through CPU tensors: inputs go to ``device``, results come back to the CPU, so the
-    CPU-side oracle of tests.moe.test_dispatch checks a GPU backend unchanged."""
+    CPU-side oracle of tests.moe.dispatch.test_dispatch checks a GPU backend unchanged."""
 
     def __init__(self, inner, device: torch.device) -> None:
         self.inner, self.device = inner, device

@@ -14,8 +14,8 @@ import torch
 from dualpipe import DualPipeV
 from dualpipe.events import HiddenFraction, hidden_fraction
 from moe import EventRecorder, lm_loss
-from moe.grad_sync import reduce_gradients
 from moe.parallel import ParallelConfig, build_stages, init_layout
+from moe.train.grad_sync import reduce_gradients
 from tests.distributed import run_ranks
 from tests.moe.helpers import SEED, assert_rel_close, single_process_grads, tiny_config
 from tests.moe.test_pipeline import CHUNKS, EP, PP, _replica_batch

@@ -1,0 +1,168 @@
+"""Whole jobs through moe.train: a config file reproduces the flags, real token formats train, a stopped run
+resumes bitwise, pre-flight stops what cannot fit, TensorBoard and other optimizers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.distributed import run_ranks
+from tests.moe.train.test_trainer import COMMON, _bad_flags, losses, train
+
+ROOT = Path(__file__).resolve().parents[3]
+ONE = [*COMMON, "--layers", "2", "--pp", "1", "--ep", "1", "--num-chunks", "2", "--val-every", "0"]
+LEARN = ["--lr", "1e-2", "--warmup", "1", "--steps", "10"]  # a tiny model learning a small vocabulary quickly
+
+
+def _print_then_train(rank: int, world: int, argv: list[str], path: str) -> None:
+    from moe.train import config_from_args, dump_toml
+
+    if rank == 0:
+        Path(path).write_text(dump_toml(config_from_args(argv, world)[0]))
+
+
+def test_print_config_then_config_reproduces_the_flags_loss_for_loss(tmp_path: Path) -> None:
+    flags = ["--pp", "2", "--ep", "1", "--steps", "3", "--lr-schedule", "wsd", "--vocab-size", "300", "--zero", "1"]
+    by_flags = losses(train(2, tmp_path, "flags", *flags))
+    job = tmp_path / "job.toml"
+    run_ranks(_print_then_train, 2, args=([*COMMON, *flags], str(job)), timeout=60)
+    # The file alone (COMMON's flags are in it too); only where the metrics go differs.
+    from_file = losses(train(2, tmp_path, "file", "--config", str(job)))
+    assert sorted(from_file) == [1, 2, 3] and from_file == by_flags  # bitwise
+
+
+def _pattern_tokens(vocab: int, n: int, seed: int) -> np.ndarray:
+    """A stream a small model learns fast: a few dozen ids (some above 65,535) cycled with noise."""
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(np.arange(vocab), size=48, replace=False)
+    ids[:8] = vocab - 1 - np.arange(8)  # the top of the vocabulary is used
+    stream = ids[np.arange(n) % len(ids)]
+    noise = rng.random(n) < 0.1
+    stream[noise] = rng.integers(0, vocab, noise.sum())
+    return stream
+
+
+def test_a_70000_token_vocabulary_trains_on_a_uint32_npy(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.npy"
+    np.save(path, _pattern_tokens(70_000, 40_000, seed=0).astype(np.uint32))
+    loss = losses(train(1, tmp_path, "big", *ONE, *LEARN, "--vocab-size", "70000", "--data", str(path)))
+    assert loss[1] == pytest.approx(np.log(70_000), abs=0.3) and loss[10] < loss[1] - 1.0, loss
+    # one id too many for the model: one line naming the file and the position, before any step
+    out = run_ranks(_bad_flags, 1, args=([*ONE, "--vocab-size", "69999", "--data", str(path)],), timeout=60)[0]
+    assert out.startswith(f"error: --data: {path}: token id 69999 at position ") and "\n" not in out, out
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An indexed dataset written by ``python -m moe.data prepare`` from JSONL, with a real BPE tokenizer."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tmp = tmp_path_factory.mktemp("prepared")
+    text = [f"Document {i}: the pipeline hides all-to-all traffic behind compute, step {i % 7}." for i in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(text, trainer=trainer)
+    tok.save(str(tmp / "tokenizer.json"))
+    (tmp / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in text))
+    cmd = [sys.executable, "-m", "moe.data", "prepare", "--tokenizer", str(tmp / "tokenizer.json")]
+    cmd += ["--input", str(tmp / "corpus.jsonl"), "--output", str(tmp / "corpus"), "--workers", "2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=_env())
+    assert done.returncode == 0, done.stderr
+    return tmp / "corpus"
+
+
+def test_an_indexed_dataset_from_prepare_trains(prepared: Path, tmp_path: Path) -> None:
+    loss = losses(train(1, tmp_path, "indexed", *ONE, *LEARN, "--vocab-size", "300", "--data", str(prepared)))
+    assert loss[10] < loss[1] - 1.0, loss
+
+
+def test_a_blend_trains(prepared: Path, tmp_path: Path) -> None:
+    npy = tmp_path / "other.npy"
+    np.save(npy, _pattern_tokens(300, 20_000, seed=1).astype(np.uint16))
+    data = ["--data", "0.7", str(prepared), "0.3", str(npy)]
+    loss = losses(train(1, tmp_path, "blend", *ONE, *LEARN, "--vocab-size", "300", *data))
+    assert loss[10] < loss[1] - 1.0, loss
+
+
+@pytest.mark.parametrize(
+    ("world", "layout"), [(4, ["--pp", "2", "--dp", "2", "--ep", "1"]), (2, ["--pp", "1", "--dp", "2", "--ep", "2"])]
+)
+def test_a_run_stopped_at_a_checkpoint_resumes_bitwise(tmp_path: Path, world: int, layout: list[str]) -> None:
+    """Ended by ``--steps 3`` after its checkpoint, resumed with ``--steps 6``: every step equals the
+    uninterrupted 6-step run. WSD keeps the learning rates equal: its stable phase does not depend on the run's
+    length (0.1 of 3 steps rounds to no decay; of 6, only step 6 decays, in both 6-step runs)."""
+    job = [*layout, "--lr-schedule", "wsd", "--lr-schedule.decay-fraction", "0.1", "--num-chunks", "4"]
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "3"]
+    full = losses(train(world, tmp_path, "full", *job, "--steps", "6", "--trace-dir", str(tmp_path / "trace")))
+    for rank in range(world):  # --trace-dir: a torch profiler trace of the second step per rank
+        trace = json.loads((tmp_path / "trace" / f"trace_rank{rank}.json").read_text())
+        assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    first = losses(train(world, tmp_path, "first", *job, "--steps", "3", *ckpt))
+    assert first == {s: full[s] for s in (1, 2, 3)}
+    resumed = losses(train(world, tmp_path, "resumed", *job, "--steps", "6", *ckpt, "--resume"))
+    assert resumed == {s: full[s] for s in (4, 5, 6)}  # bitwise: same data position, same math
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _plain(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python examples/train.py ARGS`` as a user types it: no torchrun, no rank variables."""
+    cmd = [sys.executable, str(ROOT / "examples/train.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_plain_python_runs_one_process(tmp_path: Path) -> None:
+    done = _plain("--steps", "2", "--val-every", "0", "--metrics-file", str(tmp_path / "m.jsonl"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pp=1 dp=1 ep=1" in done.stdout and "step     2/2" in done.stdout
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
+
+
+def test_what_cannot_fit_or_cannot_run_stops_in_seconds_with_one_line() -> None:
+    t0 = time.monotonic()
+    done = _plain("--seq-len", "1000000")
+    assert done.returncode == 1 and time.monotonic() - t0 < 30
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: this run needs about "), done.stderr
+    assert "GiB per rank" in lines[0] and "--recompute" in lines[0] and "--force" in lines[0]
+    done = _plain("--lr", "-1")
+    assert done.returncode == 1 and done.stderr == "error: optimizer.lr = -1.0: must be a positive number\n"
+
+
+def test_tensorboard_events_and_mfu(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    records = train(1, tmp_path, "tb", *ONE, "--steps", "2", "--tensorboard-dir", str(tb))
+    assert all(0 < r["mfu"] < 1 for r in records)
+    assert set(records[-1]["expert_imbalance_per_layer"]) == {"0", "1"}  # JSON keys: every MoE layer
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "expert_imbalance"} <= tags
+    assert {"expert_imbalance/layer_0", "expert_imbalance/layer_1"} <= tags
+    assert [e.step for e in events.Scalars("loss")] == [1, 2]
+    assert events.Scalars("loss")[0].value == pytest.approx(records[0]["loss"], rel=1e-6)
+
+
+def test_sgd_is_one_registry_entry_and_trains(tmp_path: Path) -> None:
+    loss = losses(train(1, tmp_path, "sgd", *ONE, "--optimizer", "sgd", "--lr", "0.3", "--steps", "8"))
+    assert loss[8] < loss[1] - 0.5, loss
