@@ -1,0 +1,64 @@
+"""moe.command: a user's mistake is one line on rank 0, and under torchrun no failing rank exits before every
+failing rank has printed (the first exit would bring the others down)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from moe import command
+
+
+def _torchrun_env(monkeypatch: pytest.MonkeyPatch, port: int, rank: int, world: int) -> None:
+    for k, v in {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": "drill",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_a_failing_rank_waits_for_the_others_to_check_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    _torchrun_env(monkeypatch, agent.port, rank=1, world=2)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (command._exit_together(wait_s=20), done.set()))
+    worker.start()
+    assert not done.wait(0.5), "exited before rank 0 checked in"
+    agent.add("dualpipe_moe/failed/drill/0", 1)  # rank 0 has printed
+    assert done.wait(5), "still waiting once the whole world checked in"
+    worker.join()
+
+
+def test_the_wait_is_bounded_and_absent_outside_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    _torchrun_env(monkeypatch, agent.port, rank=1, world=2)
+    start = time.monotonic()
+    command._exit_together(wait_s=0.5)  # rank 0 never fails: the wait ends at its bound
+    assert 0.5 <= time.monotonic() - start < 5
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    start = time.monotonic()
+    command._exit_together(wait_s=30)
+    assert time.monotonic() - start < 1
+
+
+def test_a_mistake_is_one_line_on_rank_0_only(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    def mistake() -> None:
+        raise SystemExit("error: --data: /nowhere: no such file")
+
+    for rank, expected in (("0", "error: --data: /nowhere: no such file\n"), ("1", "")):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_info:
+            command.run_command(mistake)
+        assert exit_info.value.code == 1 and capsys.readouterr().err == expected
+    with pytest.raises(SystemExit) as exit_info:
+        command.run_command(mistake, debug=True)
+    assert "Traceback" in capsys.readouterr().err and exit_info.value.code == 1
