@@ -165,8 +165,8 @@ def test_the_readme_deepseek_v3_command_passes_every_launch_check() -> None:
     from moe.parallel import rank_grid
     from moe.train import config_from_args
 
-    text = (ROOT / "README.md").read_text()
-    command = text[text.index("sbatch --nodes 256") :].split("\n\n")[0].replace("\\\n", " ")
+    text = (ROOT / "docs/training.md").read_text()
+    command = text[text.index("sbatch --nodes 256") :].split("\n```")[0].replace("\\\n", " ")
     argv = command.split()[4:]  # after "sbatch --nodes 256 examples/launch/slurm.sbatch"
     config, _ = config_from_args(argv, world=256 * 8)
     pc = config.parallel
