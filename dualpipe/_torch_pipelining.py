@@ -1,11 +1,13 @@
-"""Every private part of ``torch.distributed.pipelining`` that :mod:`dualpipe.torch_bridge` touches.
+"""Every private part of ``torch.distributed.pipelining`` that :mod:`dualpipe.torch_bridge` touches, and the
+recording of torch's pipeline messages (:func:`record_batch_p2p`, what the overlap benchmark times them with).
 
 torch runs a registered function for each ``OVERLAP_F_B`` action of a ``_PipelineScheduleRuntime``, but
 that function's arguments (``_Action``, ``_PipelineContext``) and the runtime state it has to keep up (the
 receives it waits for, the stored losses, the backward counter, the stage's compute entry points) are
 underscore names or undocumented contracts. This module is the only place that uses them: :func:`check_torch`
 resolves every one (and checks the torch version) before the bridge registers anything, so a torch that
-renamed or reshaped one fails with that name, not inside a step.
+renamed or reshaped one fails with that name, not inside a step. :func:`record_batch_p2p` swaps two module
+functions for the length of a block and checks them itself, since it runs without the bridge too.
 
 Written against torch 2.13 (``schedules.py``: ``_PipelineScheduleRuntime._step_microbatches`` and its nested
 ``_perform_action``; ``stage.py``: ``_PipelineStageBase``) and compared with the same two files of every torch
@@ -42,6 +44,7 @@ __all__ = [
     "internals",
     "local_stages",
     "pair_of",
+    "record_batch_p2p",
     "record_loss",
     "register_overlap",
     "resolve",
@@ -76,6 +79,7 @@ _MODULE_NAMES = (
     "_PipelineScheduleRuntime",
     "_PipelineContext",
     "_Action",
+    "_batch_p2p",  # record_batch_p2p's
     "_wait_batch_p2p",
     "OVERLAP_F_B",
     "FORWARD",
@@ -164,22 +168,24 @@ def internals() -> Internals:
     return _resolved(str(torch.__version__))[1]
 
 
-def _mismatch(what: str) -> TorchPipeliningMismatch:
+def _mismatch(
+    what: str, user: str = "dualpipe's torch bridge", instead: str = "run the schedule without the bridge"
+) -> TorchPipeliningMismatch:
     near = _dotted(_resolved(str(torch.__version__))[0])
     return TorchPipeliningMismatch(
-        f"dualpipe's torch bridge needs {what}, a torch.distributed.pipelining internal as of torch {near}; "
+        f"{user} needs {what}, a torch.distributed.pipelining internal as of torch {near}; "
         f"torch {torch.__version__} lacks it or changed it. Use a torch in "
-        f"dualpipe._torch_pipelining.KNOWN_TORCH, or run the schedule without the bridge."
+        f"dualpipe._torch_pipelining.KNOWN_TORCH, or {instead}."
     )
 
 
-def _check_params(owner: str, fn: Any, names: Sequence[str]) -> None:
+def _check_params(owner: str, fn: Any, names: Sequence[str], **refusal: str) -> None:
     try:
         params = [p for p in inspect.signature(fn).parameters if p != "self"]
     except (TypeError, ValueError):  # not introspectable: trust the name
         return
     if list(params[: len(names)]) != list(names):
-        raise _mismatch(f"{owner}({', '.join(names)}, ...), found ({', '.join(params)})")
+        raise _mismatch(f"{owner}({', '.join(names)}, ...), found ({', '.join(params)})", **refusal)
 
 
 def check_torch(allow_untested: bool = False) -> None:
@@ -211,6 +217,58 @@ def check_torch(allow_untested: bool = False) -> None:
     for name in _CONTEXT_FIELDS:
         if name not in context_fields:
             raise _mismatch(f"{where}._PipelineContext.{name}")
+
+
+# torch's runtime posts every batch of pipeline sends and receives through _batch_p2p (directly or through
+# _sorted_batch_p2p) and waits for them through _wait_batch_p2p, looking both up in the module per call
+_POST, _WAIT = "_batch_p2p", "_wait_batch_p2p"
+_POST_PARAMS = ("p2p_ops", "desc")  # torch passes desc by keyword; the wrapper does too
+
+
+@contextlib.contextmanager
+def record_batch_p2p(span: Callable[[str, str | None], contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
+    """While open, each batch of pipeline messages torch posts runs inside ``span("post", desc)`` (``desc``:
+    torch's label such as ``"fwd_send"``, or None) and each wait for posted messages inside ``span("wait",
+    None)``; the module's own functions are back on exit, also on an error. A post that torch splits into
+    several posts (per process group, torch 2.15) is one span.
+
+    The swap is module-wide (every schedule of the process, while open); it refuses in one line
+    (:class:`TorchPipeliningMismatch`) when this torch lacks either function or posts with other parameters.
+    """
+    refusal = {
+        "user": "recording torch's pipeline messages",
+        "instead": "run the schedule without recording its messages",
+    }
+    where = "torch.distributed.pipelining.schedules"
+    for name in (_POST, _WAIT):
+        if not callable(getattr(_schedules, name, None)):
+            raise _mismatch(f"{where}.{name}", **refusal)
+    post, wait = getattr(_schedules, _POST), getattr(_schedules, _WAIT)
+    _check_params(f"{where}.{_POST}", post, _POST_PARAMS, **refusal)
+    posting = False  # inside a recorded post: torch's nested posts are parts of it
+
+    def recorded_post(p2p_ops, desc=None):
+        nonlocal posting
+        if posting:
+            return post(p2p_ops, desc=desc)
+        posting = True
+        try:
+            with span("post", desc):
+                return post(p2p_ops, desc=desc)
+        finally:
+            posting = False
+
+    def recorded_wait(work):
+        with span("wait", None):
+            return wait(work)
+
+    setattr(_schedules, _POST, recorded_post)
+    setattr(_schedules, _WAIT, recorded_wait)
+    try:
+        yield
+    finally:
+        setattr(_schedules, _POST, post)
+        setattr(_schedules, _WAIT, wait)
 
 
 def runtime_class() -> type:

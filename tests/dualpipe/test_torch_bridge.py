@@ -10,6 +10,7 @@ overlapped pairs do.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -29,6 +30,7 @@ from tests.dualpipe.toy import ToyStage, ToyStageOverlap, criterion, make_stages
 from tests.moe.helpers import SEED, assert_rel_close, batch, tiny_config
 
 HIDDEN, SEQ, MICRO_BATCH, CHUNKS = 8, 3, 2, 4
+SCHEDULES = "torch.distributed.pipelining.schedules"
 
 
 def _example(*shape: int, dtype: torch.dtype = torch.float32, grad: bool = True) -> torch.Tensor:
@@ -245,6 +247,78 @@ def test_an_untested_torch_version_is_named(monkeypatch):
 
 def test_a_schedule_that_runs_no_overlapped_pairs_is_refused():
     with pytest.raises(TypeError, match=r"ScheduleDualPipeV .*got object"):
+        overlap_torch_schedule(object())
+
+
+# ------------------------------------------------------------------------------------------------ recording
+
+
+def _spans(log: list[tuple[str, str | None, str]]):
+    @contextlib.contextmanager
+    def span(kind: str, desc: str | None):
+        log.append((kind, desc, "begin"))
+        try:
+            yield
+        finally:
+            log.append((kind, desc, "end"))
+
+    return span
+
+
+def test_recording_wraps_torchs_posts_and_waits_and_restores_them():
+    post, wait = torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p
+    log: list[tuple[str, str | None, str]] = []
+    with tp.record_batch_p2p(_spans(log)):
+        assert torch_schedules._batch_p2p is not post and torch_schedules._wait_batch_p2p is not wait
+        # looked up in the module as torch's runtime does (no ops: nothing is sent, nothing to wait for)
+        torch_schedules._wait_batch_p2p(torch_schedules._batch_p2p([], desc="fwd_send"))
+        torch_schedules._batch_p2p([])
+    assert log == [
+        ("post", "fwd_send", "begin"), ("post", "fwd_send", "end"),
+        ("wait", None, "begin"), ("wait", None, "end"),
+        ("post", None, "begin"), ("post", None, "end"),
+    ]  # fmt: skip
+    assert torch_schedules._batch_p2p is post and torch_schedules._wait_batch_p2p is wait
+    with pytest.raises(KeyError), tp.record_batch_p2p(_spans(log)):
+        raise KeyError("a failed step")
+    assert torch_schedules._batch_p2p is post and torch_schedules._wait_batch_p2p is wait
+
+
+def test_a_post_torch_splits_is_one_recorded_post(monkeypatch):
+    # torch 2.15 posts a batch spanning several process groups as one post per group, through the module name
+    def split_post(p2p_ops, desc=None):
+        return [w for op in p2p_ops for w in torch_schedules._batch_p2p([op], desc=desc)] if len(p2p_ops) > 1 else []
+
+    monkeypatch.setattr(torch_schedules, "_batch_p2p", split_post)
+    log: list[tuple[str, str | None, str]] = []
+    with tp.record_batch_p2p(_spans(log)):
+        torch_schedules._batch_p2p(["op0", "op1"], desc="fwd_send_bwd_recv")
+    assert log == [("post", "fwd_send_bwd_recv", "begin"), ("post", "fwd_send_bwd_recv", "end")]
+    assert torch_schedules._batch_p2p is split_post
+
+
+@pytest.mark.parametrize("name", ["_batch_p2p", "_wait_batch_p2p"])
+def test_recording_refuses_a_torch_without_its_functions_in_one_line(monkeypatch, name: str):
+    other = "_wait_batch_p2p" if name == "_batch_p2p" else "_batch_p2p"
+    kept = getattr(torch_schedules, other)
+    monkeypatch.delattr(torch_schedules, name)
+    with pytest.raises(TorchPipeliningMismatch) as refused, tp.record_batch_p2p(_spans([])):
+        pass
+    msg = str(refused.value)
+    assert "\n" not in msg and msg.startswith(f"recording torch's pipeline messages needs {SCHEDULES}.{name}, ")
+    assert not hasattr(torch_schedules, name) and getattr(torch_schedules, other) is kept  # nothing swapped in
+
+
+def test_recording_refuses_a_reshaped_post(monkeypatch):
+    monkeypatch.setattr(torch_schedules, "_batch_p2p", lambda ops, tag=None: [])
+    reshaped = r"_batch_p2p\(p2p_ops, desc, \.\.\.\), found \(ops, tag\)"
+    with pytest.raises(TorchPipeliningMismatch, match=reshaped), tp.record_batch_p2p(_spans([])):
+        pass
+
+
+def test_the_bridge_checks_the_recorded_name_too(monkeypatch):
+    monkeypatch.delattr(torch_schedules, "_batch_p2p")
+    with pytest.raises(TorchPipeliningMismatch, match=r"needs torch\.distributed\.pipelining\.schedules\._batch_p2p, "):
         overlap_torch_schedule(object())
 
 
