@@ -35,6 +35,8 @@ KNOWN: frozenset[EntryPoint] = frozenset(
         ("-m", "bench.cluster"),
         ("-m", "bench.kernels"),
         ("-m", "bench.overlap"),
+        ("-m", "bench.overlap.calibrate"),
+        ("-m", "bench.overlap.report"),
         ("-m", "bench.schedules"),
         ("-m", "dualpipe.simulate"),
         ("-m", "moe.data"),

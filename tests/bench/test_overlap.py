@@ -12,10 +12,10 @@ import math
 
 import pytest
 
-from bench import overlap
-from bench.overlap_report import ModeRow, cpu_floor, table, targets
-from bench.overlap_run import TORCH_MODES
-from bench.overlap_stats import (
+from bench.overlap import cli
+from bench.overlap.report import ModeRow, cpu_floor, table, targets
+from bench.overlap.run import TORCH_MODES
+from bench.overlap.stats import (
     ActionSpan,
     HostSpan,
     RankSteps,
@@ -311,9 +311,9 @@ def test_smoke_run_on_loopback(tmp_path, capsys):
     argv = [*TINY, "--steps", "1", "--modes", *modes, "--out", str(tmp_path), "--timeout", "120", "--keep-events"]
     if tp.internals().greets_own_rank:  # a torch whose ScheduleDualPipeV cannot start on gloo: the bridge says so
         with pytest.raises(SystemExit, match="cannot start on CPU ranks over gloo"):
-            overlap.main(argv)
+            cli.main(argv)
         return
-    assert overlap.main(argv) == 0
+    assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "targets (DualPipeV with overlap)" in printed and "loopback" in printed and "CPU floor" in printed
     record = _check_outputs(tmp_path, modes)
@@ -339,6 +339,6 @@ def test_smoke_run_on_loopback(tmp_path, capsys):
 def test_short_run_on_the_emulated_cluster(tmp_path):
     modes = ["dualpipev-overlap", "dualpipev", "torch-dualpipev"]
     argv = [*TINY, "--cluster", "--nodes", "2", "--steps", "1", "--modes", *modes, "--out", str(tmp_path)]
-    assert overlap.main([*argv, "--timeout", "240"]) == 0
+    assert cli.main([*argv, "--timeout", "240"]) == 0
     record = _check_outputs(tmp_path, modes)
     assert record["cluster"]["nodes"] == 2 and "emulated-2node" in record["device"]

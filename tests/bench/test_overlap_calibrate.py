@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from bench.overlap_calibrate import Setup, report, run
-from bench.overlap_costs import link_rates, rate_bytes_per_s, substage_seconds
-from bench.overlap_stats import parse_events
+from bench.overlap.calibrate import Setup, report, run
+from bench.overlap.costs import link_rates, rate_bytes_per_s, substage_seconds
+from bench.overlap.stats import parse_events
 from moe.plan.costs import COMPUTE_FIELDS
 from moe.plan.measured import load_costs
 
@@ -136,10 +136,10 @@ def test_planner_predicts_the_overlapped_step_within_20_percent(calibration):
 
 
 def test_calibrate_on_loopback_writes_compute_only(tmp_path, capsys):
-    from bench import overlap
+    from bench.overlap import cli
 
     tiny = ["--hidden", "32", "--moe-intermediate", "32", "--seq-len", "16", "--micro-batch", "2", "--layers", "2"]
-    assert overlap.main([*tiny, "--pp", "1", "--ep", "2", "--chunks", "4", "--calibrate", "--out", str(tmp_path)]) == 0
+    assert cli.main([*tiny, "--pp", "1", "--ep", "2", "--chunks", "4", "--calibrate", "--out", str(tmp_path)]) == 0
     assert "calibration (dualpipev, no overlap)" in capsys.readouterr().out
     costs = load_costs(next(tmp_path.glob("costs-cpu-*-loopback-*.json")))
     # every all-to-all byte stayed on loopback, whose rate nobody measured: compute only
@@ -149,17 +149,17 @@ def test_calibrate_on_loopback_writes_compute_only(tmp_path, capsys):
 
 
 def test_the_benchmark_and_the_calibration_import_in_one_direction() -> None:
-    """The calibration runs the benchmark; the benchmark writes costs through bench.overlap_costs, never through
+    """The calibration runs the benchmark; the benchmark writes costs through bench.overlap.costs, never through
     the calibration (they used to import each other)."""
     import pathlib
 
     from tests.imports import imports as imports_of
 
-    root = pathlib.Path(__file__).resolve().parents[2] / "bench"
+    root = pathlib.Path(__file__).resolve().parents[2] / "bench" / "overlap"
 
     def imports(name: str) -> set[str]:
         return imports_of(root / f"{name}.py")
 
-    assert not {"bench.overlap_calibrate", "bench.overlap_calibrate.calibration_costs"} & imports("overlap")
-    assert "bench.overlap_costs" in imports("overlap") and "bench.overlap" in imports("overlap_calibrate")
-    assert not {"bench.overlap", "bench.overlap_calibrate"} & imports("overlap_costs")
+    assert not any(m.startswith("bench.overlap.calibrate") for m in imports("cli"))
+    assert "bench.overlap.costs" in imports("cli") and "bench.overlap.cli" in imports("calibrate")
+    assert not {"bench.overlap.cli", "bench.overlap.calibrate"} & imports("costs")

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from bench.overlap_report import KindExposure, kind_table, main, skew_table, summarise, where_table
-from bench.overlap_stats import StepParts, comm_by_kind, parse_events, peer_skews, step_parts
+from bench.overlap.report import KindExposure, kind_table, main, skew_table, summarise, where_table
+from bench.overlap.stats import StepParts, comm_by_kind, parse_events, peer_skews, step_parts
 
 
 def _ev(name, direction, layer, edge, t):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench import overlap
-from bench.overlap_run import MODES, PLAIN_MODES, WorkerOptions
-from bench.overlap_traffic import FP8_SUFFIX, fp8_comparison, fp8_table, traffic, traffic_table
+from bench.overlap import cli
+from bench.overlap.run import MODES, PLAIN_MODES, WorkerOptions
+from bench.overlap.traffic import FP8_SUFFIX, fp8_comparison, fp8_table, traffic, traffic_table
 
 
 def _step(mode: str, step: int, rows: int, row_bytes: int, warmup: bool = False) -> dict:
@@ -44,9 +44,9 @@ def test_bytes_per_all_to_all_and_the_fp8_comparison() -> None:
 
 def test_fp8_dispatch_adds_a_twin_of_each_of_our_modes() -> None:
     assert all(not m.endswith(FP8_SUFFIX) for m in PLAIN_MODES) and "torch-dualpipev+fp8" not in MODES
-    args = overlap._parser().parse_args(["--modes", "dualpipev", "torch-dualpipev", "--fp8-dispatch"])
-    opts = overlap._options(args, "/nonexistent")
+    args = cli._parser().parse_args(["--modes", "dualpipev", "torch-dualpipev", "--fp8-dispatch"])
+    opts = cli._options(args, "/nonexistent")
     assert opts.modes == ["dualpipev", "torch-dualpipev", "dualpipev+fp8"]
-    assert overlap._options(overlap._parser().parse_args([]), "/nonexistent").modes == PLAIN_MODES
+    assert cli._options(cli._parser().parse_args([]), "/nonexistent").modes == PLAIN_MODES
     with pytest.raises(ValueError, match="dtype must be float32 or bfloat16"):
         WorkerOptions(dtype="float16")

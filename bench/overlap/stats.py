@@ -1,6 +1,6 @@
 """Pure functions of the overlap benchmark: spans from recorded events, hidden all-to-all, bubbles, trace.
 
-An event is ``[name, direction, layer, edge, seconds]`` (see :mod:`bench.overlap_run`): compute sub-stages
+An event is ``[name, direction, layer, edge, seconds]`` (see :mod:`bench.overlap.run`): compute sub-stages
 ``begin``/``end``, all-to-alls ``start``/``wait``, pipeline actions (direction ``"action"``, layer = nesting
 depth) ``begin``/``end``, waits for pipeline messages (direction ``"p2p"``) and the executor issuing
 sends and receives between actions (direction ``"post"``) ``begin``/``end``, and the step's

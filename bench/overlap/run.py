@@ -39,6 +39,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -46,7 +47,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from bench.overlap_traffic import FP8_SUFFIX
+from bench.overlap.traffic import FP8_SUFFIX
 from dualpipe import PIPELINES
 from dualpipe.events import EventRecorder
 from dualpipe.observer import PipelineObserver, SpanKind, span_label
@@ -172,14 +173,18 @@ class _ActionRecorder:
         self.depth -= 1
         self.recorder.record(label, direction, self.depth, "end")
 
+    @contextlib.contextmanager
+    def span(self, label: str, direction: str) -> Iterator[None]:
+        self.begin(label, direction)
+        try:
+            yield
+        finally:
+            self.end(label, direction)
+
     def wrap(self, fn, label_of, direction: str = "action"):
         def recorded(*args, **kwargs):
-            label = label_of(*args, **kwargs)
-            self.begin(label, direction)
-            try:
+            with self.span(label_of(*args, **kwargs), direction):
                 return fn(*args, **kwargs)
-            finally:
-                self.end(label, direction)
 
         return recorded
 
@@ -251,7 +256,7 @@ def _build_ours(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLay
 def _build(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLayout, device: torch.device) -> _Mode:
     recorder = EventRecorder(device)
     if name in TORCH_MODES:
-        from bench.overlap_torch import build_torch_dualpipev
+        from bench.overlap.torch import build_torch_dualpipev
 
         layout = with_schedule(layout, MODES[name][0])
         actions = _ActionRecorder(recorder)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.overlap_stats import RankSteps
+from bench.overlap.stats import RankSteps
 
 __all__ = ["render_timelines"]
 

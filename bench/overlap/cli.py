@@ -10,7 +10,7 @@ same micro-batch count) for ``--warmup`` untimed and ``--steps`` timed steps, on
 are interleaved: each step index runs once in every mode, in a rotating order, so drift in the machine's
 load hits all modes alike. A step is one pipeline step (forward and backward of all micro-batches; no
 gradient reduction, no optimizer), timed from a barrier to the last rank's end. Each rank records every
-sub-stage's start and end on compute and on communication (:mod:`bench.overlap_run`); this process merges
+sub-stage's start and end on compute and on communication (:mod:`bench.overlap.run`); this process merges
 the ranks and writes, under ``--out``:
 
 - ``overlap-<device>-<date>.json``: per-mode medians, spreads, measured action costs, the loss check, the
@@ -28,12 +28,12 @@ every all-to-all crosses the shaped links, and keeps each pipeline inside a node
 ``--nodes`` = pp x ep, one rank per node (no two ranks share a link; pipeline P2P crosses links too). Size the
 model so compute and all-to-all take about the same time: ``--calibrate`` prints both (the defaults, hidden
 256 at 500 Mbit/s with 2 ranks per node, measured ratios of 0.86 to 0.92 on a 2-core machine) and writes
-the planner's costs file, one MoE layer's sub-stage seconds (:mod:`bench.overlap_calibrate`); ``--costs-out``
+the planner's costs file, one MoE layer's sub-stage seconds (:mod:`bench.overlap.calibrate`); ``--costs-out``
 writes it from any run that includes the ``dualpipev`` mode.
 
 The targets (printed as met or missed, never tuned into the output): at least 80% of all-to-all time
 hidden, DualPipeV with overlap at most 0.8x torch ScheduleDualPipeV's step time, measured bubble within
-15% of the simulator's prediction from the measured action costs (:mod:`bench.overlap_stats` says how
+15% of the simulator's prediction from the measured action costs (:mod:`bench.overlap.stats` says how
 both are taken). A CPU floor is printed as well: the step-time ratio no schedule doing the same CPU work
 can beat on this machine (our CPU time spread over the cores, or the busiest rank's compute thread if
 more). What keeps a step above it is printed per mode, "where the step went": a rank's compute, host work
@@ -44,7 +44,7 @@ idle time.
 Bytes: every rank counts what its all-to-alls send, per kind (dispatch, combine and their gradients), and the
 report gives the bytes per all-to-all. ``--fp8-dispatch`` also runs each of our modes with FP8 dispatch
 (``<mode>+fp8``), interleaved with the others, and sets its step time and dispatch bytes beside the model dtype's
-(:mod:`bench.overlap_traffic`).
+(:mod:`bench.overlap.traffic`).
 """
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ from pathlib import Path
 import torch
 
 from bench import process_tree
-from bench.overlap_costs import calibration_costs
-from bench.overlap_report import breakdown, collect, cpu_floor, loss_check, rows_json, summarise, table, targets
-from bench.overlap_run import CALIBRATION_MODE, MODES, PLAIN_MODES, WorkerOptions
-from bench.overlap_traffic import FP8_SUFFIX, fp8_comparison, fp8_table, traffic, traffic_table
+from bench.overlap.costs import calibration_costs
+from bench.overlap.report import breakdown, collect, cpu_floor, loss_check, rows_json, summarise, table, targets
+from bench.overlap.run import CALIBRATION_MODE, MODES, PLAIN_MODES, WorkerOptions
+from bench.overlap.traffic import FP8_SUFFIX, fp8_comparison, fp8_table, traffic, traffic_table
 
 __all__ = ["main"]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--costs-out",
         metavar="FILE",
-        help="write the planner's costs file (bench.overlap_calibrate) from the dualpipev (no overlap) mode's "
+        help="write the planner's costs file (bench.overlap.calibrate) from the dualpipev (no overlap) mode's "
         "sub-stages here: --calibrate writes one by default to <out>/costs-<device>-<date>.json, other runs "
         "when given (dualpipev among --modes: interleaved with the other modes, the same load hits both)",
     )
@@ -205,8 +205,8 @@ def _calibration(rank_files: list[dict]) -> dict | None:
 def _write_costs(
     args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict], cluster: dict | None, device: str
 ) -> Path:
-    """The calibration's sub-stage medians in the planner's costs format (:mod:`bench.overlap_costs`)."""
-    from bench.overlap_run import model_config
+    """The calibration's sub-stage medians in the planner's costs format (:mod:`bench.overlap.costs`)."""
+    from bench.overlap.run import model_config
     from moe.plan.measured import save_costs
 
     steps = [list(per_rank.values()) for _, per_rank in collect(rank_files).get(CALIBRATION_MODE, [])]
@@ -217,7 +217,7 @@ def _write_costs(
         seq_len=opts.seq_len,
         micro_batch=opts.micro_batch,
         ep=opts.ep,
-        # the emulated cluster's layouts put each ep rank on its own node (bench.overlap_run: ep-major ranks)
+        # the emulated cluster's layouts put each ep rank on its own node (bench.overlap.run: ep-major ranks)
         ranks_per_node=cluster["ranks_per_node"] if cluster else world,
         ep_ranks_per_node=1 if cluster else opts.ep,
         act_bytes=rank_files[0]["act_bytes"],
@@ -234,8 +234,8 @@ def _write_costs(
 
 
 def _write_outputs(out: Path, stem: str, record: dict, rank_files: list[dict], trace_steps: int) -> list[Path]:
-    from bench.overlap_plot import render_timelines
-    from bench.overlap_stats import chrome_trace
+    from bench.overlap.plot import render_timelines
+    from bench.overlap.stats import chrome_trace
 
     out.mkdir(parents=True, exist_ok=True)
     json_path, trace_path, png_path = (out / f"{stem}{ext}" for ext in (".json", ".trace.json", ".png"))
@@ -329,7 +329,7 @@ def _report(args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.worker is not None:
-        from bench.overlap_run import worker_main
+        from bench.overlap.run import worker_main
 
         worker_main(args.worker)
         return 0
@@ -357,7 +357,3 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args, opts, rank_files, cluster)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

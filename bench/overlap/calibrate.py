@@ -1,7 +1,7 @@
 """``bench.overlap --calibrate``: one MoE layer's measured sub-stage seconds in the planner's costs format,
-and the check of the planner against the overlap benchmark (``python -m bench.overlap_calibrate``).
+and the check of the planner against the overlap benchmark (``python -m bench.overlap.calibrate``).
 
-Sub-stages, statistics and link rates: :mod:`bench.overlap_costs`.
+Sub-stages, statistics and link rates: :mod:`bench.overlap.costs`.
 
 The check (:func:`run`): one emulated-cluster run with the ``dualpipev`` (the calibration) and
 ``dualpipev-overlap`` modes interleaved step by step, so the machine's load hits both alike; the costs file
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from bench import overlap
-from bench.overlap_costs import substage_seconds
-from bench.overlap_report import collect, load_rank_files
-from bench.overlap_run import CALIBRATION_MODE
+from bench.overlap import cli
+from bench.overlap.costs import substage_seconds
+from bench.overlap.report import collect, load_rank_files
+from bench.overlap.run import CALIBRATION_MODE
 from moe.plan.measured import MeasuredCosts, load_costs, save_costs
 from moe.plan.model import LayerCostModel
 from moe.plan.params import stage_plans
@@ -173,7 +173,7 @@ def run(setup: Setup, out: Path, *, memory_bytes: float | None = None, keep_even
         costs_path = Path(tmp) / "costs.json"
         modes = ["dualpipev-overlap", CALIBRATION_MODE]
         argv = [*setup.argv(), "--modes", *modes, "--steps", str(setup.steps), "--out", tmp, "--keep-events"]
-        overlap.main([*argv, "--costs-out", str(costs_path)])
+        cli.main([*argv, "--costs-out", str(costs_path)])
         seconds = time.perf_counter() - t0
         load.append(os.getloadavg()[0])
         costs = load_costs(costs_path)
@@ -234,7 +234,7 @@ def report(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.overlap_calibrate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.overlap.calibrate", description=__doc__.split("\n\n")[0])
     defaults = Setup()
     for f in dataclasses.fields(Setup):
         p.add_argument(

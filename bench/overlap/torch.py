@@ -17,9 +17,9 @@ backward, which asks autograd for gradient edges to the parameters, finds none. 
 running exactly each backward's closures in its ``W`` action (or at once for a full backward). This is
 configuration torch asks of any model with custom weight gradients; it overlaps nothing.
 
-Pipeline messages: torch's runtime posts them with ``schedules._batch_p2p`` and waits for them with
-``schedules._wait_batch_p2p``, between compute actions. During a step both are wrapped to record
-``"post"`` and ``"p2p"`` spans, as our executor's are, so both runtimes' bubbles are measured alike.
+Pipeline messages: torch's runtime posts them and waits for them between compute actions. During a step
+both are recorded (:func:`dualpipe._torch_pipelining.record_batch_p2p`) as ``"post"`` and ``"p2p"`` spans, as
+our executor's are, so both runtimes' bubbles are measured alike.
 Compute actions are recorded around the stages' ``forward_one_chunk`` / ``backward_one_chunk`` /
 ``backward_weight_one_chunk``, and the bridge reports each overlapped pair (``(F0.3&B3.1)``, torch's stage
 indices), inside which the stage calls it makes are parts of the pair, not actions.
@@ -27,13 +27,13 @@ indices), inside which the stage calls it makes are parts of the pair, not actio
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 
 import torch
 from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
-from torch.distributed.pipelining import schedules as torch_schedules
 
+from dualpipe._torch_pipelining import record_batch_p2p
 from dualpipe.events import EventRecorder
 from dualpipe.observer import PipelineObserver, span_label
 from dualpipe.torch_bridge import GradStoreStage, overlap_torch_schedule
@@ -79,16 +79,11 @@ class _Pairs(PipelineObserver):
         self.actions.end(span_label(kind, subject), "action")
 
 
-@contextlib.contextmanager
-def _recording_p2p(actions) -> Iterator[None]:
-    """Record torch's posting of and waiting for pipeline messages (module functions, restored after)."""
-    post, wait = torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p
-    torch_schedules._batch_p2p = actions.wrap(post, lambda ops, desc=None: f"post {desc or ''}".strip(), "post")
-    torch_schedules._wait_batch_p2p = actions.wrap(wait, lambda works: "p2p", "p2p")
-    try:
-        yield
-    finally:
-        torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p = post, wait
+def _p2p_span(actions, kind: str, desc: str | None):
+    """torch posting pipeline messages as a ``post`` span (``post fwd_send``), waiting for them as ``p2p``."""
+    if kind == "post":
+        return actions.span(f"post {desc or ''}".strip(), "post")
+    return actions.span("p2p", "p2p")
 
 
 def build_torch_dualpipev(
@@ -104,7 +99,7 @@ def build_torch_dualpipev(
     """``(step(ids, labels) -> this rank's micro-batch losses, parameters)`` for torch's ScheduleDualPipeV,
     with the bridge to our overlapped pairs when ``overlap``.
 
-    ``actions`` records compute actions (``bench.overlap_run._ActionRecorder``); the stages' all-to-alls
+    ``actions`` records compute actions (``bench.overlap.run._ActionRecorder``); the stages' all-to-alls
     (and, piecewise, their sub-stages) go to ``recorder``.
     """
     device = recorder.device
@@ -127,7 +122,7 @@ def build_torch_dualpipev(
     feeds = bool(layout.config.stage_layout.entries(layout.pp_rank))
 
     def step(ids: torch.Tensor, labels: torch.Tensor) -> list[float]:
-        with _recording_p2p(actions):
+        with record_batch_p2p(functools.partial(_p2p_span, actions)):
             if not feeds:
                 schedule.step()
                 return []

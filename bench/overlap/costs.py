@@ -1,6 +1,6 @@
 """One MoE layer's measured sub-stage seconds, from the overlap benchmark's recorded events, in the planner's
 costs format (:func:`calibration_costs`): what ``bench.overlap --calibrate`` writes and
-:mod:`bench.overlap_calibrate` checks the planner with.
+:mod:`bench.overlap.calibrate` checks the planner with.
 
 Sub-stages. The calibration runs DualPipeV without overlap, so every all-to-all is waited for (the one
 exception below) and each chunk's host time splits into compute and waiting. Within each lone chunk (or
@@ -35,7 +35,7 @@ import re
 import statistics
 from collections.abc import Iterable, Sequence
 
-from bench.overlap_stats import RankSteps
+from bench.overlap.stats import RankSteps
 from moe.models.config import MoEConfig
 from moe.plan.measured import MeasuredCosts
 
@@ -208,6 +208,3 @@ def calibration_costs(
         recompute=False,
         internode_bytes_per_s=internode,
     )
-
-
-# ------------------------------------------------------------------------- the planner against the benchmark

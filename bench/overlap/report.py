@@ -1,15 +1,15 @@
 """Summaries of one overlap benchmark run: per-mode rows, the targets, the tables.
 
-Input: the ``rank<R>.json`` files the ranks wrote (:mod:`bench.overlap_run`). Per step, all ranks' spans
+Input: the ``rank<R>.json`` files the ranks wrote (:mod:`bench.overlap.run`). Per step, all ranks' spans
 give one value of each metric; a mode's row holds the median over its timed steps and the spread
 (min..max) of the step time. Warm-up steps are dropped.
 
-Where the exposed all-to-all time comes from (:mod:`bench.overlap_stats` defines both): its split by kind
+Where the exposed all-to-all time comes from (:mod:`bench.overlap.stats` defines both): its split by kind
 (forward and backward dispatch and combine, the row-count exchange) as means per rank and step, so the
 kinds add up; and the skew of the expert-parallel peers, pooled over every all-to-all of the timed steps.
 From a saved run (``python -m bench.overlap --keep-events`` keeps the rank files under ``<out>/events``)::
 
-    python -m bench.overlap_report bench/results/events
+    python -m bench.overlap.report bench/results/events
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from bench.overlap_run import MODES, TORCH_MODE, TORCH_MODES
-from bench.overlap_stats import (
+from bench.overlap.run import MODES, TORCH_MODE, TORCH_MODES
+from bench.overlap.stats import (
     COMM_KINDS,
     PeerSkew,
     RankSteps,
@@ -129,7 +129,7 @@ class ModeRow:
     """The same over the exposed all-to-all time."""
     step_parts_ms: dict[str, float] = field(default_factory=dict)
     """Where a rank's step went (means over ranks, medians over steps): its compute thread's ``compute``,
-    ``host`` work between pieces, ``a2a_blocked`` and ``p2p_blocked`` (:class:`bench.overlap_stats.StepParts`),
+    ``host`` work between pieces, ``a2a_blocked`` and ``p2p_blocked`` (:class:`bench.overlap.stats.StepParts`),
     which add up to the step; the CPU its other threads used (``comm_threads_cpu``: gloo's transfers); and
     the machine's ``idle_cores``: core-milliseconds of the step that no thread of any rank used."""
 
@@ -213,7 +213,7 @@ def _quantile(values: Sequence[float], q: float) -> float:
 
 def _pipelines(ranks: dict[int, RankSteps], pp: int) -> list[list[RankSteps]]:
     """Each expert-parallel rank's pipeline, in pipeline-rank order (global rank ``ep_rank * pp + pp_rank``,
-    :func:`bench.overlap_run.ep_major_layout`). Its transpose is the expert-parallel groups."""
+    :func:`bench.overlap.run.ep_major_layout`). Its transpose is the expert-parallel groups."""
     return [[ranks[e * pp + p] for p in range(pp)] for e in range(len(ranks) // pp)]
 
 
@@ -501,7 +501,7 @@ def load_rank_files(folder: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.overlap_report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.overlap.report", description=__doc__.split("\n\n")[0])
     p.add_argument("events", type=Path, help="folder of rank<R>.json (bench.overlap --keep-events: <out>/events)")
     p.add_argument("--json", type=Path, help="also write the rows, breakdown included, to this file")
     args = p.parse_args(argv)

@@ -1,0 +1,7 @@
+"""``python -m bench.overlap``: see :mod:`bench.overlap.cli`."""
+
+import sys
+
+from bench.overlap.cli import main
+
+sys.exit(main())
