@@ -19,7 +19,7 @@ within or outside :data:`MARGIN`, with the machine's load average before and aft
 times are the machine's, and a busy neighbour slows the CPU ranks unevenly. What it has shown on a 2-core
 machine (2026-11-26): idle, the overlapped step predicted 11% under (1,402 against 1,570 ms); beside another
 busy process the step's gap grows past 30% (a ratio of 0.67 at a load average of 3); the lone chunk within 4%
-in every saved run (``bench/results/calibration-*.json``), loaded or not. The hidden fraction is
+in all five runs saved from 2026-11-23 to -26, at load averages from 0.5 to 4.3. The hidden fraction is
 predicted 0.96 where runs measure 0.74-0.77: the costs fold the host work between pieces (issuing transfers,
 routing metadata: about 10% of a CPU rank's step) into the compute a transfer hides under, and the planner
 takes the expert-parallel ranks as equally loaded (here one rank's experts get ~13% more tokens, and the
