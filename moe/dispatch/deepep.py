@@ -30,7 +30,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,16 +40,14 @@ from kernels.reference_fp8 import FP8_DTYPE
 from moe.dispatch import deepep_common
 from moe.dispatch.base import DEFAULT_COMM_SMS, Dispatched, Pending, Route, TokenDispatcher
 from moe.dispatch.deepep_common import (
+    DeepEPBase,
+    DeepEPRoute,
     as_local_idx,
     as_topk_idx,
     as_topk_weights,
-    buffer_comm_stream,
     dispatch_input,
-    dispatch_output,
-    received_rows,
     row_bytes,
 )
-from moe.dispatch.fp8 import wire_row_bytes
 from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 
 __all__ = [
@@ -177,20 +175,14 @@ def import_deep_ep() -> Any:
 
 
 @dataclass(slots=True)
-class _DeepEPRoute(Route):
-    topk_idx_TK: torch.Tensor
-    num_tokens_per_rank: torch.Tensor
-    num_tokens_per_rdma_rank: torch.Tensor | None
-    num_tokens_per_expert: torch.Tensor
-    is_token_in_rank: torch.Tensor
-    defers_dispatch: bool = True
-    """Non-cached dispatch busy-waits on the host for the received counts, unless ``num_worst_tokens`` is set."""
-    handle: Any = None
-    recv_rows: Any = None
-    """Rows the dispatch delivered (padding excluded), where :attr:`TokenDispatcher.traffic` counts them."""
+class _DeepEPRoute(DeepEPRoute):
+    num_tokens_per_rank: torch.Tensor = field(kw_only=True)
+    num_tokens_per_rdma_rank: torch.Tensor | None = field(kw_only=True)
+    num_tokens_per_expert: torch.Tensor = field(kw_only=True)
+    is_token_in_rank: torch.Tensor = field(kw_only=True)
 
 
-class DeepEPDispatcher(TokenDispatcher):
+class DeepEPDispatcher(DeepEPBase):
     """Expert parallelism through one ``deep_ep.Buffer`` over ``group``.
 
     ``hidden_bytes`` (hidden size times the element size of the rows sent) sizes the NVLink/RDMA buffers
@@ -217,12 +209,10 @@ class DeepEPDispatcher(TokenDispatcher):
         sync_free: bool = False,
         fp8: bool = False,
     ) -> None:
-        super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
+        super().__init__(num_experts, group, sync_free=sync_free, fp8=fp8)
         if sync_free and self.ep_size > NVL_PEERS:
             # legacy.py ``dispatch``: "Internode dispatch does not support `num_worst_tokens > 0`".
             raise ValueError(f"sync-free DeepEP dispatch is intranode only (<= {NVL_PEERS} ranks), got {self.ep_size}")
-        self.sync_free = sync_free
-        self.fp8 = fp8
         self.api = deep_ep_api(import_deep_ep())
         if comm_sms <= 0 or comm_sms % 2:
             raise ValueError(f"DeepEP needs a positive, even SM count, got comm_sms={comm_sms}")
@@ -235,24 +225,14 @@ class DeepEPDispatcher(TokenDispatcher):
         self.buffer = buffer_cls(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True)
         self._buffer_cls = buffer_cls
 
-    @property
-    def comm_stream(self) -> Any:
-        return buffer_comm_stream(self.buffer)
-
-    def close(self) -> None:
-        """Release the Buffer (``Buffer.destroy()``: a device sync and a barrier with the NVLink peers).
-
-        Call it on every rank on the clean path, before ``destroy_process_group``; never on an error path,
-        where a peer may never reach the barrier. A second call does nothing.
-        """
-        if self.buffer is not None:
-            buffer, self.buffer = self.buffer, None
-            buffer.destroy()
-
     def _launch_kwargs(self) -> dict[str, Any]:
         """Order the comm stream after the compute stream's work so far (call it once the inputs are made)
         and allocate the results there. The same on CUDA and over the in-test emulation."""
         return {"previous_event": self._buffer_cls.capture(), "async_finish": True, "allocate_on_comm_stream": True}
+
+    def _sent_rows(self, route: DeepEPRoute) -> torch.Tensor:
+        assert isinstance(route, _DeepEPRoute)
+        return route.is_token_in_rank.sum()
 
     def plan(self, topk_idx_TK: torch.Tensor) -> Route:
         topk_idx_TK = as_topk_idx(topk_idx_TK)
@@ -261,16 +241,21 @@ class DeepEPDispatcher(TokenDispatcher):
             topk_idx_TK, self.num_experts, **self._launch_kwargs()
         )
         return _DeepEPRoute(
-            topk_idx_TK, per_rank, per_rdma_rank, per_expert, in_rank, defers_dispatch=not self.sync_free
+            topk_idx_TK,
+            defers_dispatch=not self.sync_free,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank,
+            num_tokens_per_expert=per_expert,
+            is_token_in_rank=in_rank,
         )
 
     def dispatch(self, route: Route, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending[Dispatched]:
         assert isinstance(route, _DeepEPRoute)
-        hidden, dtype = x_TD.shape[1], x_TD.dtype
+        dtype = x_TD.dtype
         x_in, weights_TK = dispatch_input(x_TD, self.fp8), as_topk_weights(topk_weights_TK)
         if self.traffic is not None:  # ids (topk_idx_t) and weights go with every row
             meta = route.topk_idx_TK.shape[1] * (route.topk_idx_TK.element_size() + weights_TK.element_size())
-            self.count("dispatch", route.is_token_in_rank.sum(), wire_row_bytes(hidden, dtype, self.fp8), meta)
+            self._count_sent("dispatch", route, x_TD, meta)
         # Captured now: the tokens and weights may come from compute issued after plan (and from the copies
         # and the quantization just above); the comm stream waits for nothing newer than this event.
         kwargs = self._launch_kwargs()
@@ -290,61 +275,7 @@ class DeepEPDispatcher(TokenDispatcher):
 
         def finish() -> Dispatched:
             event.current_stream_wait()
-            local_idx = as_local_idx(recv_idx)
-            if self.traffic is not None:
-                route.recv_rows = received_rows(local_idx)
-            return Dispatched(dispatch_output(recv_x, dtype, self.fp8), local_idx, recv_w)
-
-        return Pending(finish)
-
-    def _count_back(self, kind: str, route: _DeepEPRoute, x_RD: torch.Tensor, meta_row_bytes: int = 0) -> None:
-        """Count a combine-direction exchange: the rows the dispatch delivered go back."""
-        if self.traffic is not None and route.recv_rows is not None:
-            self.count(kind, route.recv_rows, x_RD.shape[1] * x_RD.element_size(), meta_row_bytes)
-
-    def combine(self, route: Route, y_RD: torch.Tensor) -> Pending[torch.Tensor]:
-        assert isinstance(route, _DeepEPRoute)
-        self._count_back("combine", route, y_RD)
-        # Arguments are evaluated in order: the event is captured after the copy that makes y contiguous.
-        combined_x, _, event = self.buffer.combine(y_RD.contiguous(), route.handle, **self._launch_kwargs())
-
-        def finish() -> torch.Tensor:
-            event.current_stream_wait()
-            return combined_x
-
-        return Pending(finish)
-
-    def dispatch_backward(
-        self, route: Route, grad_x_RD: torch.Tensor, grad_weights_RK: torch.Tensor
-    ) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
-        assert isinstance(route, _DeepEPRoute)
-        self._count_back("dispatch_backward", route, grad_x_RD, grad_weights_RK.shape[1] * 4)  # fp32 to DeepEP
-        grad_x_TD, grad_w_TK, event = self.buffer.combine(
-            grad_x_RD.contiguous(),
-            route.handle,
-            topk_weights=as_topk_weights(grad_weights_RK),
-            **self._launch_kwargs(),
-        )
-
-        def finish() -> tuple[torch.Tensor, torch.Tensor]:
-            event.current_stream_wait()
-            return grad_x_TD, grad_w_TK
-
-        return Pending(finish)
-
-    def combine_backward(self, route: Route, grad_y_TD: torch.Tensor) -> Pending[torch.Tensor]:
-        assert isinstance(route, _DeepEPRoute)
-        hidden, dtype = grad_y_TD.shape[1], grad_y_TD.dtype
-        if self.traffic is not None:
-            self.count("combine_backward", route.is_token_in_rank.sum(), wire_row_bytes(hidden, dtype, self.fp8))
-        # Arguments are evaluated in order: the event is captured after the rows are made.
-        grad_y, _, _, _, _, event = self.buffer.dispatch(
-            dispatch_input(grad_y_TD, self.fp8), handle=route.handle, **self._launch_kwargs()
-        )
-
-        def finish() -> torch.Tensor:
-            event.current_stream_wait()
-            return dispatch_output(grad_y, dtype, self.fp8)
+            return self._received(route, recv_x, as_local_idx(recv_idx), recv_w, dtype)
 
         return Pending(finish)
 

@@ -59,7 +59,6 @@ spinning. The clean path calls :meth:`DeepEPV2Dispatcher.close`; an error path o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,17 +66,15 @@ import torch.distributed as dist
 
 from moe.dispatch.base import DEFAULT_COMM_SMS, Dispatched, Pending, Route, TokenDispatcher
 from moe.dispatch.deepep_common import (
+    DeepEPBase,
+    DeepEPRoute,
     as_local_idx,
     as_topk_idx,
     as_topk_weights,
-    buffer_comm_stream,
     dispatch_input,
-    dispatch_output,
     import_deep_ep,
-    received_rows,
     sent_rows,
 )
-from moe.dispatch.fp8 import wire_row_bytes
 from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
 
 __all__ = ["DEEPEP_V2_INSTALL_HINT", "DeepEPV2Dispatcher", "deepep_v2_rules", "nvlink_domain_problem"]
@@ -103,18 +100,7 @@ DEEPEP_V2_INSTALL_HINT = (
 )
 
 
-@dataclass(slots=True)
-class _V2Route(Route):
-    topk_idx_TK: torch.Tensor
-    handle: Any = None
-    """The forward dispatch's ``EPHandle``: combine and both backward directions run along it."""
-    defers_dispatch: bool = True
-    """A host-synced dispatch (``do_cpu_sync=True``) waits on the host for the received counts, as V1's does."""
-    recv_rows: Any = None
-    """Rows the dispatch delivered (padding excluded), where :attr:`TokenDispatcher.traffic` counts them."""
-
-
-class DeepEPV2Dispatcher(TokenDispatcher):
+class DeepEPV2Dispatcher(DeepEPBase):
     """Expert parallelism through one ``deep_ep.ElasticBuffer`` over ``group`` (built by :meth:`warm_up`, else at
     the first plan).
 
@@ -137,8 +123,7 @@ class DeepEPV2Dispatcher(TokenDispatcher):
         deterministic: bool = False,
         fp8: bool = False,
     ) -> None:
-        super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
-        self.fp8 = fp8
+        super().__init__(num_experts, group, sync_free=sync_free, fp8=fp8)
         self._deep_ep = import_deep_ep(DEEPEP_V2_INSTALL_HINT, needs="ElasticBuffer")
         if num_experts > MAX_EXPERTS or self.num_local_experts > MAX_EXPERTS_PER_RANK:
             raise ValueError(
@@ -153,27 +138,17 @@ class DeepEPV2Dispatcher(TokenDispatcher):
         self.hidden_size = hidden_size
         self.comm_sms = comm_sms
         self.max_tokens_per_rank = max_tokens_per_rank
-        self.sync_free = sync_free
         self.deterministic = deterministic
         self.buffer: Any = None
         self.num_sms = comm_sms
         """SMs of every call; with ``comm_sms=0``, DeepEP's own count once the buffer exists."""
         self._closed = False
 
-    @property
-    def comm_stream(self) -> Any:
-        return buffer_comm_stream(self.buffer)
-
     def close(self) -> None:
-        """Release the ElasticBuffer (``destroy()``: a barrier with every peer and a device sync).
-
-        Call it on every rank on the clean path, before ``destroy_process_group``; never on an error path,
-        where a peer may never reach the barrier. A second call does nothing.
-        """
+        """Release the ElasticBuffer (``destroy()``: a barrier with every peer and a device sync), as
+        :meth:`DeepEPBase.close`; a later :meth:`plan` or :meth:`warm_up` raises rather than build another."""
         self._closed = True
-        if self.buffer is not None:
-            buffer, self.buffer = self.buffer, None
-            buffer.destroy()
+        super().close()
 
     def warm_up(
         self, num_tokens: int, top_k: int, hidden_size: int, *, dtype: torch.dtype, device: torch.device | str
@@ -221,25 +196,27 @@ class DeepEPV2Dispatcher(TokenDispatcher):
                 f"{num_tokens} tokens on this rank, more than the {self.max_tokens_per_rank} the ElasticBuffer was "
                 f"built for; pass max_tokens_per_rank >= the largest micro-batch (batch x sequence)"
             )
-        return _V2Route(as_topk_idx(topk_idx_TK, self._deep_ep.topk_idx_t), defers_dispatch=not self.sync_free)
+        return DeepEPRoute(as_topk_idx(topk_idx_TK, self._deep_ep.topk_idx_t), defers_dispatch=not self.sync_free)
 
-    def _calls(self) -> dict[str, Any]:
+    def _launch_kwargs(self) -> dict[str, Any]:
         return {"num_sms": self.num_sms, "async_with_compute_stream": True}
 
+    def _sent_rows(self, route: DeepEPRoute) -> torch.Tensor:
+        return sent_rows(route.topk_idx_TK, self.num_local_experts, self.ep_size)
+
     def dispatch(self, route: Route, x_TD: torch.Tensor, topk_weights_TK: torch.Tensor) -> Pending[Dispatched]:
-        assert isinstance(route, _V2Route)
-        hidden, dtype = x_TD.shape[1], x_TD.dtype
+        assert isinstance(route, DeepEPRoute)
+        dtype = x_TD.dtype
         if self.traffic is not None:  # ids (topk_idx_t) and fp32 weights go with every row
             meta = route.topk_idx_TK.shape[1] * (route.topk_idx_TK.element_size() + 4)
-            rows = sent_rows(route.topk_idx_TK, self.num_local_experts, self.ep_size)
-            self.count("dispatch", rows, wire_row_bytes(hidden, dtype, self.fp8), meta)
+            self._count_sent("dispatch", route, x_TD, meta)
         recv_x, recv_idx, recv_w, handle, event = self.buffer.dispatch(
             dispatch_input(x_TD, self.fp8),
             topk_idx=route.topk_idx_TK,
             topk_weights=as_topk_weights(topk_weights_TK),
             num_experts=self.num_experts,
             do_cpu_sync=not self.sync_free,
-            **self._calls(),
+            **self._launch_kwargs(),
         )
         route.handle = handle
 
@@ -251,59 +228,7 @@ class DeepEPV2Dispatcher(TokenDispatcher):
                 received = handle.psum_num_recv_tokens_per_scaleup_rank[-1]
                 pad_R1 = (torch.arange(local_idx.shape[0], device=local_idx.device) >= received)[:, None]
                 local_idx, weights_RK = local_idx.masked_fill(pad_R1, -1), weights_RK.masked_fill(pad_R1, 0.0)
-            if self.traffic is not None:
-                route.recv_rows = received_rows(local_idx)
-            return Dispatched(dispatch_output(recv_x, dtype, self.fp8), local_idx, weights_RK)
-
-        return Pending(finish)
-
-    def _count_back(self, kind: str, route: _V2Route, x_RD: torch.Tensor, meta_row_bytes: int = 0) -> None:
-        """Count a combine-direction exchange: the rows the dispatch delivered go back."""
-        if self.traffic is not None and route.recv_rows is not None:
-            self.count(kind, route.recv_rows, x_RD.shape[1] * x_RD.element_size(), meta_row_bytes)
-
-    def combine(self, route: Route, y_RD: torch.Tensor) -> Pending[torch.Tensor]:
-        assert isinstance(route, _V2Route)
-        self._count_back("combine", route, y_RD)
-        combined_x, _, event = self.buffer.combine(y_RD.contiguous(), route.handle, **self._calls())
-
-        def finish() -> torch.Tensor:
-            event.current_stream_wait()
-            return combined_x
-
-        return Pending(finish)
-
-    def dispatch_backward(
-        self, route: Route, grad_x_RD: torch.Tensor, grad_weights_RK: torch.Tensor
-    ) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
-        assert isinstance(route, _V2Route)
-        self._count_back("dispatch_backward", route, grad_x_RD, grad_weights_RK.shape[1] * 4)  # fp32 to DeepEP
-        # combine returns, for slot k of a token, the weight gradient sent by the rank holding that slot's
-        # expert (combine_reduce_epilogue.cuh:127-141): the other ranks' entries are zero, as here.
-        grad_x_TD, grad_w_TK, event = self.buffer.combine(
-            grad_x_RD.contiguous(), route.handle, topk_weights=as_topk_weights(grad_weights_RK), **self._calls()
-        )
-
-        def finish() -> tuple[torch.Tensor, torch.Tensor]:
-            event.current_stream_wait()
-            return grad_x_TD, grad_w_TK
-
-        return Pending(finish)
-
-    def combine_backward(self, route: Route, grad_y_TD: torch.Tensor) -> Pending[torch.Tensor]:
-        assert isinstance(route, _V2Route)
-        hidden, dtype = grad_y_TD.shape[1], grad_y_TD.dtype
-        if self.traffic is not None:
-            rows = sent_rows(route.topk_idx_TK, self.num_local_experts, self.ep_size)
-            self.count("combine_backward", rows, wire_row_bytes(hidden, dtype, self.fp8))
-        # Cached mode: the forward handle's layout, no count exchange and no host wait (buffer.hpp:1011-1016).
-        grad_y, _, _, _, event = self.buffer.dispatch(
-            dispatch_input(grad_y_TD, self.fp8), handle=route.handle, **self._calls()
-        )
-
-        def finish() -> torch.Tensor:
-            event.current_stream_wait()
-            return dispatch_output(grad_y, dtype, self.fp8)
+            return self._received(route, recv_x, local_idx, weights_RK, dtype)
 
         return Pending(finish)
 
