@@ -79,7 +79,6 @@ _MODULE_NAMES = (
     "_PipelineScheduleRuntime",
     "_PipelineContext",
     "_Action",
-    "_batch_p2p",  # record_batch_p2p's
     "_wait_batch_p2p",
     "OVERLAP_F_B",
     "FORWARD",

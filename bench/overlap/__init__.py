@@ -4,7 +4,7 @@ and where each rank's step went. ``python -m bench.overlap --help``.
 
 - :mod:`bench.overlap.cli`: the command; launches the ranks, merges their files, writes the JSON, trace, PNG.
 - :mod:`bench.overlap.run`: one rank; builds every mode on the same weights and data, records its events.
-- :mod:`bench.overlap.torch`: the peer, torch's ``ScheduleDualPipeV`` on our model, with and without the bridge.
+- :mod:`bench.overlap.torch_peer`: the peer, torch's ``ScheduleDualPipeV`` on our model, with and without the bridge.
 - :mod:`bench.overlap.stats`: pure functions of the events (spans, hidden all-to-all, bubble, trace).
 - :mod:`bench.overlap.report`: per-mode rows, targets and tables; ``python -m bench.overlap.report`` on saved
   rank files.

@@ -256,7 +256,7 @@ def _build_ours(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLay
 def _build(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLayout, device: torch.device) -> _Mode:
     recorder = EventRecorder(device)
     if name in TORCH_MODES:
-        from bench.overlap.torch import build_torch_dualpipev
+        from bench.overlap.torch_peer import build_torch_dualpipev
 
         layout = with_schedule(layout, MODES[name][0])
         actions = _ActionRecorder(recorder)

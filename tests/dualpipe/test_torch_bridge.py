@@ -316,10 +316,13 @@ def test_recording_refuses_a_reshaped_post(monkeypatch):
         pass
 
 
-def test_the_bridge_checks_the_recorded_name_too(monkeypatch):
+def test_the_bridge_does_not_need_the_recorded_name(monkeypatch):
+    """Only recording (the benchmark) swaps _batch_p2p: a torch without it still runs the bridge, whose first
+    complaint about a non-schedule is then the schedule's, not a private name."""
     monkeypatch.delattr(torch_schedules, "_batch_p2p")
-    with pytest.raises(TorchPipeliningMismatch, match=r"needs torch\.distributed\.pipelining\.schedules\._batch_p2p, "):
+    with pytest.raises(Exception) as refused:
         overlap_torch_schedule(object())
+    assert "_batch_p2p" not in str(refused.value) and "pipelining internal" not in str(refused.value)
 
 
 def _stage_errors(rank: int, world: int) -> dict[str, str]:
