@@ -53,7 +53,7 @@ import torch.distributed as dist
 from dualpipe.events import HiddenFraction, hidden_fraction, interval_overlap, interval_union, timeline_text
 from kernels.warmup import KernelShapes, warm_up
 from moe import MoEStage, lm_loss, next_token_batch
-from moe.dispatch import DEFAULT_COMM_SMS, EmulatedDispatcher, TokenDispatcher, make_dispatcher
+from moe.dispatch import DEFAULT_COMM_SMS, DispatchOptions, EmulatedDispatcher, TokenDispatcher, make_dispatcher
 from moe.dispatch.emulated import DEFAULT_EP, DEFAULT_GBPS, LINK_KERNEL
 from moe.models.config import PRESETS, preset
 
@@ -194,7 +194,9 @@ def _dispatcher(args: argparse.Namespace, cfg, dtype: torch.dtype) -> TokenDispa
     if args.emulated_gbps is not None:
         return EmulatedDispatcher(cfg.num_experts, gbps=args.emulated_gbps, ep=args.emulated_ep)
     group = dist.group.WORLD
-    return make_dispatcher("alltoall", cfg.num_experts, group, hidden_size=cfg.hidden_size, dtype=dtype)
+    return make_dispatcher(
+        "alltoall", cfg.num_experts, group, DispatchOptions(hidden_size=cfg.hidden_size, dtype=dtype)
+    )
 
 
 def _stage(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):

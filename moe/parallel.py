@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, schedule_spec
 from kernels.fp8 import FP8Recipe
-from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, make_dispatcher
+from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, DispatchOptions, make_dispatcher
 from moe.groups import group_timeout, new_groups, with_timeout
 from moe.models.config import MoEConfig
 from moe.models.layers import RECOMPUTE, recompute_granularity, selective_recompute, use_fp8
@@ -439,10 +439,7 @@ def build_stages(
     pc = layout.config
     pc.check_model(cfg)
     kind = "local" if pc.ep == 1 else pc.dispatcher
-    dispatcher = make_dispatcher(
-        kind,
-        cfg.num_experts,
-        layout.ep_group,
+    options = DispatchOptions(
         hidden_size=cfg.hidden_size,
         dtype=dtype,
         comm_sms=pc.comm_sms,
@@ -451,6 +448,7 @@ def build_stages(
         fp8=fp8_dispatch,
         counts_group=layout.counts_group,
     )
+    dispatcher = make_dispatcher(kind, cfg.num_experts, layout.ep_group, options)
     plans = pc.stage_plans(cfg)
     stage_layout = pc.stage_layout
     ids = [stage_layout.stage_of(layout.pp_rank, m) for m in range(stage_layout.modules_per_rank)]

@@ -16,6 +16,7 @@ from moe.dispatch.local import LocalDispatcher
 from moe.dispatch.registry import (
     DISPATCHERS,
     DispatcherSpec,
+    DispatchOptions,
     Launch,
     make_dispatcher,
     register_dispatcher,
@@ -31,6 +32,7 @@ __all__ = [
     "AllToAllDispatcher",
     "DeepEPDispatcher",
     "DeepEPV2Dispatcher",
+    "DispatchOptions",
     "Dispatched",
     "DispatcherSpec",
     "EmulatedDispatcher",

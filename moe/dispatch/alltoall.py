@@ -34,7 +34,7 @@ import torch.distributed as dist
 from dualpipe.collectives import AllToAll, Pending, exchange_counts_to_host
 from moe.dispatch.base import Dispatched, Route, TokenDispatcher
 from moe.dispatch.fp8 import pack_rows, unpack_rows, wire_row_bytes
-from moe.dispatch.registry import DispatcherSpec, register_dispatcher
+from moe.dispatch.registry import DispatcherSpec, DispatchOptions, register_dispatcher
 
 __all__ = ["AllToAllDispatcher"]
 
@@ -225,18 +225,10 @@ class AllToAllDispatcher(TokenDispatcher):
         return self._send_rows("combine_backward", route.exchange(), grad_y_TD, route.send_token_S, 0)
 
 
-def _make_alltoall(
-    num_experts: int,
-    group: dist.ProcessGroup | None,
-    *,
-    hidden_size: int,
-    dtype: torch.dtype,
-    comm_sms: int,
-    sync_free: bool = False,
-    fp8: bool = False,
-    counts_group: dist.ProcessGroup | None = None,
-) -> TokenDispatcher:
-    return AllToAllDispatcher(num_experts, group, sync_free=sync_free, fp8=fp8, counts_group=counts_group)
+def _make_alltoall(num_experts: int, group: dist.ProcessGroup | None, options: DispatchOptions) -> TokenDispatcher:
+    return AllToAllDispatcher(
+        num_experts, group, sync_free=options.sync_free, fp8=options.fp8, counts_group=options.counts_group
+    )
 
 
 register_dispatcher(

@@ -48,7 +48,7 @@ from moe.dispatch.deepep_common import (
     dispatch_input,
     row_bytes,
 )
-from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
+from moe.dispatch.registry import DispatcherSpec, DispatchOptions, Launch, register_dispatcher
 
 __all__ = [
     "DEEPEP_INSTALL_HINT",
@@ -280,22 +280,18 @@ class DeepEPDispatcher(DeepEPBase):
         return Pending(finish)
 
 
-def _make_deepep(
-    num_experts: int,
-    group: dist.ProcessGroup | None,
-    *,
-    hidden_size: int,
-    dtype: torch.dtype,
-    comm_sms: int,
-    sync_free: bool = False,
-    fp8: bool = False,
-) -> TokenDispatcher:
+def _make_deepep(num_experts: int, group: dist.ProcessGroup | None, options: DispatchOptions) -> TokenDispatcher:
     assert group is not None  # needs_group: make_dispatcher refused None already
     # The buffers are sized for the bf16 rows of combine; an FP8 row with its scales is smaller, and DeepEP's
     # size hints reserve room for up to 128 scales per token (csrc/config.hpp kNumMaxScales) either way.
-    hidden_bytes = row_bytes(hidden_size, dtype)
+    hidden_bytes = row_bytes(options.hidden_size, options.dtype)
     return DeepEPDispatcher(
-        num_experts, group, hidden_bytes=hidden_bytes, comm_sms=comm_sms, sync_free=sync_free, fp8=fp8
+        num_experts,
+        group,
+        hidden_bytes=hidden_bytes,
+        comm_sms=options.comm_sms,
+        sync_free=options.sync_free,
+        fp8=options.fp8,
     )
 
 

@@ -75,7 +75,7 @@ from moe.dispatch.deepep_common import (
     import_deep_ep,
     sent_rows,
 )
-from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
+from moe.dispatch.registry import DispatcherSpec, DispatchOptions, Launch, register_dispatcher
 
 __all__ = ["DEEPEP_V2_INSTALL_HINT", "DeepEPV2Dispatcher", "deepep_v2_rules", "nvlink_domain_problem"]
 
@@ -233,28 +233,17 @@ class DeepEPV2Dispatcher(DeepEPBase):
         return Pending(finish)
 
 
-def _make_deepep_v2(
-    num_experts: int,
-    group: dist.ProcessGroup | None,
-    *,
-    hidden_size: int,
-    dtype: torch.dtype,
-    comm_sms: int,
-    sync_free: bool = False,
-    deterministic: bool = False,
-    fp8: bool = False,
-    max_tokens_per_rank: int | None = None,
-) -> TokenDispatcher:
+def _make_deepep_v2(num_experts: int, group: dist.ProcessGroup | None, options: DispatchOptions) -> TokenDispatcher:
     assert group is not None  # needs_group: make_dispatcher refused None already
+    # max_tokens_per_rank=None: the group's largest token count at the warm-up (or the first plan).
     return DeepEPV2Dispatcher(
         num_experts,
         group,
-        hidden_size=hidden_size,
-        comm_sms=comm_sms,
-        max_tokens_per_rank=max_tokens_per_rank,
-        sync_free=sync_free,
-        deterministic=deterministic,
-        fp8=fp8,
+        hidden_size=options.hidden_size,
+        comm_sms=options.comm_sms,
+        sync_free=options.sync_free,
+        deterministic=options.deterministic,
+        fp8=options.fp8,
     )
 
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from moe.dispatch.base import Dispatched, Pending, Route, TokenDispatcher
 from moe.dispatch.fp8 import pack_rows, unpack_rows, wire_row_bytes
-from moe.dispatch.registry import DispatcherSpec, Launch, register_dispatcher
+from moe.dispatch.registry import DispatcherSpec, DispatchOptions, Launch, register_dispatcher
 from moe.dispatch.traffic import KINDS
 
 __all__ = ["DEFAULT_EP", "DEFAULT_GBPS", "LINK_KERNEL", "Charge", "EmulatedDispatcher"]
@@ -308,16 +308,8 @@ def _one_rank(launch: Launch) -> list[str]:
     return []
 
 
-def _make_emulated(
-    num_experts: int,
-    group: dist.ProcessGroup | None,
-    *,
-    hidden_size: int,
-    dtype: torch.dtype,
-    comm_sms: int,
-    fp8: bool = False,
-) -> TokenDispatcher:
-    return EmulatedDispatcher(num_experts, fp8=fp8)
+def _make_emulated(num_experts: int, group: dist.ProcessGroup | None, options: DispatchOptions) -> TokenDispatcher:
+    return EmulatedDispatcher(num_experts, fp8=options.fp8)
 
 
 register_dispatcher(DispatcherSpec(name="emulated", factory=_make_emulated, fp8=True, rules=_one_rank))

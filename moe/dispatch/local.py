@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from moe.dispatch.base import Dispatched, Pending, Route, TokenDispatcher
 from moe.dispatch.fp8 import round_trip
-from moe.dispatch.registry import DispatcherSpec, register_dispatcher
+from moe.dispatch.registry import DispatcherSpec, DispatchOptions, register_dispatcher
 
 __all__ = ["LocalDispatcher"]
 
@@ -56,17 +56,8 @@ class LocalDispatcher(TokenDispatcher):
         return Pending.done(round_trip(grad_y_TD) if self.fp8 else grad_y_TD)
 
 
-def _make_local(
-    num_experts: int,
-    group: dist.ProcessGroup | None,
-    *,
-    hidden_size: int,
-    dtype: torch.dtype,
-    comm_sms: int,
-    sync_free: bool = False,
-    fp8: bool = False,
-) -> TokenDispatcher:
-    return LocalDispatcher(num_experts, sync_free=sync_free, fp8=fp8)
+def _make_local(num_experts: int, group: dist.ProcessGroup | None, options: DispatchOptions) -> TokenDispatcher:
+    return LocalDispatcher(num_experts, sync_free=options.sync_free, fp8=options.fp8)
 
 
 register_dispatcher(DispatcherSpec(name="local", factory=_make_local, sync_free=True, fp8=True))

@@ -8,6 +8,7 @@ without a list of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from moe.dispatch.base import DEFAULT_COMM_SMS, TokenDispatcher
 
 __all__ = [
     "DISPATCHERS",
+    "DispatchOptions",
     "DispatcherFactory",
     "DispatcherSpec",
     "Launch",
@@ -31,21 +33,48 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DispatchOptions:
+    """How to build a dispatcher beyond its kind, expert count and group: what :func:`make_dispatcher` checks and
+    every factory takes (a backend reads the fields it uses). Built once by the caller, from its configuration."""
+
+    hidden_size: int = 0
+    """Width of the rows sent (DeepEP sizes its buffers from it; 0: not known, its rules unchecked)."""
+    dtype: torch.dtype = torch.bfloat16
+    """Dtype of the rows sent."""
+    comm_sms: int = DEFAULT_COMM_SMS
+    """SM budget of the communication kernels (each backend states its own limits on it)."""
+    sync_free: bool = False
+    """The backend's sync-free mode (:attr:`DispatcherSpec.sync_free` says which have one): worst-case receive
+    buffers, no host sync in a layer."""
+    deterministic: bool = False
+    """Received rows in source order (rank, then token), so runs repeat bit for bit, from a backend whose order
+    otherwise follows arrival (:attr:`DispatcherSpec.deterministic`); the others give that order always."""
+    fp8: bool = False
+    """Send the dispatch direction (dispatch, and the gradient of combine) as FP8 rows with 1x128 scales,
+    dequantized on arrival (:mod:`moe.dispatch.fp8`); ``local`` applies the same round trip, so one process
+    computes what the expert-parallel run does."""
+    local_world_size: int | None = None
+    """Ranks per node (None: torchrun's ``LOCAL_WORLD_SIZE``, else every rank on one node); the factories get it
+    resolved where there is a group."""
+    counts_group: dist.ProcessGroup | None = None
+    """A duplicate of the expert group for the row-count exchange of a backend that has one
+    (:attr:`DispatcherSpec.exchanges_counts`; the others get None)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"DispatchOptions.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.hidden_size < 0:
+            raise ValueError(f"DispatchOptions.hidden_size must be >= 0, got {self.hidden_size}")
+        if self.local_world_size is not None and self.local_world_size < 1:
+            raise ValueError(f"DispatchOptions.local_world_size must be >= 1, got {self.local_world_size}")
+
+
 class DispatcherFactory(Protocol):
-    """Builds a dispatcher over the expert-parallel ``group``; a backend ignores the arguments it does not use."""
+    """Builds a dispatcher over the expert-parallel ``group``; a backend ignores the options it does not use."""
 
     def __call__(
-        self,
-        num_experts: int,
-        group: dist.ProcessGroup | None,
-        *,
-        hidden_size: int,
-        dtype: torch.dtype,
-        comm_sms: int,
-        sync_free: bool = False,
-        deterministic: bool = False,
-        fp8: bool = False,
-        counts_group: dist.ProcessGroup | None = None,
+        self, num_experts: int, group: dist.ProcessGroup | None, options: DispatchOptions
     ) -> TokenDispatcher: ...
 
 
@@ -101,19 +130,18 @@ class DispatcherSpec:
     rules: Callable[[Launch], list[str]] | None = None
     """The backend's own limits on a launch (SM count, row width, topology): what breaks them, in words."""
     sync_free: bool = False
-    """The backend has a sync-free mode (``make_dispatcher(..., sync_free=True)``): receive buffers of a
-    worst-case size, so a layer issues no host sync at all; the factory takes ``sync_free``."""
+    """The backend has a sync-free mode (:attr:`DispatchOptions.sync_free`): receive buffers of a worst-case
+    size, so a layer issues no host sync at all."""
     deterministic: bool = False
     """The backend returns received rows in arrival order unless asked for source order (rank, then token)
-    with ``make_dispatcher(..., deterministic=True)``, which its factory takes; the other backends always
-    return them in source order."""
+    with :attr:`DispatchOptions.deterministic`; the other backends always return them in source order (their
+    factories get ``deterministic=False``)."""
     fp8: bool = False
-    """The backend can send the dispatch direction in FP8 (``make_dispatcher(..., fp8=True)``, which its factory
-    takes): :mod:`moe.dispatch.fp8`."""
+    """The backend can send the dispatch direction in FP8 (:attr:`DispatchOptions.fp8`): :mod:`moe.dispatch.fp8`."""
     exchanges_counts: bool = False
     """Outside its sync-free mode the backend exchanges row counts in a collective of their own before each
-    dispatch, and its factory takes ``counts_group``, a duplicate of the expert group for them (its own
-    communicator and stream, so the counts do not queue behind the other micro-batch's all-to-all)."""
+    dispatch, and its factory takes :attr:`DispatchOptions.counts_group`, a duplicate of the expert group for them
+    (its own communicator and stream, so the counts do not queue behind the other micro-batch's all-to-all)."""
 
     @property
     def requirements(self) -> tuple[str, ...]:
@@ -181,59 +209,40 @@ def unregister_dispatcher(name: str) -> DispatcherSpec:
 
 
 def make_dispatcher(
-    kind: str,
-    num_experts: int,
-    group: dist.ProcessGroup | None = None,
-    *,
-    hidden_size: int = 0,
-    dtype: torch.dtype = torch.bfloat16,
-    comm_sms: int = DEFAULT_COMM_SMS,
-    local_world_size: int | None = None,
-    sync_free: bool = False,
-    deterministic: bool = False,
-    fp8: bool = False,
-    counts_group: dist.ProcessGroup | None = None,
+    kind: str, num_experts: int, group: dist.ProcessGroup | None = None, options: DispatchOptions | None = None
 ) -> TokenDispatcher:
-    """Build the registered dispatcher ``kind`` over the expert-parallel ``group`` (``local`` ignores it).
+    """Build the registered dispatcher ``kind`` over the expert-parallel ``group`` (``local`` ignores it), as
+    ``options`` say (None: the defaults).
 
-    ``hidden_size`` and ``dtype`` describe the rows sent (DeepEP sizes its buffers from them); ``comm_sms`` is
-    the SM budget of the communication kernels; ``local_world_size`` the ranks per node (None: torchrun's
-    ``LOCAL_WORLD_SIZE``, else every rank on one node). ``sync_free`` asks for the backend's sync-free mode
-    (worst-case receive buffers, no host sync in a layer; :attr:`DispatcherSpec.sync_free` says which have
-    one). ``deterministic`` asks for received rows in source order (rank, then token), so runs repeat bit for
-    bit, from a backend whose order otherwise follows arrival (:attr:`DispatcherSpec.deterministic`); the
-    others give that order always. ``fp8`` sends the dispatch direction (dispatch, and the gradient of combine)
-    as FP8 rows with 1x128 scales, dequantized on arrival (:mod:`moe.dispatch.fp8`); ``local`` applies the same
-    round trip, so one process computes what the expert-parallel run does. ``counts_group``: a duplicate of
-    ``group`` for the row-count exchange of a backend that has one (:attr:`DispatcherSpec.exchanges_counts`;
-    the others ignore it). A launch the backend cannot run raises ValueError before the backend builds anything.
+    A mode the backend lacks, a missing group or a launch the backend cannot run (its dtype, FP8, its ``rules``)
+    raises ValueError, in one line, before the backend builds anything.
     """
+    options = options or DispatchOptions()
     spec = DISPATCHERS.lookup(kind)
-    if sync_free and not spec.sync_free:
+    if options.sync_free and not spec.sync_free:
         have = sorted(name for name in DISPATCHERS if DISPATCHERS.lookup(name).sync_free)
         raise ValueError(f"the {kind!r} dispatcher has no sync-free mode (dispatchers with one: {', '.join(have)})")
     if spec.needs_group and group is None:
         raise ValueError(f"the {kind!r} dispatcher needs an expert-parallel process group")
     if group is not None:
         ep_ranks = tuple(dist.get_process_group_ranks(group))
-        local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        local_world_size = options.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     else:
         ep_ranks = local_world_size = None
     launch = Launch(
-        dtype=dtype,
-        hidden_size=hidden_size,
-        comm_sms=comm_sms,
+        dtype=options.dtype,
+        hidden_size=options.hidden_size,
+        comm_sms=options.comm_sms,
         ep_ranks=ep_ranks,
         local_world_size=local_world_size,
-        fp8=fp8,
+        fp8=options.fp8,
     )
     if problems := spec.violations(launch):
         raise ValueError(f"the {kind!r} dispatcher cannot run this launch: {'; '.join(problems)}")
-    modes = {"sync_free": True} if sync_free else {}  # asked only of backends that take them
-    if deterministic and spec.deterministic:
-        modes["deterministic"] = True
-    if fp8:
-        modes["fp8"] = True  # spec.fp8: the violations above refused a backend without it
-    if counts_group is not None and spec.exchanges_counts:
-        modes["counts_group"] = counts_group
-    return spec.factory(num_experts, group, hidden_size=hidden_size, dtype=dtype, comm_sms=comm_sms, **modes)
+    options = dataclasses.replace(
+        options,
+        local_world_size=local_world_size,
+        deterministic=options.deterministic and spec.deterministic,
+        counts_group=options.counts_group if spec.exchanges_counts else None,
+    )
+    return spec.factory(num_experts, group, options)

@@ -114,12 +114,12 @@ def test_a_gradient_of_the_wrong_shape_is_named():
 
 
 def test_the_moe_stage_passes_in_one_process():
-    from moe.dispatch import make_dispatcher
+    from moe.dispatch import DispatchOptions, make_dispatcher
     from moe.models.config import MoEConfig
     from moe.models.stage import MoEStage
 
     cfg = MoEConfig(num_layers=2, num_dense_layers=1)
-    dispatcher = make_dispatcher("local", cfg.num_experts, None, hidden_size=cfg.hidden_size)
+    dispatcher = make_dispatcher("local", cfg.num_experts, None, DispatchOptions(hidden_size=cfg.hidden_size))
     stage = MoEStage(cfg, range(2), first=True, last=False, dispatcher=dispatcher, piecewise=True)
     stage.reset_parameters(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -132,13 +132,13 @@ def test_the_moe_stage_passes_in_one_process():
 def test_fp8_dispatch_is_the_transfer_back_up_to_its_rounding():
     """FP8 dispatch quantizes the dispatch and the combine's gradient: adjoint within 1e-2, not exactly."""
     from kernels.fp8 import FP8Recipe
-    from moe.dispatch import make_dispatcher
+    from moe.dispatch import DispatchOptions, make_dispatcher
     from moe.models.config import MoEConfig
     from moe.models.layers import use_fp8
     from moe.models.stage import MoEStage
 
     cfg = MoEConfig(num_layers=1, hidden_size=128)
-    dispatcher = make_dispatcher("local", cfg.num_experts, None, hidden_size=cfg.hidden_size, fp8=True)
+    dispatcher = make_dispatcher("local", cfg.num_experts, None, DispatchOptions(hidden_size=cfg.hidden_size, fp8=True))
     stage = use_fp8(MoEStage(cfg, range(1), first=True, last=False, dispatcher=dispatcher, piecewise=True), FP8Recipe())
     stage.reset_parameters(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -148,12 +148,14 @@ def test_fp8_dispatch_is_the_transfer_back_up_to_its_rounding():
 
 
 def _ep_rank(rank: int, world: int) -> tuple[bool, list[str]]:
-    from moe.dispatch import make_dispatcher
+    from moe.dispatch import DispatchOptions, make_dispatcher
     from moe.models.config import MoEConfig
     from moe.models.stage import MoEStage
 
     cfg = MoEConfig(num_layers=1)
-    dispatcher = make_dispatcher("alltoall", cfg.num_experts, dist.group.WORLD, hidden_size=cfg.hidden_size)
+    dispatcher = make_dispatcher(
+        "alltoall", cfg.num_experts, dist.group.WORLD, DispatchOptions(hidden_size=cfg.hidden_size)
+    )
     stage = MoEStage(cfg, range(1), first=True, last=False, dispatcher=dispatcher, piecewise=True)
     stage.reset_parameters(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))

@@ -13,7 +13,7 @@ import torch
 
 from dualpipe.host_sync import HostSyncDetector
 from moe import MoEStage
-from moe.dispatch import make_dispatcher
+from moe.dispatch import DispatchOptions, make_dispatcher
 from tests.kernels._util import assert_close
 from tests.moe.helpers import SEED, tiny_config
 
@@ -29,7 +29,9 @@ def _block(sync_free: bool, device: torch.device):
     Returns (output, gradients by name, flagged ops by name, their summary, the permuted row count seen).
     """
     cfg = tiny_config(num_layers=2)
-    dispatcher = make_dispatcher("local", cfg.num_experts, None, hidden_size=cfg.hidden_size, sync_free=sync_free)
+    dispatcher = make_dispatcher(
+        "local", cfg.num_experts, None, DispatchOptions(hidden_size=cfg.hidden_size, sync_free=sync_free)
+    )
     stage = MoEStage(cfg, range(1, 2), first=False, last=False, dispatcher=dispatcher)
     stage.reset_parameters(SEED)
     stage.to(device)

@@ -15,7 +15,7 @@ import torch
 from dualpipe.testing import OverlapReport, check_overlap
 from dualpipe.utils import run_backward
 from moe import EventRecorder, MoEStage, lm_loss
-from moe.dispatch import make_dispatcher
+from moe.dispatch import DispatchOptions, make_dispatcher
 from moe.parallel import ParallelConfig, init_layout
 from moe.train.grad_sync import reduce_gradients
 from tests.distributed import run_ranks
@@ -59,7 +59,10 @@ def _ep_step(
     layout = init_layout(ParallelConfig(pp=1, ep=world, dispatcher=kind))
     # deterministic: deepep-v2's rows in source order, so its gradients equal alltoall's bit for bit
     dispatcher = make_dispatcher(
-        kind, cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size, dtype=dtype, deterministic=True
+        kind,
+        cfg.num_experts,
+        layout.ep_group,
+        DispatchOptions(hidden_size=cfg.hidden_size, dtype=dtype, deterministic=True),
     )
     stage = MoEStage(cfg, range(cfg.num_layers), first=True, last=True, dispatcher=dispatcher, recompute=recompute)
     stage.reset_parameters(SEED)
@@ -159,7 +162,7 @@ def _overlap_vs_regular(rank: int, world: int, recompute: bool, kind: str = "all
     cfg = tiny_config()
     dtype = _use_fake_deep_ep(kind)
     dispatcher = make_dispatcher(
-        kind, cfg.num_experts, torch.distributed.group.WORLD, hidden_size=cfg.hidden_size, dtype=dtype
+        kind, cfg.num_experts, torch.distributed.group.WORLD, DispatchOptions(hidden_size=cfg.hidden_size, dtype=dtype)
     )
     mbs = [batch(cfg, 2, 16, seed=10 * rank + i) for i in range(3)]
 
@@ -278,7 +281,7 @@ def _moe_reports(
     cfg = tiny_config(**(cfg_changes or {}))
     group = torch.distributed.group.WORLD
     dispatcher = make_dispatcher(
-        kind, cfg.num_experts, group, hidden_size=cfg.hidden_size, dtype=dtype, deterministic=True
+        kind, cfg.num_experts, group, DispatchOptions(hidden_size=cfg.hidden_size, dtype=dtype, deterministic=True)
     )
 
     def stage(layers: range, first: bool, last: bool) -> MoEStage:

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from moe import MoEConfig, MoEStage
-from moe.dispatch import make_dispatcher
+from moe.dispatch import DispatchOptions, make_dispatcher
 from moe.dispatch.deepep import DEEPEP_INSTALL_HINT
 from moe.dispatch.deepep_common import import_deep_ep
 from moe.parallel import ParallelConfig, build_stages, init_layout
@@ -29,7 +29,7 @@ def _bad_layouts(rank: int, world: int) -> list[str]:
         build_stages(tiny_config(num_experts=5, n_group=1, topk_group=1), layout)
     sys.modules.pop("deep_ep", None)
     with pytest.raises(ImportError, match="built from source") as e:
-        make_dispatcher("deepep", 8, dist.group.WORLD, hidden_size=32)
+        make_dispatcher("deepep", 8, dist.group.WORLD, DispatchOptions(hidden_size=32))
     messages.append(str(e.value))
     return messages
 

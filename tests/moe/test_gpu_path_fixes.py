@@ -160,12 +160,15 @@ def _trainer_setup(rank: int) -> dict:
 def _v2_sync_free_pair(rank: int) -> dict:
     """deepep-v2 in sync-free mode, warmed up as the trainer does: one overlapped pair under the detector."""
     from moe import MoEStage, lm_loss
-    from moe.dispatch import make_dispatcher
+    from moe.dispatch import DispatchOptions, make_dispatcher
 
     cfg = tiny_config(hidden_size=256)
     bf16 = torch.bfloat16
     dispatcher = make_dispatcher(
-        "deepep-v2", cfg.num_experts, dist.group.WORLD, hidden_size=256, dtype=bf16, sync_free=True, deterministic=True
+        "deepep-v2",
+        cfg.num_experts,
+        dist.group.WORLD,
+        DispatchOptions(hidden_size=256, dtype=bf16, sync_free=True, deterministic=True),
     )
     dispatcher.warm_up(2 * 16, cfg.top_k, cfg.hidden_size, dtype=bf16, device="cpu")
     buffer = dispatcher.buffer

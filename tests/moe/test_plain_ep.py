@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe import EventRecorder, MoEStage, lm_loss
-from moe.dispatch import make_dispatcher
+from moe.dispatch import DispatchOptions, make_dispatcher
 from moe.parallel import ParallelConfig, init_layout
 from tests.distributed import run_ranks
 from tests.moe.helpers import SEED, assert_rel_close, batch, tiny_config
@@ -26,7 +26,9 @@ def _loss_and_grads(rank: int, world: int, skewed: bool):
     mine = slice(2 * rank, 2 * rank + 2)
     out = {}
     for piecewise in (True, False):
-        dispatcher = make_dispatcher("alltoall", cfg.num_experts, layout.ep_group, hidden_size=cfg.hidden_size)
+        dispatcher = make_dispatcher(
+            "alltoall", cfg.num_experts, layout.ep_group, DispatchOptions(hidden_size=cfg.hidden_size)
+        )
         stage = MoEStage(cfg, range(cfg.num_layers), first=True, last=True, dispatcher=dispatcher, piecewise=piecewise)
         stage.reset_parameters(SEED)
         if skewed:

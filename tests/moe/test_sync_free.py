@@ -16,7 +16,7 @@ import torch
 
 from dualpipe.host_sync import HostSyncDetector
 from moe import MoEStage, lm_loss
-from moe.dispatch import make_dispatcher
+from moe.dispatch import DispatchOptions, make_dispatcher
 from tests.distributed import run_ranks
 from tests.moe.helpers import SEED, batch, tiny_config
 from tests.moe.test_ep import _use_fake_deep_ep
@@ -34,7 +34,7 @@ def _pair(rank: int, world: int, kind: str, sync_free: bool):
     dtype = _use_fake_deep_ep(kind)
     group = torch.distributed.group.WORLD if kind != "local" else None
     dispatcher = make_dispatcher(
-        kind, cfg.num_experts, group, hidden_size=cfg.hidden_size, dtype=dtype, sync_free=sync_free
+        kind, cfg.num_experts, group, DispatchOptions(hidden_size=cfg.hidden_size, dtype=dtype, sync_free=sync_free)
     )
     stage = MoEStage(cfg, range(1, 4), first=False, last=True, dispatcher=dispatcher)
     stage.reset_parameters(SEED)
@@ -123,7 +123,7 @@ def test_sync_free_refused_where_unsupported():
     register_dispatcher(spec)
     try:
         with pytest.raises(ValueError, match="'test-no-sync-free' dispatcher has no sync-free mode"):
-            make_dispatcher("test-no-sync-free", 8, sync_free=True)
+            make_dispatcher("test-no-sync-free", 8, None, DispatchOptions(sync_free=True))
     finally:
         unregister_dispatcher(spec.name)
 

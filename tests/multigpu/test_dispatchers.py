@@ -18,7 +18,15 @@ import torch
 import torch.distributed as dist
 
 from moe import MoEModel, MoEStage, lm_loss
-from moe.dispatch import DEEPEP_V2_INSTALL_HINT, DEFAULT_COMM_SMS, DISPATCHERS, Dispatched, Pending, make_dispatcher
+from moe.dispatch import (
+    DEEPEP_V2_INSTALL_HINT,
+    DEFAULT_COMM_SMS,
+    DISPATCHERS,
+    Dispatched,
+    DispatchOptions,
+    Pending,
+    make_dispatcher,
+)
 from moe.dispatch import deepep as deepep_v1
 from moe.dispatch.deepep_common import import_deep_ep
 from moe.parallel import ParallelConfig, init_layout
@@ -101,7 +109,9 @@ def _round_trips(rank: int, world: int, kind: str) -> int:
     nccl = dist.get_backend() == "nccl"  # gloo only when this function is tried on CPU ranks
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     # deterministic: rows in source order, which the oracle compares by position (deepep-v2 sorts them).
-    inner = make_dispatcher(kind, NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=BF16, deterministic=True)
+    inner = make_dispatcher(
+        kind, NUM_EXPERTS, dist.group.WORLD, DispatchOptions(hidden_size=HIDDEN, dtype=BF16, deterministic=True)
+    )
     dispatcher = _OnDevice(inner, device)
     for case in ("random", "skewed"):
         _check_dispatcher(dispatcher, rank, world, case, BF16, HIDDEN)
@@ -127,10 +137,7 @@ def _ep_step(rank: int, world: int, kind: str, sync_free: bool):
         kind,
         cfg.num_experts,
         layout.ep_group,
-        hidden_size=cfg.hidden_size,
-        dtype=BF16,
-        sync_free=sync_free,
-        deterministic=True,
+        DispatchOptions(hidden_size=cfg.hidden_size, dtype=BF16, sync_free=sync_free, deterministic=True),
     )
     stage = MoEStage(
         cfg, range(cfg.num_layers), first=True, last=True, dispatcher=dispatcher, comm_sms=DEFAULT_COMM_SMS

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe.dispatch import make_dispatcher
+from moe.dispatch import DispatchOptions, make_dispatcher
 from tests.distributed import run_ranks
 from tests.moe.dispatch.test_dispatch import HIDDEN, NUM_EXPERTS, TOP_K, _routing
 
@@ -43,7 +43,9 @@ def _ordered(rank: int, world: int) -> list[tuple[bool, bool]]:
     from tests.moe.dispatch import fake_deep_ep as ep
 
     sys.modules["deep_ep"] = ep
-    dispatcher = make_dispatcher("deepep", NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=BF16)
+    dispatcher = make_dispatcher(
+        "deepep", NUM_EXPERTS, dist.group.WORLD, DispatchOptions(hidden_size=HIDDEN, dtype=BF16)
+    )
     gen = torch.Generator().manual_seed(rank)
     h_TD, w_TK = torch.randn(5, HIDDEN, generator=gen), torch.rand(5, TOP_K, generator=gen)
     with ep.StreamOrder():

@@ -14,7 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe.dispatch import DEEPEP_V2_INSTALL_HINT, DISPATCHERS, AllToAllDispatcher, Launch, make_dispatcher
+from moe.dispatch import (
+    DEEPEP_V2_INSTALL_HINT,
+    DISPATCHERS,
+    AllToAllDispatcher,
+    DispatchOptions,
+    Launch,
+    make_dispatcher,
+)
 from moe.dispatch.deepep_common import import_deep_ep
 from moe.dispatch.deepep_v2 import DeepEPV2Dispatcher, nvlink_domain_problem
 from moe.parallel import ParallelConfig, build_stages, init_layout
@@ -35,7 +42,9 @@ def _use_fake() -> None:
 def _make(**kw) -> DeepEPV2Dispatcher:
     """A deterministic one unless ``deterministic=False``: the oracles compare rows by position."""
     kw.setdefault("deterministic", True)
-    return make_dispatcher("deepep-v2", NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=BF16, **kw)
+    return make_dispatcher(
+        "deepep-v2", NUM_EXPERTS, dist.group.WORLD, DispatchOptions(hidden_size=HIDDEN, dtype=BF16, **kw)
+    )
 
 
 def _sync_free_equals_synced(rank: int, case: str) -> None:
@@ -129,9 +138,11 @@ def _round_trips(rank: int, world: int) -> list[str]:
     with pytest.raises(
         ValueError, match=r"'deepep-v2' dispatcher cannot run.*rows in torch.bfloat16 \(got torch.float32"
     ):
-        make_dispatcher("deepep-v2", NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=torch.float32)
+        make_dispatcher(
+            "deepep-v2", NUM_EXPERTS, dist.group.WORLD, DispatchOptions(hidden_size=HIDDEN, dtype=torch.float32)
+        )
     with pytest.raises(ValueError, match=r"hidden % 256 == 0 \(got 32\)"):
-        make_dispatcher("deepep-v2", NUM_EXPERTS, dist.group.WORLD, hidden_size=32, dtype=BF16)
+        make_dispatcher("deepep-v2", NUM_EXPERTS, dist.group.WORLD, DispatchOptions(hidden_size=32, dtype=BF16))
     with pytest.raises(ValueError, match=r"--comm-sms >= 0"):
         _make(comm_sms=-2)
     # A larger batch than the buffer was built for: the dispatcher says what to pass.

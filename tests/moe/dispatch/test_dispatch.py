@@ -9,6 +9,7 @@ limits, refused up front and by the emulation alike.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -21,6 +22,7 @@ from moe.dispatch import (
     DISPATCHERS,
     AllToAllDispatcher,
     DispatcherSpec,
+    DispatchOptions,
     Launch,
     LocalDispatcher,
     Route,
@@ -121,15 +123,21 @@ def _round_trips(rank: int, world: int) -> list[str]:
     bf16 = torch.bfloat16
     # Refused before any Buffer exists (DeepEP itself would fail at the first combine, or in a kernel).
     with pytest.raises(ValueError, match=r"'deepep' dispatcher cannot run.*rows in torch.bfloat16 \(got torch.float32"):
-        make_dispatcher("deepep", NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=torch.float32)
+        make_dispatcher(
+            "deepep", NUM_EXPERTS, dist.group.WORLD, DispatchOptions(hidden_size=HIDDEN, dtype=torch.float32)
+        )
     with pytest.raises(ValueError, match=r"a positive, even --comm-sms \(got 0\)"):
-        make_dispatcher("deepep", NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, comm_sms=0)
+        make_dispatcher("deepep", NUM_EXPERTS, dist.group.WORLD, DispatchOptions(hidden_size=HIDDEN, comm_sms=0))
     with pytest.raises(ValueError, match=r"ep ranks \[0, 1, 2, 3\] span nodes \[0, 1\]"):
-        make_dispatcher("deepep", NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, local_world_size=2)
+        make_dispatcher(
+            "deepep", NUM_EXPERTS, dist.group.WORLD, DispatchOptions(hidden_size=HIDDEN, local_world_size=2)
+        )
     for case in ("random", "skewed"):
         _check_dispatcher(AllToAllDispatcher(NUM_EXPERTS), rank, world, case, torch.float32)
         want = _check_dispatcher(AllToAllDispatcher(NUM_EXPERTS), rank, world, case, bf16)
-        deepep = make_dispatcher("deepep", NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=bf16)
+        deepep = make_dispatcher(
+            "deepep", NUM_EXPERTS, dist.group.WORLD, DispatchOptions(hidden_size=HIDDEN, dtype=bf16)
+        )
         got = _check_dispatcher(deepep, rank, world, case, bf16)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (case, rank)
         buffer = deepep.buffer
@@ -170,9 +178,7 @@ class _CountingDispatcher(AllToAllDispatcher):
         return super().plan(topk_idx_TK)
 
 
-def _make_counting(
-    num_experts: int, group: dist.ProcessGroup | None, *, hidden_size: int, dtype: torch.dtype, comm_sms: int
-) -> TokenDispatcher:
+def _make_counting(num_experts: int, group: dist.ProcessGroup | None, options: DispatchOptions) -> TokenDispatcher:
     return _CountingDispatcher(num_experts, group)
 
 
@@ -200,6 +206,33 @@ def test_registered_backend_is_selectable_by_name():
         ParallelConfig(dispatcher=COUNTING.name)
     with pytest.raises(SystemExit, match="unknown dispatcher 'test-counting'"):
         config_from_args(["--dispatcher", COUNTING.name], world=1)
+
+
+def test_every_factory_gets_the_callers_options():
+    """One frozen DispatchOptions goes to the factory, less the modes its backend does not take (``deterministic``
+    where rows always come in source order, ``counts_group`` without a count exchange); a bad value is refused
+    in one line when the options are made, before any dispatcher or communication."""
+    got = []
+
+    def factory(num_experts: int, group: dist.ProcessGroup | None, options: DispatchOptions) -> TokenDispatcher:
+        got.append(options)
+        return LocalDispatcher(num_experts)
+
+    register_dispatcher(DispatcherSpec(name="test-options", factory=factory))
+    try:
+        asked = DispatchOptions(hidden_size=64, dtype=torch.float32, comm_sms=4, deterministic=True)
+        assert isinstance(make_dispatcher("test-options", 4, None, asked), LocalDispatcher)
+        assert got == [dataclasses.replace(asked, deterministic=False)]
+    finally:
+        unregister_dispatcher("test-options")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        asked.fp8 = True  # type: ignore[misc]
+    with pytest.raises(ValueError, match=r"^DispatchOptions.hidden_size must be >= 0, got -1$"):
+        DispatchOptions(hidden_size=-1)
+    with pytest.raises(ValueError, match=r"^DispatchOptions.local_world_size must be >= 1, got 0$"):
+        DispatchOptions(local_world_size=0)
+    with pytest.raises(TypeError, match=r"^DispatchOptions.dtype must be a torch.dtype, got 'bf16'$"):
+        DispatchOptions(dtype="bf16")  # type: ignore[arg-type]
 
 
 def _build_with_registered_backend(rank: int, world: int) -> int:

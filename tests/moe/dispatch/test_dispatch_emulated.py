@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from moe import MoEStage, lm_loss
-from moe.dispatch import DISPATCHERS, EmulatedDispatcher, Launch, LocalDispatcher, Traffic, make_dispatcher
+from moe.dispatch import (
+    DISPATCHERS,
+    DispatchOptions,
+    EmulatedDispatcher,
+    Launch,
+    LocalDispatcher,
+    Traffic,
+    make_dispatcher,
+)
 from moe.dispatch.emulated import DEFAULT_EP, DEFAULT_GBPS
 from moe.dispatch.fp8 import wire_row_bytes
 from tests.moe.helpers import batch, tiny_config
@@ -154,7 +162,7 @@ def test_a_stage_trains_as_with_local(overlapped: bool):
 
 def test_registered_and_refuses_bad_settings_in_one_line():
     spec = DISPATCHERS["emulated"]
-    d = make_dispatcher("emulated", NUM_EXPERTS, fp8=True)
+    d = make_dispatcher("emulated", NUM_EXPERTS, None, DispatchOptions(fp8=True))
     assert isinstance(d, EmulatedDispatcher) and d.fp8 and (d.gbps, d.modelled_ep) == (DEFAULT_GBPS, DEFAULT_EP)
     for gbps in (0.0, -5.0, float("nan")):
         with pytest.raises(ValueError, match=r"^the emulated link needs a bandwidth > 0 GB/s, got") as err:
@@ -167,7 +175,7 @@ def test_registered_and_refuses_bad_settings_in_one_line():
     ]
     assert spec.violations(Launch(ep_size=1, fp8=True)) == []
     with pytest.raises(ValueError, match=r"'emulated' dispatcher has no sync-free mode"):
-        make_dispatcher("emulated", NUM_EXPERTS, sync_free=True)
+        make_dispatcher("emulated", NUM_EXPERTS, None, DispatchOptions(sync_free=True))
 
 
 @pytest.mark.gpu

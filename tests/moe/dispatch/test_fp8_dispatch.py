@@ -20,6 +20,7 @@ import torch.distributed as dist
 from moe.dispatch import (
     DISPATCHERS,
     DispatcherSpec,
+    DispatchOptions,
     Launch,
     LocalDispatcher,
     Traffic,
@@ -70,7 +71,7 @@ def test_local_applies_the_round_trip_where_the_rows_would_travel() -> None:
     round-trip; combine and the gradient of dispatch do not."""
     x, g = _rows(5, 0), _rows(5, 1)
     w, idx = torch.rand(5, TOP_K), _routing(0, 5)
-    plain, fp8 = LocalDispatcher(NUM_EXPERTS), make_dispatcher("local", NUM_EXPERTS, fp8=True)
+    plain, fp8 = LocalDispatcher(NUM_EXPERTS), make_dispatcher("local", NUM_EXPERTS, None, DispatchOptions(fp8=True))
     route = fp8.plan(idx)
     got = fp8.dispatch(route, x, w).wait()
     assert torch.equal(got.x_RD, round_trip(x)) and torch.equal(got.local_idx_RK, idx)
@@ -93,13 +94,13 @@ def test_the_registry_refuses_fp8_a_backend_cannot_run() -> None:
     assert deepep.violations(Launch(dtype=BF16, hidden_size=7168 + 64)) == []
     assert v2.violations(Launch(dtype=BF16, hidden_size=7168, fp8=True)) == []
 
-    def factory(num_experts, group, **_):
+    def factory(num_experts, group, options):
         return LocalDispatcher(num_experts)
 
     register_dispatcher(DispatcherSpec(name="test-no-fp8", factory=factory))
     try:
         with pytest.raises(ValueError, match="'test-no-fp8' dispatcher cannot run this launch: rows in the model"):
-            make_dispatcher("test-no-fp8", NUM_EXPERTS, fp8=True)
+            make_dispatcher("test-no-fp8", NUM_EXPERTS, None, DispatchOptions(fp8=True))
         assert make_dispatcher("test-no-fp8", NUM_EXPERTS).fp8 is False
     finally:
         unregister_dispatcher("test-no-fp8")
@@ -111,7 +112,9 @@ def test_the_registry_refuses_fp8_a_backend_cannot_run() -> None:
 def _pair(kind: str, **kw) -> tuple:
     """The backend with and without FP8 dispatch, each counting its traffic."""
     pair = tuple(
-        make_dispatcher(kind, NUM_EXPERTS, dist.group.WORLD, hidden_size=HIDDEN, dtype=BF16, fp8=fp8, **kw)
+        make_dispatcher(
+            kind, NUM_EXPERTS, dist.group.WORLD, DispatchOptions(hidden_size=HIDDEN, dtype=BF16, fp8=fp8, **kw)
+        )
         for fp8 in (True, False)
     )
     for d in pair:
@@ -256,7 +259,9 @@ def test_one_process_blocks_round_trip_on_both_paths() -> None:
     out = {}
     for piecewise in (False, True):
         for fp8 in (False, True):
-            dispatcher = make_dispatcher("local", cfg.num_experts, None, hidden_size=cfg.hidden_size, fp8=fp8)
+            dispatcher = make_dispatcher(
+                "local", cfg.num_experts, None, DispatchOptions(hidden_size=cfg.hidden_size, fp8=fp8)
+            )
             stage = MoEStage(cfg, range(2), first=True, last=True, dispatcher=dispatcher, piecewise=piecewise)
             stage.reset_parameters(0)
             out[piecewise, fp8] = stage(ids)
