@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from moe.models.config import PRESETS, MoEConfig
+from moe.models.config import PRESETS
 from moe.plan import flops as fl
 from moe.plan.costs import (
     COMPUTE_FIELDS,
@@ -22,19 +22,12 @@ from moe.plan.costs import (
 )
 from moe.plan.hardware import GPUS, Cluster
 from moe.plan.params import rank_params
+from tests.moe.helpers import tiny_config
 
-# 8 experts in 2 groups, one group per token, top-2 (5/3 ranks per token at ep 4: see test_routing).
-CFG = MoEConfig(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    num_experts=8,
-    n_group=2,
-    topk_group=1,
-    top_k=2,
-    moe_intermediate_size=16,
+# 8 experts in 2 groups, one group per token, top-2 (5/3 ranks per token at ep 4: see test_routing), hidden 32;
+# every layer an MoE layer. The sizes the by-hand numbers below use are stated here, not taken on trust.
+CFG = dataclasses.replace(
+    tiny_config(), num_dense_layers=0, hidden_size=32, num_experts=8, n_group=2, topk_group=1, top_k=2
 )
 
 

@@ -23,13 +23,21 @@ from moe.plan.measured import MeasuredCosts
 from moe.plan.pair import BlockTimes, chunk_times
 from moe.plan.report import RunShape, evaluate, v3_comparison, v3_side_by_side
 from moe.plan.search import Candidate
-from tests.moe.helpers import tracked_peak_bytes
+from tests.moe.helpers import tiny_config, tracked_peak_bytes
 
-# GQA, hidden 32, 4 heads of 8 (2 key/value heads), 8 experts, top-2, expert width 16, one shared expert.
-CFG = MoEConfig(
-    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=8, n_group=2,
-    topk_group=1, top_k=2, moe_intermediate_size=16, num_dense_layers=1,
-)  # fmt: skip
+# GQA, hidden 32, 4 heads of 8 (2 key/value heads), 8 experts, top-2, expert width 16, one shared expert: the
+# sizes the by-hand numbers below use, stated here.
+CFG = dataclasses.replace(
+    tiny_config(),
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    num_kv_heads=2,
+    num_experts=8,
+    top_k=2,
+    moe_intermediate_size=16,
+    num_shared_experts=1,
+)
 FP8 = Precision(fp8=True)
 SCALED = 1 + 4 / 128  # an E4M3 element and its share of a 1x128 tile's fp32 scale
 

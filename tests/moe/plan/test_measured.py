@@ -7,15 +7,12 @@ import json
 
 import pytest
 
-from moe.models.config import MoEConfig
 from moe.plan.costs import Parallelism, Workload, layer_ops, phase_work, substage_costs
 from moe.plan.hardware import GPUS, Cluster
 from moe.plan.measured import FORMAT, VERSION, MeasuredCosts, device_of, load_costs, save_costs, scale_field
+from tests.moe.helpers import tiny_config
 
-CFG = MoEConfig(
-    vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, num_experts=8, n_group=2,
-    topk_group=1, top_k=2, moe_intermediate_size=16, num_dense_layers=1,
-)  # fmt: skip
+CFG = tiny_config()
 MOE = {"attn_F": 1e-3, "attn_dX": 1.5e-3, "attn_dW": 0.8e-3, "mlp_F": 2e-3, "mlp_dX": 2e-3, "mlp_dW": 1.9e-3}
 
 
