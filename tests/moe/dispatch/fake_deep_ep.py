@@ -51,6 +51,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,6 +101,83 @@ def _unfilled(rows: int, like: torch.Tensor) -> torch.Tensor:
     """Received rows not yet written: NaN (or -1 for integer scales), so a reader of unwritten rows shows it."""
     fill = float("nan") if like.is_floating_point() else -1
     return torch.full((rows, like.shape[1]), fill, dtype=like.dtype)
+
+
+# ---- the exchange both emulations run (fake_deep_ep_v2 builds on it) -----------------------------------------
+
+
+def _token_in_rank(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """``[T, W]`` bool: token t has a slot of rank r's (experts in contiguous blocks per rank; slot -1: none)."""
+    in_rank = torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.bool)
+    rows, cols = (topk_idx >= 0).nonzero(as_tuple=True)
+    in_rank[rows, topk_idx[rows, cols] // (num_experts // num_ranks)] = True
+    return in_rank
+
+
+def _notify(group: dist.ProcessGroup, per_rank: torch.Tensor, per_expert: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The count exchange before a dispatch (DeepEP's notify step): this rank's rows per destination ``[W]`` and
+    slots per expert ``[E]`` go out; back come the rows from each source rank and the slots per local expert."""
+    w = per_rank.shape[0]
+    send_meta = torch.cat([per_rank.view(w, 1).long(), per_expert.view(w, -1).long()], dim=1)
+    recv_meta = torch.empty_like(send_meta)
+    dist.all_to_all_single(recv_meta, send_meta, group=group)
+    return recv_meta[:, 0].tolist(), recv_meta[:, 1:].sum(0).tolist()
+
+
+@dataclass
+class _Exchange:
+    """One dispatch's routes over ``group``: token ``send_token[i]`` goes to rank ``dest[i]``, rank then token
+    order (what each receiver sees as source order); ``send_counts`` rows to each rank, ``recv_counts`` from each."""
+
+    group: dist.ProcessGroup
+    dest: torch.Tensor
+    send_token: torch.Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+
+    @staticmethod
+    def order(is_token_in_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dest, send_token)`` of every (token, rank) pair of ``is_token_in_rank`` ``[T, W]``, rank then token."""
+        pairs = is_token_in_rank.t().nonzero()
+        return pairs[:, 0], pairs[:, 1]
+
+    @property
+    def num_recv(self) -> int:
+        return sum(self.recv_counts)
+
+    def local_ids(self, topk_idx: torch.Tensor, num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sent row's ``[S, K]`` expert ids as its destination's local ids (-1: another rank's expert), and
+        where they are its."""
+        local = topk_idx.index_select(0, self.send_token) - (self.dest * num_local_experts)[:, None]
+        on_dest = (local >= 0) & (local < num_local_experts)
+        return torch.where(on_dest, local, torch.full_like(local, -1)), on_dest
+
+    def send(self, out: torch.Tensor, rows: torch.Tensor, *, gather: bool = True) -> dist.Work:
+        """Dispatch direction: ``rows`` (per token, or with ``gather=False`` already one per sent pair) to their
+        destinations, into ``out`` (``num_recv`` rows in source order)."""
+        sent = rows.index_select(0, self.send_token) if gather else rows
+        return _a2a(out, sent, self.recv_counts, self.send_counts, self.group)
+
+    def back(self, out: torch.Tensor, rows: torch.Tensor) -> dist.Work:
+        """Combine direction: ``num_recv`` received ``rows`` in source order back to their source ranks, into
+        ``out`` (one row per sent pair, in send order)."""
+        return _a2a(out, rows, self.send_counts, self.recv_counts, self.group)
+
+
+def _launch_event(
+    overlap: Callable[..., Any],
+    works: list[dist.Work],
+    finish: Callable[[], None] | None,
+    asynchronous: bool,
+    step: int | None = None,
+) -> Any:
+    """A launch's event: pending (``overlap(EventHandle)``, waited by the caller) when ``asynchronous``, else
+    waited here and ``overlap(None)``."""
+    handle = EventHandle(works, finish, step=step)
+    if asynchronous:
+        return overlap(handle)
+    handle.current_stream_wait()
+    return overlap(None)
 
 
 class Config:
@@ -309,17 +388,12 @@ class Buffer:
                     )
         return after
 
-    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> dist.Work:
-        return _a2a(out, inp, out_splits, in_splits, self.group)
-
-    def _finish(
-        self, works: list[dist.Work], finish: Callable[[], None] | None, async_finish: bool, after: int | None
-    ) -> EventOverlap:
-        handle = EventHandle(works, finish, step=after)
-        if async_finish:
-            return EventOverlap(handle)
-        handle.current_stream_wait()
-        return EventOverlap(None)
+    def _unpack(self, handle: tuple) -> tuple[_Exchange, torch.Tensor, int]:
+        """A dispatch handle's exchange, its ``recv_src_idx`` (sized as the dispatch allocated) and token count."""
+        send_counts, recv_counts, _, recv_src_idx, is_token_in_rank, send_token_idx = handle
+        dest = torch.repeat_interleave(torch.arange(self.group_size), torch.tensor(send_counts, dtype=torch.int64))
+        exchange = _Exchange(self.group, dest, send_token_idx, send_counts, recv_counts)
+        return exchange, recv_src_idx, is_token_in_rank.shape[0]
 
     # ---- layout --------------------------------------------------------------------------------------
     @_on_comm_stream
@@ -338,13 +412,8 @@ class Buffer:
         assert num_experts % self.group_size == 0
         after = self._check_launch(previous_event, async_finish, allocate_on_comm_stream, topk_idx=topk_idx)
         self.calls.append("get_dispatch_layout")
-        num_tokens = topk_idx.shape[0]
-        per_rank_experts = num_experts // self.group_size
-        valid = topk_idx >= 0
-        num_tokens_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
-        is_token_in_rank = torch.zeros(num_tokens, self.group_size, dtype=torch.bool)
-        rows, cols = valid.nonzero(as_tuple=True)
-        is_token_in_rank[rows, topk_idx[rows, cols] // per_rank_experts] = True
+        num_tokens_per_expert = torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts).to(torch.int32)
+        is_token_in_rank = _token_in_rank(topk_idx, num_experts, self.group_size)
         num_tokens_per_rank = is_token_in_rank.sum(0).to(torch.int32)
         event = EventOverlap(EventHandle(step=after)) if async_finish else EventOverlap(None)
         return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
@@ -398,17 +467,16 @@ class Buffer:
         if handle is not None:
             assert topk_idx is None and topk_weights is None
             self.calls.append("dispatch(cached)")
-            send_counts, recv_counts, _, recv_src_idx, is_token_in_rank, send_token_idx = handle
+            exchange, recv_src_idx, _ = self._unpack(handle)
             # buffer.hpp: cached mode allocates the handle's size (recv_src_idx.size(0), padded or not).
-            num_recv = sum(recv_counts)
+            num_recv = exchange.num_recv
             recv_x = _unfilled(recv_src_idx.shape[0], x)
-            works = [self._a2a(recv_x[:num_recv], x.index_select(0, send_token_idx), recv_counts, send_counts)]
+            works = [exchange.send(recv_x[:num_recv], x)]
             if x_scales is not None:
                 recv_x_scales = _unfilled(recv_src_idx.shape[0], x_scales)
-                send = x_scales.index_select(0, send_token_idx)
-                works.append(self._a2a(recv_x_scales[:num_recv], send, recv_counts, send_counts))
+                works.append(exchange.send(recv_x_scales[:num_recv], x_scales))
                 recv_x = (recv_x, recv_x_scales)
-            return recv_x, None, None, None, None, self._finish(works, None, async_finish, after)
+            return recv_x, None, None, None, None, _launch_event(EventOverlap, works, None, async_finish, after)
 
         assert num_tokens_per_rank is not None and is_token_in_rank is not None
         assert num_tokens_per_expert is not None and topk_idx is not None and topk_idx.dtype == torch.int64
@@ -426,21 +494,12 @@ class Buffer:
         num_experts = num_tokens_per_expert.shape[0]
         e_local = num_experts // w
         # notify_dispatch: every rank learns how many rows, and rows per local expert, it will receive.
-        send_meta = torch.cat(
-            [num_tokens_per_rank.view(w, 1).long(), num_tokens_per_expert.view(w, e_local).long()], dim=1
-        )
-        recv_meta = torch.empty_like(send_meta)
-        dist.all_to_all_single(recv_meta, send_meta, group=self.group)
-        send_counts = num_tokens_per_rank.tolist()
-        recv_counts = recv_meta[:, 0].tolist()
-        per_expert = recv_meta[:, 1:].sum(0).tolist()
+        recv_counts, per_expert = _notify(self.group, num_tokens_per_rank, num_tokens_per_expert)
         num_recv_tokens_per_expert_list = [int(math.ceil(n / expert_alignment) * expert_alignment) for n in per_expert]
-        pairs = is_token_in_rank.t().nonzero()
-        dest, send_token_idx = pairs[:, 0], pairs[:, 1]
-        local_idx = topk_idx.index_select(0, send_token_idx) - (dest * e_local)[:, None]
-        on_dest = (local_idx >= 0) & (local_idx < e_local)
-        local_idx = torch.where(on_dest, local_idx, torch.full_like(local_idx, -1))
-        num_recv = sum(recv_counts)
+        dest, send_token_idx = _Exchange.order(is_token_in_rank)
+        exchange = _Exchange(self.group, dest, send_token_idx, num_tokens_per_rank.tolist(), recv_counts)
+        local_idx, on_dest = exchange.local_ids(topk_idx, e_local)
+        num_recv = exchange.num_recv
         num_rows = num_recv
         if num_worst_tokens > 0:
             # Real DeepEP writes past its buffers here; the emulation stops.
@@ -451,23 +510,21 @@ class Buffer:
         nan = float("nan")
         recv_x = _unfilled(num_rows, x)
         recv_topk_idx = torch.full((num_rows, k), -1, dtype=torch.int64)  # the kernel cleans the padding to -1
-        src_token = send_token_idx.clone()
         recv_src_idx = torch.full((num_rows,), -1, dtype=torch.int64)
         works = [
-            self._a2a(recv_x[:num_recv], x.index_select(0, send_token_idx), recv_counts, send_counts),
-            self._a2a(recv_topk_idx[:num_recv], local_idx, recv_counts, send_counts),
-            self._a2a(recv_src_idx[:num_recv], src_token, recv_counts, send_counts),
+            exchange.send(recv_x[:num_recv], x),
+            exchange.send(recv_topk_idx[:num_recv], local_idx, gather=False),
+            exchange.send(recv_src_idx[:num_recv], send_token_idx, gather=False),
         ]
         send_w = torch.where(on_dest, topk_weights.index_select(0, send_token_idx), 0.0)
         recv_topk_weights = torch.full((num_rows, k), nan, dtype=torch.float32)
-        works.append(self._a2a(recv_topk_weights[:num_recv], send_w, recv_counts, send_counts))
+        works.append(exchange.send(recv_topk_weights[:num_recv], send_w, gather=False))
         if x_scales is not None:  # the received pair, as deep_ep/buffer.py returns it
             recv_x_scales = _unfilled(num_rows, x_scales)
-            send_scales = x_scales.index_select(0, send_token_idx)
-            works.append(self._a2a(recv_x_scales[:num_recv], send_scales, recv_counts, send_counts))
+            works.append(exchange.send(recv_x_scales[:num_recv], x_scales))
             recv_x = (recv_x, recv_x_scales)
-        handle = (send_counts, recv_counts, None, recv_src_idx, is_token_in_rank, send_token_idx)
-        event = self._finish(works, None, async_finish, after)
+        handle = (exchange.send_counts, recv_counts, None, recv_src_idx, is_token_in_rank, send_token_idx)
+        event = _launch_event(EventOverlap, works, None, async_finish, after)
         return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event
 
     # ---- combine -------------------------------------------------------------------------------------
@@ -494,18 +551,18 @@ class Buffer:
             previous_event, async_finish, allocate_on_comm_stream, x=x, topk_weights=topk_weights
         )
         self.calls.append("combine")
-        send_counts, recv_counts, _, recv_src_idx, is_token_in_rank, send_token_idx = handle
+        exchange, recv_src_idx, num_tokens = self._unpack(handle)
+        send_token_idx = exchange.send_token
         _host_assert(x.shape[0] == recv_src_idx.shape[0], "buffer.hpp", "src_idx.size(0) == num_tokens")
-        num_recv = sum(recv_counts)  # rows past it (num_worst_tokens padding) are not read, as in DeepEP
-        num_tokens = is_token_in_rank.shape[0]
+        num_recv = exchange.num_recv  # rows past it (num_worst_tokens padding) are not read, as in DeepEP
         back_x = x.new_empty(send_token_idx.shape[0], x.shape[1])
-        works = [self._a2a(back_x, x[:num_recv], send_counts, recv_counts)]
+        works = [exchange.back(back_x, x[:num_recv])]
         combined_x = x.new_empty(num_tokens, x.shape[1])
         combined_w = back_w = None
         if topk_weights is not None:
             _host_assert(topk_weights.shape[0] == x.shape[0], "buffer.hpp", "topk_weights->size(0) == num_tokens")
             back_w = topk_weights.new_empty(send_token_idx.shape[0], topk_weights.shape[1])
-            works.append(self._a2a(back_w, topk_weights[:num_recv], send_counts, recv_counts))
+            works.append(exchange.back(back_w, topk_weights[:num_recv]))
             combined_w = topk_weights.new_empty(num_tokens, topk_weights.shape[1])
 
         def reduce() -> None:
@@ -515,4 +572,4 @@ class Buffer:
                 accw = torch.zeros(num_tokens, back_w.shape[1], dtype=torch.float32)
                 combined_w.copy_(accw.index_add_(0, send_token_idx, back_w.float()))
 
-        return combined_x, combined_w, self._finish(works, reduce, async_finish, after)
+        return combined_x, combined_w, _launch_event(EventOverlap, works, reduce, async_finish, after)

@@ -25,7 +25,9 @@ It keeps the surface the ``deepep-v2`` dispatcher relies on, with V2's semantics
   without it the call waits itself and returns an ``EventOverlap(None)``, which cannot be waited.
 
 The receive counts are exchanged synchronously inside ``dispatch`` in both ``do_cpu_sync`` modes: gloo needs
-them to size its exchange (the real kernel only skips the host's wait for them).
+them to size its exchange (the real kernel only skips the host's wait for them). The exchange itself (routes,
+the count exchange, the row all-to-alls, the events) is the V1 emulation's (``fake_deep_ep._Exchange``); this
+module adds V2's surface, its checks, the arrival order and V2's reduction.
 
 As strict as V2 where V2 fails: its Python asserts as AssertionError, ``EP_HOST_ASSERT`` as RuntimeError
 ("Assertion exception"), ``EP_DEVICE_ASSERT`` as a CUDA error, a JIT kernel's static assert as a compile
@@ -49,8 +51,18 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tests.moe.dispatch.fake_deep_ep import Buffer, Config, EventHandle, _a2a, _device_assert, _unfilled
-from tests.moe.dispatch.fake_deep_ep import _host_assert as _v1_host_assert
+from tests.moe.dispatch import fake_deep_ep as v1
+from tests.moe.dispatch.fake_deep_ep import (
+    Buffer,
+    Config,
+    EventHandle,
+    _device_assert,
+    _Exchange,
+    _launch_event,
+    _notify,
+    _token_in_rank,
+    _unfilled,
+)
 
 __all__ = ["Buffer", "Config", "EPHandle", "ElasticBuffer", "EventHandle", "EventOverlap", "topk_idx_t"]
 
@@ -66,7 +78,7 @@ _GARBAGE_IDX = 1 << 40  # stands for an uninitialised int64: never a valid exper
 
 def _host_assert(ok: bool, cond: str) -> None:
     """``EP_HOST_ASSERT`` in V2's buffer.hpp (V1's emulation raises it the same way)."""
-    _v1_host_assert(ok, "buffer.hpp", cond)
+    v1._host_assert(ok, "buffer.hpp", cond)
 
 
 def _static_assert(ok: bool, kernel: str, cond: str) -> None:
@@ -92,12 +104,12 @@ def _buffer_bytes(num_max_tokens_per_rank: int, hidden: int, num_topk: int, num_
     return _align(max(dispatch, combine), _ALIGNMENT)
 
 
-class EventOverlap:
-    """deep_ep/utils/event.py: ``current_stream_wait()`` (asserts an event), a hook run after the wait."""
+class EventOverlap(v1.EventOverlap):
+    """deep_ep/utils/event.py: V1's wrapper (``current_stream_wait()`` asserts an event) plus a hook run after
+    the wait."""
 
     def __init__(self, event: EventHandle | None = None, extra_tensors: tuple | None = None) -> None:
-        self.event = event
-        self.extra_tensors = extra_tensors
+        super().__init__(event, extra_tensors)
         self.hook_after_wait: Callable | None = None
 
     def current_stream_wait(self, release_handle: bool = False) -> None:
@@ -112,9 +124,6 @@ class EventOverlap:
     def register_hook_after_wait(self, hook_after_wait: Callable) -> None:
         assert self.hook_after_wait is None, "A hook is already registered on this `EventOverlap`"
         self.hook_after_wait = hook_after_wait
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc) -> None:
         if self.event is not None:
@@ -278,25 +287,21 @@ class ElasticBuffer:
         if (key := (kernel, *template)) not in self.compiled:
             self.compiled.append(key)
 
-    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> dist.Work:
-        return _a2a(out, inp, out_splits, in_splits, self.group)
-
-    @staticmethod
-    def _event(works: list[dist.Work], finish: Callable[[], None], async_with_compute_stream: bool) -> EventOverlap:
-        handle = EventHandle(works, finish)
-        if async_with_compute_stream:
-            return EventOverlap(handle)
-        handle.current_stream_wait()
-        return EventOverlap(None)
-
-    def _routes(self, topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-        """Tokens sent, ordered by destination rank then token, and the count per destination."""
-        e_local = num_experts // self.num_ranks
-        in_rank = torch.zeros(topk_idx.shape[0], self.num_ranks, dtype=torch.bool)
-        rows, cols = (topk_idx >= 0).nonzero(as_tuple=True)
-        in_rank[rows, topk_idx[rows, cols] // e_local] = True
-        pairs = in_rank.t().nonzero()
-        return pairs[:, 1], in_rank.sum(0).tolist()
+    def _exchange(
+        self, topk_idx: torch.Tensor, num_experts: int, handle: EPHandle | None
+    ) -> tuple[_Exchange, list[int]]:
+        """The routes of ``topk_idx`` (V1's exchange) and the slots each local expert receives: from the
+        ``handle``'s counts (cached mode: ``[]``), else from the notify step, run now."""
+        in_rank = _token_in_rank(topk_idx, num_experts, self.num_ranks)
+        dest, send_token = _Exchange.order(in_rank)
+        send_counts = in_rank.sum(0)
+        if handle is not None:
+            psum = handle.psum_num_recv_tokens_per_scaleup_rank
+            recv_counts, per_expert = torch.diff(psum, prepend=psum.new_zeros(1)).tolist(), []
+        else:  # rows per source rank and slots per local expert, for every rank
+            slots = torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts)
+            recv_counts, per_expert = _notify(self.group, send_counts, slots)
+        return _Exchange(self.group, dest, send_token, send_counts.tolist(), recv_counts), per_expert
 
     def _placement(self, n: int) -> torch.Tensor:
         """Where each of ``n`` received rows (in source order) lands: sorted by global id, or in arrival order."""
@@ -381,7 +386,6 @@ class ElasticBuffer:
             _buffer_bytes(num_max_tokens_per_rank, hidden, num_topk, w) <= self.num_bytes,
             "get_dispatch_buffer_size(...) <= num_buffer_bytes",
         )
-        valid = topk_idx >= 0
         _device_assert(bool((topk_idx < num_experts).all()), "dispatch_impl", "expert index out of range")
         sorted_idx = topk_idx.sort(dim=1).values
         dup = (sorted_idx[:, 1:] == sorted_idx[:, :-1]) & (sorted_idx[:, 1:] >= 0)
@@ -396,46 +400,33 @@ class ElasticBuffer:
         self._jit("dispatch_impl", *template, expert_alignment, do_cpu_sync, cached)
         self._jit("dispatch_copy_epilogue_impl", *template, expert_alignment, cached)
 
-        send_token, send_counts = self._routes(topk_idx, num_experts)
-        if cached:
-            psum = handle.psum_num_recv_tokens_per_scaleup_rank
-            recv_counts = torch.diff(psum, prepend=psum.new_zeros(1)).tolist()
-        else:
-            # The notify step: rows per source rank and slots per local expert, for every rank.
-            slots = torch.zeros(num_experts, dtype=torch.int64)
-            slots.index_add_(0, topk_idx[valid], torch.ones(int(valid.sum()), dtype=torch.int64))
-            send_meta = torch.cat([torch.tensor(send_counts).view(w, 1), slots.view(w, e_local)], 1)
-            recv_meta = torch.empty_like(send_meta)
-            dist.all_to_all_single(recv_meta, send_meta, group=self.group)
-            recv_counts = recv_meta[:, 0].tolist()
-            per_expert = [_align(int(n), expert_alignment) for n in recv_meta[:, 1:].sum(0)]
-        num_recv = sum(recv_counts)
+        exchange, per_expert = self._exchange(topk_idx, num_experts, handle)
+        per_expert = [_align(int(n), expert_alignment) for n in per_expert]
+        recv_counts, num_recv = exchange.recv_counts, exchange.num_recv
         num_alloc = num_recv if do_cpu_sync else num_max_tokens_per_rank * w
         if cached:
             num_alloc = handle.num_recv_tokens
 
         # Exchange in source order (rank, then token): the sorted order of the global ids.
         got_x = x.new_empty(num_recv, hidden)
-        works = [self._a2a(got_x, x.index_select(0, send_token), recv_counts, send_counts)]
+        works = [exchange.send(got_x, x)]
         got_sf = None
         if sf is not None:
             got_sf = sf.new_empty(num_recv, sf.shape[1])
-            works.append(self._a2a(got_sf, sf.index_select(0, send_token), recv_counts, send_counts))
-        dest = torch.repeat_interleave(torch.arange(w), torch.tensor(send_counts, dtype=torch.int64))
+            works.append(exchange.send(got_sf, sf))
         if not cached:
-            local = topk_idx.index_select(0, send_token) - (dest * e_local)[:, None]
-            local = torch.where((local >= 0) & (local < e_local), local, torch.full_like(local, -1))
+            local, _ = exchange.local_ids(topk_idx, e_local)
             got_idx = torch.empty(num_recv, num_topk, dtype=topk_idx_t)
-            works.append(self._a2a(got_idx, local, recv_counts, send_counts))
-            global_id = send_token + self.rank_idx * num_max_tokens_per_rank
+            works.append(exchange.send(got_idx, local, gather=False))
+            global_id = exchange.send_token + self.rank_idx * num_max_tokens_per_rank
             first_local = torch.where(local >= 0, torch.arange(num_topk), num_topk).min(1).values
             meta = torch.stack([global_id, self.rank_idx * num_topk + first_local], 1).to(torch.int32)
             got_meta = torch.empty(num_recv, 2, dtype=torch.int32)
-            works.append(self._a2a(got_meta, meta, recv_counts, send_counts))
+            works.append(exchange.send(got_meta, meta, gather=False))
         got_w = None
         if topk_weights is not None:
             got_w = torch.empty(num_recv, num_topk, dtype=torch.float32)
-            works.append(self._a2a(got_w, topk_weights.index_select(0, send_token), recv_counts, send_counts))
+            works.append(exchange.send(got_w, topk_weights))
 
         recv_x = _unfilled(num_alloc, x)
         recv_sf = None if sf is None else _unfilled(num_alloc, sf)
@@ -459,7 +450,7 @@ class ElasticBuffer:
                 recv_idx[order] = got_idx
                 src_meta[order, :2] = got_meta
 
-        event = self._event(works, land, async_with_compute_stream)
+        event = _launch_event(EventOverlap, works, land, async_with_compute_stream)
         if not cached:
             # The host learns the per-expert list only when it waits for the counters (buffer.hpp:1017-1064).
             handle = EPHandle(
@@ -521,21 +512,18 @@ class ElasticBuffer:
 
         w = self.num_ranks
         e_local = handle.num_experts // w
-        send_token, token_counts = self._routes(topk_idx, handle.num_experts)
-        psum = handle.psum_num_recv_tokens_per_scaleup_rank
-        row_counts = torch.diff(psum, prepend=psum.new_zeros(1)).tolist()
-        num_recv = sum(row_counts)
+        exchange, _ = self._exchange(topk_idx, handle.num_experts, handle)
+        dest, send_token, num_recv = exchange.dest, exchange.send_token, exchange.num_recv
         # Rows back in source order (what each source rank expects: its tokens per rank, ascending).
         order = handle.recv_src_metadata[:num_recv, 0].long().argsort()
         back_x = x.new_empty(send_token.shape[0], hidden)
-        works = [self._a2a(back_x, x[:num_recv][order], token_counts, row_counts)]
+        works = [exchange.back(back_x, x[:num_recv][order])]
         back_w = None
         if topk_weights is not None:
             back_w = torch.empty(send_token.shape[0], num_topk)
-            works.append(self._a2a(back_w, topk_weights[:num_recv][order], token_counts, row_counts))
+            works.append(exchange.back(back_w, topk_weights[:num_recv][order]))
         combined_x = x.new_empty(num_tokens, hidden)
         combined_w = None if topk_weights is None else torch.empty(num_tokens, num_topk)
-        dest = torch.repeat_interleave(torch.arange(w), torch.tensor(token_counts, dtype=torch.int64))
 
         def reduce() -> None:
             from_rank = torch.zeros(w, num_tokens, hidden)
@@ -554,4 +542,4 @@ class ElasticBuffer:
                 picked = w_from_rank[owner.clamp(min=0), tokens[:, None], torch.arange(num_topk)]
                 combined_w.copy_(torch.where(owner >= 0, picked, 0.0))
 
-        return combined_x, combined_w, self._event(works, reduce, async_with_compute_stream)
+        return combined_x, combined_w, _launch_event(EventOverlap, works, reduce, async_with_compute_stream)
