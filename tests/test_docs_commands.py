@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.selected import selected_params
 from tests.test_entry_points import PACKAGES, discover_entry_points
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -430,17 +431,9 @@ def _run(command: str, spec: Run, scratch: Path) -> tuple[subprocess.CompletedPr
 @pytest.fixture(scope="module")
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """Starts every RUN command selected in this session (honours -k), a few at a time."""
-    selected = [
-        item.callspec.params["command"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == "test_command_runs"
-        and item.module is request.module
-        and hasattr(item, "callspec")
-    ]
+    selected = selected_params(request, "test_command_runs", "command")
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        futures: dict[str, Future] = {
-            c: pool.submit(_run, c, RUN[c], tmp_path_factory.mktemp("cmd")) for c in dict.fromkeys(selected)
-        }
+        futures: dict[str, Future] = {c: pool.submit(_run, c, RUN[c], tmp_path_factory.mktemp("cmd")) for c in selected}
         yield futures
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.selected import selected_params
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dualpipe", "moe", "kernels", "bench")
 SCRIPT_DIRS = ("examples",)
@@ -99,15 +101,9 @@ def _run_help(entry: EntryPoint) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def help_runs(request: pytest.FixtureRequest) -> Iterator[dict[EntryPoint, Future[subprocess.CompletedProcess[str]]]]:
     """Starts ``--help`` for every entry point selected in this session (honours -k and xdist splits)."""
-    selected = [
-        item.callspec.params["entry"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == "test_entry_point_answers_help"
-        and item.module is request.module
-        and hasattr(item, "callspec")
-    ]
+    selected = selected_params(request, "test_entry_point_answers_help", "entry")
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        yield {entry: pool.submit(_run_help, entry) for entry in dict.fromkeys(selected)}
+        yield {entry: pool.submit(_run_help, entry) for entry in selected}
 
 
 def test_discovery_finds_the_known_entry_points():
