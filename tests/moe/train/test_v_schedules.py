@@ -6,6 +6,9 @@ overlap on and off, each over the same global batch (24 sequences a step) as one
 micro-batches. The seed, the data and the model do not depend on the layout, so every run must give that
 process's losses. The deferred weight gradients (I and W) run in every one; the overlap hook runs once per
 pair the schedule made, per pipeline and step.
+
+The same spawns also train every other registered schedule for test_trainer's
+test_schedules_do_not_change_the_math (the ``schedule_runs`` fixture of this folder's conftest runs them once).
 """
 
 from __future__ import annotations
@@ -15,14 +18,20 @@ from pathlib import Path
 
 import pytest
 
-from dualpipe.schedule import Op, build_schedule
+from dualpipe.schedule import SCHEDULES, Op, build_schedule
 from tests.distributed import run_ranks
 from tests.moe.train.test_trainer import COMMON
+
+pytestmark = pytest.mark.slow
 
 V_FAMILY = ("zbv", "v-half", "v-min")
 STEPS = 2
 LAYOUTS = {"pp4": ("4", "1", 12, "none"), "pp2-ep2": ("2", "2", 6, "full")}  # pp, ep, micro-batches, recompute
 BASE = [*COMMON, "--layers", "8", "--seq-len", "16", "--steps", str(STEPS)]  # a repeated flag: the last wins
+# test_schedules_do_not_change_the_math: every other registered schedule at pp=2 x ep=2 on COMMON's model (4
+# micro-batches x 2 ep ranks: the global batch of one process running 8), against dualpipev with overlap
+OTHERS = sorted(set(SCHEDULES) - {"dualpipev", *V_FAMILY})
+OTHERS_LAYOUT = [*COMMON, "--pp", "2", "--ep", "2", "--steps", str(STEPS), "--num-chunks", "4"]
 
 
 def _train_all(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dict[str, tuple[list[float], int]]:
@@ -52,31 +61,49 @@ def _pairs(schedule: str, pp: int, chunks: int) -> int:
     return sum(a.op is Op.FB for actions in build_schedule(schedule, pp, chunks).ranks for a in actions)
 
 
-def test_v_family_trains_like_one_process(tmp_path: Path) -> None:
+def v_runs() -> list[tuple[str, list[str]]]:
+    """(name, flags) of every V-family run: "schedule layout overlap"."""
     runs = []
     for schedule in V_FAMILY:
         for layout, (pp, ep, chunks, recompute) in LAYOUTS.items():
             # without a pair (v-half at these shapes, v-min at pp=2) overlap on runs the very same actions as off
             for overlap in ("--overlap", "--no-overlap") if _pairs(schedule, int(pp), chunks) else ("--overlap",):
-                name = f"{schedule} {layout} {overlap}"
                 flags = ["--schedule", schedule, "--pp", pp, "--ep", ep, "--num-chunks", str(chunks), overlap]
-                flags += ["--recompute", recompute]
-                runs.append((name, [*BASE, *flags, "--metrics-file", str(tmp_path / f"{len(runs)}.jsonl")]))
-    one_run = [*BASE, "--schedule", "1f1b", "--pp", "1", "--ep", "1", "--num-chunks", "12"]
-    one_run += ["--metrics-file", str(tmp_path / "one.jsonl")]
-    (one,) = run_ranks(_train_all, 1, args=([("one", one_run)],), timeout=120)
-    per_rank = run_ranks(_train_all, 4, args=(runs,), timeout=300)
+                runs.append((f"{schedule} {layout} {overlap}", [*BASE, *flags, "--recompute", recompute]))
+    return runs
 
-    reference = one["one"][0]
+
+def train_every_schedule(tmp: Path) -> dict[str, tuple[list[float], list[int]]]:
+    """Every run above in one spawn of 4 ranks, and both single-process references ("one", at the V family's
+    shapes; "one-others", at the other schedules') in one spawn of 1: per run, rank 0's losses and each rank's
+    overlapped pairs."""
+    runs = [*v_runs(), ("dualpipev", [*OTHERS_LAYOUT, "--schedule", "dualpipev", "--overlap"])]
+    runs += [(name, [*OTHERS_LAYOUT, "--schedule", name]) for name in OTHERS]
+    one = [("one", [*BASE, "--schedule", "1f1b", "--pp", "1", "--ep", "1", "--num-chunks", "12"])]
+    one += [("one-others", [*OTHERS_LAYOUT, "--schedule", "1f1b", "--pp", "1", "--ep", "1", "--num-chunks", "8"])]
+    with_metrics = [
+        [(name, [*argv, "--metrics-file", str(tmp / f"{i}-{j}.jsonl")]) for j, (name, argv) in enumerate(group)]
+        for i, group in enumerate((one, runs))
+    ]
+    (single,) = run_ranks(_train_all, 1, args=(with_metrics[0],), timeout=180)
+    per_rank = run_ranks(_train_all, 4, args=(with_metrics[1],), timeout=420)
+    out = {name: (losses, [calls]) for name, (losses, calls) in single.items()}
+    for name, _ in runs:
+        out[name] = (per_rank[0][name][0], [r[name][1] for r in per_rank])
+    return out
+
+
+def test_v_family_trains_like_one_process(schedule_runs: dict[str, tuple[list[float], list[int]]]) -> None:
+    reference = schedule_runs["one"][0]
     assert len(reference) == STEPS and reference[-1] < reference[0]
     zbv_pairs = 0
-    for name, _ in runs:
+    for name, _ in v_runs():
         schedule, layout, overlap = name.split()
-        losses = per_rank[0][name][0]
+        losses, calls = schedule_runs[name]
         assert losses == pytest.approx(reference, rel=2e-5), name
         pp, _, chunks, _ = LAYOUTS[layout]
         pipelines = 4 // int(pp)  # dp replicas, each its own pipeline
         expected = _pairs(schedule, int(pp), chunks) * pipelines * STEPS if overlap == "--overlap" else 0
-        assert sum(r[name][1] for r in per_rank) == expected, name
+        assert sum(calls) == expected, name
         zbv_pairs += expected if schedule == "zbv" else 0
     assert zbv_pairs > 0  # the overlapped path ran (zbv pairs at both layouts)
