@@ -10,11 +10,15 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.distributed import exit_message, run_ranks
+
+pytestmark = pytest.mark.slow  # every test here launches ranks or processes
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -58,89 +62,106 @@ def _train_each(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dic
     return {name: _train(rank, world, argv) for name, argv in runs}
 
 
-def train_each(world: int, tmp: Path, runs: dict[str, list[str]], timeout: float = 240) -> dict[str, dict[int, float]]:
+def train_records(world: int, tmp: Path, runs: dict[str, list[str]], timeout: float = 240) -> dict[str, list[dict]]:
     """Several runs in turn on one set of ``world`` ranks (one spawn: the imports are paid once); rank 0's
-    losses per run."""
+    metrics records per run."""
     argvs = [(name, [*COMMON, "--metrics-file", str(tmp / f"{name}.jsonl"), *extra]) for name, extra in runs.items()]
-    return {name: losses(r) for name, r in run_ranks(_train_each, world, args=(argvs,), timeout=timeout)[0].items()}
+    return run_ranks(_train_each, world, args=(argvs,), timeout=timeout)[0]
+
+
+def train_each(world: int, tmp: Path, runs: dict[str, list[str]], timeout: float = 240) -> dict[str, dict[int, float]]:
+    """:func:`train_records`, rank 0's losses per run."""
+    return {name: losses(records) for name, records in train_records(world, tmp, runs, timeout).items()}
+
+
+def _in_turn(rank: int, world: int, bodies: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
+    """Several rank bodies in turn on one set of ranks: ``[fn(rank, world, *args) for fn, args in bodies]``."""
+    return [fn(rank, world, *args) for fn, args in bodies]
 
 
 def losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def test_schedules_do_not_change_the_math(tmp_path: Path) -> None:
-    from dualpipe.schedule import SCHEDULES
-    from tests.moe.train.test_v_schedules import V_FAMILY  # trained there: pp=2 x ep=2 and pp=4, in one spawn
+def test_schedules_do_not_change_the_math(schedule_runs: dict[str, tuple[list[float], list[int]]]) -> None:
+    """Every registered schedule, through train.py at pp=2 x ep=2 (the V family: test_v_schedules), gives
+    dualpipev's losses with overlap, and those of one process running the same global batch (4 micro-batches x 2
+    ep ranks = 8 micro-batches); step 2 is the first to read the optimizer state. The runs share the spawns of
+    test_v_schedules (conftest's ``schedule_runs``)."""
+    from tests.moe.train.test_v_schedules import OTHERS, STEPS
 
-    layout = ["--pp", "2", "--ep", "2", "--steps", "3", "--num-chunks", "4"]
-    others = sorted(set(SCHEDULES) - {"dualpipev", *V_FAMILY})  # every registered schedule, through train.py
-    runs = {"v": [*layout, "--schedule", "dualpipev", "--overlap"], **{n: [*layout, "--schedule", n] for n in others}}
-    got = train_each(4, tmp_path, runs)
-    v = got["v"]
-    assert sorted(v) == [1, 2, 3] and len(others) >= 3
-    # the single process: the same global batch (4 micro-batches x 2 ep ranks = 8 micro-batches)
-    one = losses(train(1, tmp_path, "one", "--schedule", "1f1b", "--steps", "3", "--num-chunks", "8"))
-    for name in others:
-        for step in v:
-            assert got[name][step] == pytest.approx(v[step], rel=2e-5), name
-    for step in v:
-        assert one[step] == pytest.approx(v[step], rel=2e-5)
-    assert v[3] < v[1]
+    v = schedule_runs["dualpipev"][0]
+    assert len(v) == STEPS == 2 and len(OTHERS) >= 3
+    for name in OTHERS:
+        assert schedule_runs[name][0] == pytest.approx(v, rel=2e-5), name
+    assert schedule_runs["one-others"][0] == pytest.approx(v, rel=2e-5)
+    assert v[-1] < v[0]
 
 
-def test_a_checkpoint_loads_at_another_layout(tmp_path: Path) -> None:
-    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
-    layout = ["--pp", "2", "--ep", "2", "--num-chunks", "4"]
-    full = train_each(4, tmp_path, {"full": [*layout, "--steps", "4"], "first": [*layout, "--steps", "2", *ckpt]})[
-        "full"
-    ]
+@pytest.fixture(scope="module")
+def pp2_ep2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[int, float]]]:
+    """On one set of 4 ranks at (pp=2, dp=2, ep=2), in turn: 4 uninterrupted steps ("full"), 2 steps saving a
+    checkpoint ("plain"), the same with ZeRO-1 ("zero1"), and the ZeRO-1 one continued at (pp=1, dp=4, ep=4)
+    without ZeRO ("wide-ep"). The directory and rank 0's losses per run."""
+    tmp = tmp_path_factory.mktemp("pp2-ep2")
+    written = ["--pp", "2", "--dp", "2", "--ep", "2", "--num-chunks", "4", "--micro-batch-size", "2"]
+    wide_ep = ["--pp", "1", "--dp", "4", "--ep", "4", "--num-chunks", "2", "--micro-batch-size", "2"]
+    runs = {
+        "full": [*written, "--steps", "4"],
+        "plain": [*written, "--steps", "2", *_ckpt(tmp / "plain")],
+        "zero1": [*written, "--steps", "2", "--zero", "1", *_ckpt(tmp / "zero1")],
+        "wide-ep": [*wide_ep, "--steps", "4", *_ckpt(tmp / "zero1")[:2], "--resume"],  # saves nothing more
+    }
+    return tmp, train_each(4, tmp, runs)
+
+
+def _ckpt(path: Path) -> list[str]:
+    return ["--ckpt-dir", str(path), "--ckpt-every", "2"]
+
+
+def test_a_checkpoint_loads_at_another_layout(pp2_ep2_checkpoints: tuple[Path, dict], tmp_path: Path) -> None:
+    ckpt_root, got = pp2_ep2_checkpoints
     # Written at pp=2 x ep=2 (4 ranks), continued at pp=1 x ep=2 (2 ranks): same global batch, same math.
+    ckpt = _ckpt(ckpt_root / "plain")
     resumed = losses(
         train(2, tmp_path, "moved", "--pp", "1", "--ep", "2", "--steps", "4", "--num-chunks", "4", *ckpt, "--resume")
     )
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
-        assert resumed[step] == pytest.approx(full[step], rel=2e-5)
+        assert resumed[step] == pytest.approx(got["full"][step], rel=2e-5)
 
 
 def _bad_flags(rank: int, world: int, argv: list[str]) -> str:
     return exit_message(rank, world, "moe.train", argv)
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--pp", "2", "--ep", "2"], "ep=2 must divide dp=1"),
-        (
-            ["--pp", "1", "--ep", "2", "--schedule", "dualpipe"],
-            "DualPipe needs an even number of pipeline ranks (got 1)",
-        ),
-        (["--pp", "2", "--ep", "1", "--num-chunks", "3"], "DualPipeV needs num_chunks >= 2 * ranks = 4 (got 3)"),
-        (
-            ["--pp", "2", "--ep", "1", "--schedule", "dualpipe", "--num-chunks", "5"],
-            "DualPipe needs an even num_chunks",
-        ),
-        (["--pp", "2", "--ep", "1", "--ckpt-every", "2"], "--ckpt-every needs --ckpt-dir"),
-        (
-            ["--pp", "2", "--ep", "1", "--schedule", "1f1b", "--ckpt-dir", "/nonexistent-ckpt", "--resume-strict"],
-            "no checkpoint in /nonexistent-ckpt to resume from (--resume-strict)",
-        ),
-        (["--pp", "2", "--ep", "1", "--layers", "3"], "pass --layers 4 or more"),
-        (
-            ["--pp", "2", "--ep", "1", "--schedule", "interleaved-1f1b", "--num-chunks", "3"],
-            "interleaved 1F1B needs num_chunks a multiple of ranks = 2 (got 3)",
-        ),
-        (["--pp", "2", "--ep", "1", "--stages-per-rank", "3"], "DualPipeV takes 2 module(s) per rank, got 3"),
-        (
-            ["--pp", "2", "--ep", "1", "--schedule", "interleaved-1f1b", "--stages-per-rank", "3"],
-            "model.num_layers = 4: interleaved-1f1b at pp=2 has 6 stages; pass --layers 6 or more",
-        ),
-    ],
-)
-def test_bad_flags_fail_clearly(argv: list[str], message: str) -> None:
-    out = run_ranks(_bad_flags, 2, args=(argv,), timeout=120)
-    assert all(message in o for o in out), out
+BAD_FLAGS = [
+    (["--pp", "2", "--ep", "2"], "ep=2 must divide dp=1"),
+    (
+        ["--pp", "1", "--ep", "2", "--schedule", "dualpipe"],
+        "DualPipe needs an even number of pipeline ranks (got 1)",
+    ),
+    (["--pp", "2", "--ep", "1", "--num-chunks", "3"], "DualPipeV needs num_chunks >= 2 * ranks = 4 (got 3)"),
+    (
+        ["--pp", "2", "--ep", "1", "--schedule", "dualpipe", "--num-chunks", "5"],
+        "DualPipe needs an even num_chunks",
+    ),
+    (["--pp", "2", "--ep", "1", "--ckpt-every", "2"], "--ckpt-every needs --ckpt-dir"),
+    (
+        ["--pp", "2", "--ep", "1", "--schedule", "1f1b", "--ckpt-dir", "/nonexistent-ckpt", "--resume-strict"],
+        "no checkpoint in /nonexistent-ckpt to resume from (--resume-strict)",
+    ),
+    (["--pp", "2", "--ep", "1", "--layers", "3"], "pass --layers 4 or more"),
+    (
+        ["--pp", "2", "--ep", "1", "--schedule", "interleaved-1f1b", "--num-chunks", "3"],
+        "interleaved 1F1B needs num_chunks a multiple of ranks = 2 (got 3)",
+    ),
+    (["--pp", "2", "--ep", "1", "--stages-per-rank", "3"], "DualPipeV takes 2 module(s) per rank, got 3"),
+    (
+        ["--pp", "2", "--ep", "1", "--schedule", "interleaved-1f1b", "--stages-per-rank", "3"],
+        "model.num_layers = 4: interleaved-1f1b at pp=2 has 6 stages; pass --layers 6 or more",
+    ),
+]
 
 
 def _bad_launch_cases() -> list[tuple[list[str], str]]:
@@ -158,11 +179,38 @@ def _bad_launch_cases() -> list[tuple[list[str], str]]:
     ]
 
 
+DEEPEP_REFUSED = [
+    ("deepep", ["--dtype", "float32"], "error: --dispatcher deepep: rows in torch.bfloat16 (got torch.float32)"),
+    ("deepep", ["--comm-sms", "0"], "error: --dispatcher deepep: a positive, even --comm-sms (got 0)"),
+    ("deepep-v2", [], "error: --dispatcher deepep-v2: hidden % 256 == 0 (got 32)"),
+]
+
+
+def _deepep_argv(kind: str, flags: list[str]) -> list[str]:
+    return [*COMMON, "--pp", "1", "--ep", "2", "--dispatcher", kind, "--dtype", "bfloat16", *flags]
+
+
+@pytest.fixture(scope="module")
+def refusals() -> dict[tuple[str, ...], list]:
+    """Every refused launch of the three tests below, in turn on one set of 2 ranks (one spawn, not one each):
+    each rank's outcome, per argv. The DeepEP emulation runs last: from then on it stands in for deep_ep."""
+    bodies = [(_bad_flags, (argv,)) for argv, _ in [*BAD_FLAGS, *_bad_launch_cases()]]
+    bodies += [(_deepep_main, (_deepep_argv(kind, flags), kind)) for kind, flags, _ in DEEPEP_REFUSED]
+    per_rank = run_ranks(_in_turn, 2, args=(bodies,), timeout=300)
+    return {tuple(args[0]): [outcomes[i] for outcomes in per_rank] for i, (_, args) in enumerate(bodies)}
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_FLAGS)
+def test_bad_flags_fail_clearly(refusals: dict, argv: list[str], message: str) -> None:
+    out = refusals[tuple(argv)]
+    assert all(message in o for o in out), out
+
+
 @pytest.mark.parametrize(("argv", "message"), _bad_launch_cases())
-def test_what_the_machine_lacks_fails_clearly(argv: list[str], message: str) -> None:
+def test_what_the_machine_lacks_fails_clearly(refusals: dict, argv: list[str], message: str) -> None:
     if "deepep" in argv and importlib.util.find_spec("deep_ep") is not None:
         pytest.skip("deep_ep is installed here")
-    out = run_ranks(_bad_flags, 2, args=(argv,), timeout=120)
+    out = refusals[tuple(argv)]
     assert all(message in o for o in out), out
 
 
@@ -305,76 +353,75 @@ def _deepep_main(rank: int, world: int, argv: list[str], kind: str = "deepep") -
     return outcome, [call for buf in made for call in buf.calls if call == "destroy"]
 
 
-@pytest.mark.parametrize(
-    ("kind", "flags", "message"),
-    [
-        ("deepep", ["--dtype", "float32"], "error: --dispatcher deepep: rows in torch.bfloat16 (got torch.float32)"),
-        ("deepep", ["--comm-sms", "0"], "error: --dispatcher deepep: a positive, even --comm-sms (got 0)"),
-        ("deepep-v2", [], "error: --dispatcher deepep-v2: hidden % 256 == 0 (got 32)"),
-    ],
-)
-def test_deepep_launch_refused_in_one_line(kind: str, flags: list[str], message: str) -> None:
-    argv = [*COMMON, "--pp", "1", "--ep", "2", "--dispatcher", kind, "--dtype", "bfloat16", *flags]
-    for outcome, destroyed in run_ranks(_deepep_main, 2, args=(argv, kind), timeout=120):
+@pytest.mark.parametrize(("kind", "flags", "message"), DEEPEP_REFUSED)
+def test_deepep_launch_refused_in_one_line(refusals: dict, kind: str, flags: list[str], message: str) -> None:
+    for outcome, destroyed in refusals[tuple(_deepep_argv(kind, flags))]:
         assert outcome == message and destroyed == []  # refused before any Buffer
 
 
 # V2's combine needs hidden % 256 == 0; the tiny preset has 32: a model field, set like any flag.
-@pytest.mark.parametrize(("kind", "width"), [("deepep", []), ("deepep-v2", ["--hidden-size", "256"])])
-def test_deepep_buffer_destroyed_on_the_clean_path_only(kind: str, width: list[str]) -> None:
-    argv = [*COMMON, *width, "--pp", "1", "--ep", "2", "--dispatcher", kind, "--dtype", "bfloat16", "--steps", "1"]
-    assert run_ranks(_deepep_main, 2, args=(argv, kind), timeout=120) == [("ok", ["destroy"])] * 2
+DEEPEP_WIDTHS = [("deepep", []), ("deepep-v2", ["--hidden-size", "256"])]
+
+
+@pytest.fixture(scope="module")
+def deepep_runs() -> dict[tuple[str, str], list[tuple[str, list[str]]]]:
+    """One step over each emulated DeepEP backend, clean and failing, in turn on one set of 2 ranks (one spawn,
+    not four): each rank's outcome and destroy calls, per (backend, "clean" or "failing")."""
+    cases, bodies = [], []
+    for kind, width in DEEPEP_WIDTHS:
+        argv = [*_deepep_argv(kind, width), "--steps", "1"]
+        for case, extra in (("clean", []), ("failing", ["--nan-at-step", "1"])):
+            cases.append((kind, case))
+            bodies.append((_deepep_main, ([*argv, *extra], kind)))
+    per_rank = run_ranks(_in_turn, 2, args=(bodies,), timeout=240)
+    return {case: [outcomes[i] for outcomes in per_rank] for i, case in enumerate(cases)}
+
+
+@pytest.mark.parametrize(("kind", "width"), DEEPEP_WIDTHS)
+def test_deepep_buffer_destroyed_on_the_clean_path_only(deepep_runs: dict, kind: str, width: list[str]) -> None:
+    assert deepep_runs[kind, "clean"] == [("ok", ["destroy"])] * 2
     # A failing step: no destroy() (DeepEP's syncs with peers that may be gone), just the one-line error.
-    failed = run_ranks(_deepep_main, 2, args=([*argv, "--nan-at-step", "1"], kind), timeout=120)
+    failed = deepep_runs[kind, "failing"]
     assert all(outcome.startswith("error:") and destroyed == [] for outcome, destroyed in failed), failed
 
 
-def test_a_checkpoint_reshards_across_pp_dp_ep(tmp_path: Path) -> None:
+def test_a_checkpoint_reshards_across_pp_dp_ep(pp2_ep2_checkpoints: tuple[Path, dict], tmp_path: Path) -> None:
     """Written at (pp=2, dp=2, ep=2) with ZeRO-1 (the state's rows over the 2 dp ranks), continued at (pp=1, dp=4,
     ep=4) without it and at (pp=2, dp=4, ep=1) with it (rows over 4, experts' too): the same global batch of 16
     sequences per step (micro-batches x size x dp), so the same losses."""
-    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
-    written = ["--pp", "2", "--dp", "2", "--ep", "2", "--num-chunks", "4", "--micro-batch-size", "2"]
-    resume = ["--steps", "4", *ckpt[:2], "--resume"]
-    wide_ep = ["--pp", "1", "--dp", "4", "--ep", "4", "--num-chunks", "2", "--micro-batch-size", "2", *resume]
-    on_4 = {  # in turn, on one set of 4 ranks
-        "full": [*written, "--steps", "4"],
-        "first": [*written, "--steps", "2", "--zero", "1", *ckpt],
-        "wide-ep": wide_ep,
-    }
-    got = train_each(4, tmp_path, on_4)
-    full = got["full"]
+    ckpt_root, got = pp2_ep2_checkpoints
+    resume = ["--steps", "4", *_ckpt(ckpt_root / "zero1")[:2], "--resume"]
     no_ep = ["--pp", "2", "--dp", "4", "--ep", "1", "--num-chunks", "4", "--micro-batch-size", "1", "--zero", "1"]
-    got["no-ep"] = losses(train(8, tmp_path, "no-ep", *no_ep, *resume))
+    resumed = {"wide-ep": got["wide-ep"], "no-ep": losses(train(8, tmp_path, "no-ep", *no_ep, *resume))}
     for name in ("wide-ep", "no-ep"):
-        resumed = got[name]
-        assert sorted(resumed) == [3, 4], name
+        assert sorted(resumed[name]) == [3, 4], name
         for step in (3, 4):
-            assert resumed[step] == pytest.approx(full[step], rel=5e-5), (name, step)
+            assert resumed[name][step] == pytest.approx(got["full"][step], rel=5e-5), (name, step)
 
 
 def test_bf16_with_fp32_master_weights_tracks_fp32(tmp_path: Path) -> None:
     """20 steps in bf16 (fp32 masters, gradients and AdamW state; ZeRO-1 and clipping on) stay within 0.01
     of the fp32 run's loss at every step (measured: at most 0.0025), while both learn."""
     args = ["--pp", "2", "--dp", "1", "--steps", "20", "--zero", "1", "--clip-grad", "1.0"]
-    fp32 = losses(train(2, tmp_path, "fp32", *args))
-    bf16 = losses(train(2, tmp_path, "bf16", *args, "--dtype", "bfloat16"))
+    got = train_each(2, tmp_path, {"fp32": args, "bf16": [*args, "--dtype", "bfloat16"]})  # one spawn
+    fp32, bf16 = got["fp32"], got["bf16"]
     assert sorted(bf16) == sorted(fp32) == list(range(1, 21))
     assert max(abs(bf16[s] - fp32[s]) for s in fp32) < 0.01, (bf16, fp32)
     assert fp32[20] < fp32[1] - 0.5 and bf16[20] < bf16[1] - 0.5
 
 
 def test_zero1_keeps_the_losses_and_shards_the_optimizer_state(tmp_path: Path) -> None:
-    """(pp=1, dp=4, ep=2), 4 ranks: ZeRO-1 on and off give the same losses, and rank 0's AdamW state (the fullest:
-    it holds the longest chunk of rows) shrinks from every dense and local expert weight's two moments to
-    ``ceil(rows / 4)`` rows of each dense weight and ``ceil(rows / 2)`` of each local expert (their 2 replicas)."""
+    """(pp=1, dp=4, ep=2), 4 ranks: ZeRO-1 on and off give the same losses (step 2 is the first to read the AdamW
+    state step 1 left), and rank 0's AdamW state (the fullest: it holds the longest chunk of rows) shrinks from
+    every dense and local expert weight's two moments to ``ceil(rows / 4)`` rows of each dense weight and
+    ``ceil(rows / 2)`` of each local expert (their 2 replicas)."""
     from moe.models.config import preset
     from moe.models.model import MoEModel
 
-    layout = ["--pp", "1", "--dp", "4", "--ep", "2", "--steps", "3", "--num-chunks", "2"]
-    off = train(4, tmp_path, "off", *layout, "--zero", "0")
-    on = train(4, tmp_path, "on", *layout, "--zero", "1")
-    assert losses(on) == losses(off)
+    layout = ["--pp", "1", "--dp", "4", "--ep", "2", "--steps", "2", "--num-chunks", "2"]
+    got = train_records(4, tmp_path, {"off": [*layout, "--zero", "0"], "on": [*layout, "--zero", "1"]})  # one spawn
+    off, on = got["off"], got["on"]
+    assert len(off) == 2 and losses(on) == losses(off)
     model = MoEModel(preset("tiny", num_layers=4))
     params = dict(model.named_parameters())
     dense = sum(p.numel() for n, p in params.items() if ".experts." not in n)
