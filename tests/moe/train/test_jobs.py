@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from tests.distributed import run_ranks
-from tests.moe.train.test_trainer import COMMON, _bad_flags, losses, train
+from tests.moe.train.test_trainer import COMMON, _bad_flags, _in_turn, _train, losses, train, train_each
+
+pytestmark = pytest.mark.slow  # every test here launches ranks or processes
 
 ROOT = Path(__file__).resolve().parents[3]
 ONE = [*COMMON, "--layers", "2", "--pp", "1", "--ep", "1", "--num-chunks", "2", "--val-every", "0"]
@@ -22,20 +24,32 @@ LEARN = ["--lr", "1e-2", "--warmup", "1", "--steps", "10"]  # a tiny model learn
 
 
 def _print_then_train(rank: int, world: int, argv: list[str], path: str) -> None:
+    import torch.distributed as dist
+
     from moe.train import config_from_args, dump_toml
 
     if rank == 0:
         Path(path).write_text(dump_toml(config_from_args(argv, world)[0]))
+    dist.barrier()  # the file is whole before any rank reads it
 
 
 def test_print_config_then_config_reproduces_the_flags_loss_for_loss(tmp_path: Path) -> None:
     flags = ["--pp", "2", "--ep", "1", "--steps", "3", "--lr-schedule", "wsd", "--vocab-size", "300", "--zero", "1"]
-    by_flags = losses(train(2, tmp_path, "flags", *flags))
     job = tmp_path / "job.toml"
-    run_ranks(_print_then_train, 2, args=([*COMMON, *flags], str(job)), timeout=60)
-    # The file alone (COMMON's flags are in it too); only where the metrics go differs.
-    from_file = losses(train(2, tmp_path, "file", "--config", str(job)))
-    assert sorted(from_file) == [1, 2, 3] and from_file == by_flags  # bitwise
+    # The file alone (COMMON's flags are in it too); only where the metrics go differs. In turn on one set of ranks.
+    by_flags, _, from_file = run_ranks(
+        _in_turn,
+        2,
+        args=(
+            [
+                (_train, ([*COMMON, "--metrics-file", str(tmp_path / "flags.jsonl"), *flags],)),
+                (_print_then_train, ([*COMMON, *flags], str(job))),
+                (_train, (["--config", str(job), "--metrics-file", str(tmp_path / "file.jsonl")],)),
+            ],
+        ),
+        timeout=240,
+    )[0]
+    assert sorted(losses(from_file)) == [1, 2, 3] and losses(from_file) == losses(by_flags)  # bitwise
 
 
 def _pattern_tokens(vocab: int, n: int, seed: int) -> np.ndarray:
@@ -52,10 +66,12 @@ def _pattern_tokens(vocab: int, n: int, seed: int) -> np.ndarray:
 def test_a_70000_token_vocabulary_trains_on_a_uint32_npy(tmp_path: Path) -> None:
     path = tmp_path / "tokens.npy"
     np.save(path, _pattern_tokens(70_000, 40_000, seed=0).astype(np.uint32))
-    loss = losses(train(1, tmp_path, "big", *ONE, *LEARN, "--vocab-size", "70000", "--data", str(path)))
+    big = [*ONE, *LEARN, "--vocab-size", "70000", "--data", str(path), "--metrics-file", str(tmp_path / "big.jsonl")]
+    # then one id too many for the model: one line naming the file and the position, before any step
+    bodies = [(_train, (big,)), (_bad_flags, ([*ONE, "--vocab-size", "69999", "--data", str(path)],))]
+    records, out = run_ranks(_in_turn, 1, args=(bodies,), timeout=240)[0]  # in turn on one rank
+    loss = losses(records)
     assert loss[1] == pytest.approx(np.log(70_000), abs=0.3) and loss[10] < loss[1] - 1.0, loss
-    # one id too many for the model: one line naming the file and the position, before any step
-    out = run_ranks(_bad_flags, 1, args=([*ONE, "--vocab-size", "69999", "--data", str(path)],), timeout=60)[0]
     assert out.startswith(f"error: --data: {path}: token id 69999 at position ") and "\n" not in out, out
 
 
@@ -105,14 +121,16 @@ def test_a_run_stopped_at_a_checkpoint_resumes_bitwise(tmp_path: Path, world: in
     length (0.1 of 3 steps rounds to no decay; of 6, only step 6 decays, in both 6-step runs)."""
     job = [*layout, "--lr-schedule", "wsd", "--lr-schedule.decay-fraction", "0.1", "--num-chunks", "4"]
     ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "3"]
-    full = losses(train(world, tmp_path, "full", *job, "--steps", "6", "--trace-dir", str(tmp_path / "trace")))
+    trace = ["--trace-dir", str(tmp_path / "trace")]
+    runs = {"full": [*job, "--steps", "6", *trace], "first": [*job, "--steps", "3", *ckpt]}
+    runs["resumed"] = [*job, "--steps", "6", *ckpt, "--resume"]
+    got = train_each(world, tmp_path, runs)  # in turn on one set of ranks
+    full = got["full"]
     for rank in range(world):  # --trace-dir: a torch profiler trace of the second step per rank
         trace = json.loads((tmp_path / "trace" / f"trace_rank{rank}.json").read_text())
         assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
-    first = losses(train(world, tmp_path, "first", *job, "--steps", "3", *ckpt))
-    assert first == {s: full[s] for s in (1, 2, 3)}
-    resumed = losses(train(world, tmp_path, "resumed", *job, "--steps", "6", *ckpt, "--resume"))
-    assert resumed == {s: full[s] for s in (4, 5, 6)}  # bitwise: same data position, same math
+    assert got["first"] == {s: full[s] for s in (1, 2, 3)}
+    assert got["resumed"] == {s: full[s] for s in (4, 5, 6)}  # bitwise: same data position, same math
 
 
 def _env() -> dict[str, str]:
