@@ -18,7 +18,7 @@ from kernels.fp8 import FP8Recipe
 from moe.models.config import MoEConfig, preset
 from moe.models.layers import Linear, use_fp8
 from moe.models.model import MoEModel
-from tests.moe.train.test_trainer import losses, train
+from tests.moe.train.test_trainer import train_each
 
 STEPS = 40
 
@@ -33,6 +33,7 @@ def _close_to_bf16(bf16: dict[int, float], fp8: dict[int, float]) -> float:
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "layout"),
     [
@@ -43,9 +44,8 @@ def _close_to_bf16(bf16: dict[int, float], fp8: dict[int, float]) -> float:
 )
 def test_fp8_loss_tracks_bf16(tmp_path: Path, world: int, layout: list[str]) -> None:
     args = [*layout, "--steps", str(STEPS), "--dtype", "bfloat16"]
-    bf16 = losses(train(world, tmp_path, "bf16", *args))
-    fp8 = losses(train(world, tmp_path, "fp8", *args, "--fp8", "--fp8-activations"))
-    _close_to_bf16(bf16, fp8)
+    got = train_each(world, tmp_path, {"bf16": args, "fp8": [*args, "--fp8", "--fp8-activations"]})  # one spawn
+    _close_to_bf16(got["bf16"], got["fp8"])
 
 
 def test_use_fp8_leaves_the_head_and_router_in_their_dtype() -> None:
