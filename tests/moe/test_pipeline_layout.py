@@ -51,44 +51,48 @@ def test_a_layout_that_does_not_fit_is_one_line() -> None:
         assert "\n" not in text
 
 
+@pytest.mark.slow
 def test_an_uneven_layout_trains_like_one_process_and_resumes_under_another(tmp_path: Path) -> None:
-    from tests.moe.train.test_trainer import losses, train
+    from tests.moe.train.test_trainer import losses, train, train_records
 
     args = ["--model", "deepseek-v3-tiny", "--seq-len", "16"]
     one = train(1, tmp_path, "one", *args, "--schedule", "1f1b", "--steps", "3", "--num-chunks", "8")
     ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
     # DualPipeV at pp=2 x ep=2: stage 3 (on rank 0, beside the embedding's stage) holds only MTP and the head
     uneven = ["--pp", "2", "--ep", "2", "--num-chunks", "4", "--pipeline-layout", "Et|tt|t|mL"]
-    piped = train(4, tmp_path, "uneven", *args, *uneven, "--steps", "3", *ckpt)
-    for a, b in zip(one, piped, strict=True):
+    # then the step-2 checkpoint, resumed under auto (Et|t|tt|mL: another split of the layers); in turn, one spawn
+    auto = ["--pp", "2", "--ep", "2", "--num-chunks", "4", "--steps", "3"]
+    runs = {"uneven": [*args, *uneven, "--steps", "3", *ckpt], "auto": [*args, *auto, *ckpt, "--resume"]}
+    got = train_records(4, tmp_path, runs)
+    for a, b in zip(one, got["uneven"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-5) and b["mtp_loss"] == pytest.approx(
             a["mtp_loss"], rel=2e-5
         )
-    # the step-2 checkpoint, resumed under auto (Et|t|tt|mL: another split of the layers)
-    auto = ["--pp", "2", "--ep", "2", "--num-chunks", "4", "--steps", "3"]
-    resumed = losses(train(4, tmp_path, "auto", *args, *auto, *ckpt, "--resume"))
+    resumed = losses(got["auto"])
     assert sorted(resumed) == [3] and resumed[3] == pytest.approx(one[2]["loss"], rel=2e-5)
 
 
+@pytest.mark.slow
 def test_mtp_on_a_stage_of_its_own_trains_like_one_process(tmp_path: Path) -> None:
     """Megatron-Core's ``m|L``: the MTP module on the stage before a stage of the head alone, which takes the
     labels in forward and hands the hidden state on with the MTP loss attached. DualPipeV at pp=2 x ep=2 (the
     MTP stage on rank 1, its embedding copy kept equal over the embedding group) and DualPipe at pp=4 (the MTP
     stage on ranks 2 and 1, one per direction, each paired with its direction's first stage), both with
     overlap: the single process's losses and MTP losses."""
-    from tests.moe.train.test_trainer import train
+    from tests.moe.train.test_trainer import train, train_records
 
     args = ["--model", "deepseek-v3-tiny", "--seq-len", "16", "--steps", "2"]
     one = train(1, tmp_path, "one", *args, "--schedule", "1f1b", "--num-chunks", "8")
     v = ["--pp", "2", "--ep", "2", "--schedule", "dualpipev", "--num-chunks", "4", "--pipeline-layout", "Et|ttt|m|L"]
     dual = ["--pp", "4", "--schedule", "dualpipe", "--num-chunks", "8", "--pipeline-layout", "Ett|tt|m|L"]
-    for name, extra in (("v", v), ("dual", dual)):
-        piped = train(4, tmp_path, name, *args, *extra, "--overlap")
+    got = train_records(4, tmp_path, {name: [*args, *extra, "--overlap"] for name, extra in (("v", v), ("dual", dual))})
+    for name, piped in got.items():  # both in turn on one spawn of 4 ranks
         for a, b in zip(one, piped, strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=2e-5), name
             assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=2e-5), name
 
 
+@pytest.mark.slow
 def test_the_embedding_and_the_head_on_stages_of_their_own_train_like_one_process(tmp_path: Path) -> None:
     """``E|tt|tt|L``: the first stage only looks the tokens up, the last only runs the head and the loss (no
     block on either), under DualPipeV with overlap at pp=2: the single process's losses."""
