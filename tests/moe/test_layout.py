@@ -82,11 +82,22 @@ def _reference(cfg, dp: int) -> tuple[list[float], dict[str, torch.Tensor], list
     return means, first, norms
 
 
+def _train_each(rank: int, world: int, dp: int) -> dict:
+    return {schedule: _train(rank, world, schedule, dp) for schedule in PIPELINES}
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[tuple, dict[str, list]]:
+    """The single process's run, and every rank's run of each schedule: both in turn on one spawn of 8 ranks."""
+    per_rank = run_ranks(_train_each, world_size=PP * DP, args=(DP,), timeout=360)
+    return _reference(tiny_config(), DP), {schedule: [r[schedule] for r in per_rank] for schedule in PIPELINES}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
-def test_pp2_dp4_ep2_trains_like_one_process(schedule: str, dp: int = DP) -> None:
-    cfg = tiny_config()
-    ref_means, ref_grads, ref_norms = _reference(cfg, dp)
-    results = run_ranks(_train, world_size=PP * dp, args=(schedule, dp), timeout=240)
+def test_pp2_dp4_ep2_trains_like_one_process(trained: tuple, schedule: str, dp: int = DP) -> None:
+    (ref_means, ref_grads, ref_norms), runs = trained
+    results = runs[schedule]
 
     seen: dict[tuple[int, int], set[str]] = {}
     for (pp_rank, edp_rank, ep_rank), _, grads, experts, norms in results:
