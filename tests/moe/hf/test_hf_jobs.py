@@ -19,6 +19,8 @@ from tests.moe.train.test_trainer import losses
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+pytestmark = pytest.mark.slow  # every test here launches ranks
+
 SEQ, BATCH, BATCHES = 16, 8, 2
 
 
@@ -60,38 +62,87 @@ def _argv(ckpt: Path, tokens: Path, *extra: str) -> list[str]:
     return [*common, "--batch-size", str(BATCH), "--batches", str(BATCHES), *extra]
 
 
-def test_eval_equals_transformers_in_one_process_and_pipelined(job) -> None:
-    ckpt, tokens, want, want_mtp = job
-    one = run_ranks(_eval, 1, args=(_argv(ckpt, tokens, "--schedule", "1f1b"),), timeout=120)[0]
+def _refused_cases(ckpt: Path, tokens: Path, empty: Path) -> list[tuple[list[str], str]]:
+    return [
+        (_argv(ckpt, tokens, "--batches", "1000"), "tokens, 128001 needed for --batches x --batch-size windows"),
+        (_argv(empty, tokens), "neither a Hugging Face directory (config.json) nor a checkpoint"),
+        (_argv(ckpt, tokens, "--batch-size", "1"), "DualPipeV needs num_chunks >= 2 * ranks = 2 (got 1)"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(job, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Per architecture, the three tests below in two spawns: on 1 rank, in turn, the one-process eval, the
+    one-process training and the refused evals; on 4 ranks (pp=2 x ep=2), in turn, the pipelined eval and
+    training. Their results by name; the training's are rank 0's metrics records."""
+    from tests.moe.train.test_trainer import COMMON, _in_turn, _train
+
+    ckpt, tokens, *_ = job
+    tmp = tmp_path_factory.mktemp("runs")
+    empty = tmp / "empty"
+    empty.mkdir()
+    args = ["--model", str(ckpt), "--data", str(tokens), "--seq-len", "16", "--steps", "3", "--val-every", "0"]
+    one = [(_eval, (_argv(ckpt, tokens, "--schedule", "1f1b"),))]
+    one += [
+        (
+            _train,
+            ([*COMMON, "--metrics-file", str(tmp / "one.jsonl"), *args, "--schedule", "1f1b", "--num-chunks", "8"],),
+        )
+    ]
+    one += [(exit_message, ("moe.eval", argv)) for argv, _ in _refused_cases(ckpt, tokens, empty)]
+    eval_one, train_one, *refused = run_ranks(_in_turn, 1, args=(one,), timeout=300)[0]
+    # DualPipeV at pp=2 x ep=2: 4 ranks, 2 data-parallel ranks of 4 one-sequence micro-batches each (eval); with
+    # overlapped all-to-all (the default) in training, DeepSeek-V3's MTP module on rank 0
+    piped = [(_eval, (_argv(ckpt, tokens, "--pp", "2", "--ep", "2"),))]
+    piped += [
+        (
+            _train,
+            (
+                [
+                    *COMMON,
+                    "--metrics-file",
+                    str(tmp / "piped.jsonl"),
+                    *args,
+                    "--pp",
+                    "2",
+                    "--ep",
+                    "2",
+                    "--num-chunks",
+                    "4",
+                ],
+            ),
+        )
+    ]
+    per_rank = run_ranks(_in_turn, 4, args=(piped,), timeout=360)
+    return {
+        "eval-one": eval_one,
+        "eval-piped": [r[0] for r in per_rank],
+        "train-one": train_one,
+        "train-piped": per_rank[0][1],
+        "refused": dict(zip((message for _, message in _refused_cases(ckpt, tokens, empty)), refused, strict=True)),
+    }
+
+
+def test_eval_equals_transformers_in_one_process_and_pipelined(job, runs: dict) -> None:
+    _, _, want, want_mtp = job
+    one = runs["eval-one"]
     assert one["tokens"] == BATCHES * BATCH * SEQ
     assert one["loss"] == pytest.approx(want, rel=1e-5)
-    # DualPipeV at pp=2 x ep=2: 4 ranks, 2 data-parallel ranks of 4 one-sequence micro-batches each
-    piped = run_ranks(_eval, 4, args=(_argv(ckpt, tokens, "--pp", "2", "--ep", "2"),), timeout=180)
-    assert all(r["loss"] == pytest.approx(want, rel=1e-5) for r in piped)
+    piped = runs["eval-piped"]
+    assert len(piped) == 4 and all(r["loss"] == pytest.approx(want, rel=1e-5) for r in piped)
     for result in (one, *piped):
         assert result.get("mtp_loss") == (None if want_mtp is None else pytest.approx(want_mtp, rel=1e-5))
 
 
-def test_eval_refuses_what_it_cannot_run_in_one_line(job, tmp_path: Path) -> None:
-    ckpt, tokens, *_ = job
-    cases = [
-        (_argv(ckpt, tokens, "--batches", "1000"), "tokens, 128001 needed for --batches x --batch-size windows"),
-        (_argv(tmp_path, tokens), "neither a Hugging Face directory (config.json) nor a checkpoint"),
-        (_argv(ckpt, tokens, "--batch-size", "1"), "DualPipeV needs num_chunks >= 2 * ranks = 2 (got 1)"),
-    ]
-    for argv, message in cases:
-        out = run_ranks(exit_message, 1, args=("moe.eval", argv), timeout=60)[0]
+def test_eval_refuses_what_it_cannot_run_in_one_line(runs: dict) -> None:
+    assert len(runs["refused"]) == 3
+    for message, out in runs["refused"].items():
         assert out.startswith("error: ") and message in out and "\n" not in out, out
 
 
-def test_training_from_a_checkpoint_pipelined_equals_one_process(job, tmp_path: Path) -> None:
-    from tests.moe.train.test_trainer import train
-
-    ckpt, tokens, _, want_mtp = job
-    args = ["--model", str(ckpt), "--data", str(tokens), "--seq-len", "16", "--steps", "3", "--val-every", "0"]
-    one = train(1, tmp_path, "one", *args, "--schedule", "1f1b", "--num-chunks", "8")
-    # DualPipeV with overlapped all-to-all (the default) at pp=2 x ep=2; DeepSeek-V3's MTP module on rank 0
-    piped = train(4, tmp_path, "piped", *args, "--pp", "2", "--ep", "2", "--num-chunks", "4")
+def test_training_from_a_checkpoint_pipelined_equals_one_process(job, runs: dict) -> None:
+    want_mtp = job[3]
+    one, piped = runs["train-one"], runs["train-piped"]
     assert sorted(losses(piped)) == [1, 2, 3]
     for a, b in zip(one, piped):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-5)
