@@ -174,6 +174,7 @@ def test_an_mtp_stage_without_labels_is_one_line() -> None:
         MoEModel(cfg)(ids)
 
 
+@pytest.mark.slow
 def test_the_embedding_copies_train_as_one_parameter(tmp_path: Path) -> None:
     """1F1B at pp=2 puts the MTP stage (and its copy of the embedding) on the other rank than the first stage:
     with the gradient clipped (the norm counts the embedding once) and bf16 moments, its losses and norms are
