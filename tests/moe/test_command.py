@@ -38,16 +38,30 @@ def test_a_failing_rank_waits_for_the_others_to_check_in(monkeypatch: pytest.Mon
     worker.join()
 
 
+def _timed(**kwargs) -> float:
+    start = time.monotonic()
+    command._exit_together(**kwargs)
+    return time.monotonic() - start
+
+
 def test_the_wait_is_bounded_and_absent_outside_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     _torchrun_env(monkeypatch, agent.port, rank=1, world=2)
-    start = time.monotonic()
-    command._exit_together(wait_s=0.5)  # rank 0 never fails: the wait ends at its bound
-    assert 0.5 <= time.monotonic() - start < 5
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
-    start = time.monotonic()
-    command._exit_together(wait_s=30)
-    assert time.monotonic() - start < 1
+    assert 0.5 <= _timed(wait_s=0.5) < 5  # rank 0 never fails: the wait ends at its bound
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # not torchrun
+    assert _timed(wait_s=30) < 1
+
+
+def test_without_a_shared_store_rank_0_exits_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: no store to check in on. The others wait (torchrun ends them when
+    rank 0 exits); rank 0 exits once it has printed, after a grace for the others' tracebacks under --debug."""
+    _torchrun_env(monkeypatch, 1, rank=1, world=2)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert 0.5 <= _timed(wait_s=0.5) < 5
+    monkeypatch.setenv("RANK", "0")
+    assert _timed(wait_s=30) < 1
+    monkeypatch.setattr(command, "DEBUG_GRACE_S", 0.5)
+    assert 0.5 <= _timed(wait_s=30, debug=True) < 5
 
 
 def test_a_mistake_is_one_line_on_rank_0_only(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
