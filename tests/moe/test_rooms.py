@@ -58,6 +58,10 @@ def _graph() -> dict[str, set[str]]:
     return {m: {t for t in runtime_imports(p, m, set(MODULES)) if t in MODULES and t != m} for m, p in MODULES.items()}
 
 
+GRAPH = _graph()
+"""Each module's runtime imports of other moe modules, read once for every test here."""
+
+
 def test_every_module_sits_in_a_room_with_a_height() -> None:
     rooms = {_room(m) for m in MODULES if m != "moe"}
     assert rooms == set(LEVELS), f"rooms without a height: {sorted(rooms - set(LEVELS))}"
@@ -66,22 +70,22 @@ def test_every_module_sits_in_a_room_with_a_height() -> None:
 def test_no_module_imports_a_room_above_its_own() -> None:
     up = [
         f"{m} (height {LEVELS[_room(m)]}) imports {t} (height {LEVELS[_room(t)]})"
-        for m, targets in _graph().items()
+        for m, targets in GRAPH.items()
         if m != "moe"
         for t in targets
         if t != "moe" and LEVELS[_room(t)] > LEVELS[_room(m)]
     ]
     assert not up, "\n".join(up)
-    assert all(t != "moe" for m, targets in _graph().items() if m != "moe" for t in targets), "the front door"
+    assert all(t != "moe" for m, targets in GRAPH.items() if m != "moe" for t in targets), "the front door"
 
 
 def test_the_planner_never_imports_the_trainer() -> None:
-    graph = _graph()
+    graph = GRAPH
     assert not [(m, t) for m, ts in graph.items() if m.startswith("moe.plan") for t in ts if t.startswith("moe.train")]
 
 
 def test_no_two_modules_import_each_other() -> None:
-    graph = _graph()
+    graph = GRAPH
     loops = sorted({tuple(sorted((a, b))) for a, ts in graph.items() for b in ts if a in graph.get(b, ())})
     assert not loops, loops
 
@@ -99,7 +103,7 @@ def test_the_tests_mirror_the_packages() -> None:
 
 
 def test_the_reader_sees_runtime_imports_only() -> None:
-    graph = _graph()
+    graph = GRAPH
     # mtp names the stage in annotations only (TYPE_CHECKING); the stage runs mtp's code
     assert "moe.models.mtp" in graph["moe.models.stage"] and "moe.models.stage" not in graph["moe.models.mtp"]
     # the config's registry lookup runs inside a function and still counts
