@@ -169,9 +169,12 @@ def test_the_comparison_is_predicted_over_measured_with_the_margin_marked():
 
 @pytest.fixture(scope="module")
 def calibration(tmp_path_factory) -> tuple[dict, object]:
-    """One emulated-cluster run: the no-overlap steps calibrate, the overlapped ones are predicted."""
+    """One emulated-cluster run: the no-overlap steps calibrate, the overlapped ones are predicted. The test reads
+    the files' shape, not the timings: the smallest model and one timed step (the benchmark's own setup is
+    ``Setup()``, run by ``python -m bench.overlap.calibrate``)."""
     out = tmp_path_factory.mktemp("calibration")
-    record = run(Setup(steps=3), out)
+    tiny = Setup(chunks=4, micro_batch=2, seq_len=16, hidden=32, moe_intermediate=32, layers=2, steps=1)
+    record = run(tiny, out)
     print(report(record))  # the planner against the measurement: printed, since it depends on the machine's load
     return record, out
 
