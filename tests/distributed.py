@@ -34,11 +34,19 @@ class RankTimeout(AssertionError):
     """Ranks did not finish in time (a deadlock or a hang)."""
 
 
+PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.pipelining", "tests.distributed",
+    "moe", "moe.train.trainer", "moe.eval", "moe.hf", "kernels.ops", "kernels.functional", "transformers",
+]  # fmt: skip
+
+
 def _context() -> mp.context.BaseContext:
     # forkserver: children fork from a clean server that has imported torch once (fast start, and no
-    # inherited OpenMP or process-group state from the pytest process).
+    # inherited OpenMP or process-group state from the pytest process). It imports what rank bodies use too
+    # (each import is ~1-3 s of CPU per rank otherwise, a third of the suite's time on 2 cores); none of it reads
+    # the environment at import time except Triton (TRITON_INTERPRET, set by the root conftest before this).
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.distributed"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
