@@ -24,7 +24,7 @@ def _shared_fixtures(item: pytest.Item) -> Iterable[str]:
     """The fixtures of ours wider than one test that ``item`` uses: a module-scoped one is its module's, a
     session-scoped one is everyone's."""
     info = getattr(item, "_fixtureinfo", None)
-    for name, defs in (info.name2fixturedefs.items() if info else ()):
+    for name, defs in info.name2fixturedefs.items() if info else ():
         fixture = defs[-1]
         if fixture.baseid and fixture.scope in ("module", "class", "package"):
             yield f"{item.module.__name__}:{name}" if fixture.scope == "module" else f"{fixture.baseid}:{name}"
