@@ -25,8 +25,8 @@ REFERENCE_KERNELS = "kernels/reference.py"
 EMULATION = "tests/moe/dispatch/fake_deep_ep.py"
 
 
-def _pair(rank: int, world: int, kind: str, sync_free: bool):
-    """F(A) plainly, then the hook pairs F(B) with B(A) under the detector; B(B) plainly.
+def _pair(rank: int, world: int, kind: str, sync_free: bool, layers: int):
+    """F(A) plainly, then the hook pairs F(B) with B(A) under the detector; B(B) plainly. ``layers`` MoE layers.
 
     Returns (losses, gradients by name, flagged ops outside the reference kernels by name, count inside).
     """
@@ -36,7 +36,7 @@ def _pair(rank: int, world: int, kind: str, sync_free: bool):
     dispatcher = make_dispatcher(
         kind, cfg.num_experts, group, DispatchOptions(hidden_size=cfg.hidden_size, dtype=dtype, sync_free=sync_free)
     )
-    stage = MoEStage(cfg, range(1, 4), first=False, last=True, dispatcher=dispatcher)
+    stage = MoEStage(cfg, range(1, 1 + layers), first=False, last=True, dispatcher=dispatcher)
     stage.reset_parameters(SEED)
     stage.to(dtype)
     (_, labels_a), (_, labels_b) = (batch(cfg, 2, 16, seed=10 * rank + i) for i in range(2))
@@ -55,25 +55,29 @@ def _pair(rank: int, world: int, kind: str, sync_free: bool):
     return [loss_a.item(), loss_b.item()], grads, loads, outside.counts(), outside.summary(), inside
 
 
-def _both_modes(rank: int, world: int, kind: str):
-    return _pair(rank, world, kind, False), _pair(rank, world, kind, True)
+def _both_modes(rank: int, world: int, kind: str, layers: int = 3):
+    return _pair(rank, world, kind, False, layers), _pair(rank, world, kind, True, layers)
 
 
-# Measured: flagged ops of one pair in normal mode, outside the expert kernels' CPU references. Before the
-# host-sync fixes the pair flagged, on every rank, bincount x3 (router loads), nonzero x3 and tolist x6
-# (alltoall send order and counts); now the one read of the exchanged counts per MoE layer (3 layers) is left.
-NORMAL_MODE = {"alltoall": {"Tensor.tolist": 3}, "local": {}, "deepep": {}}
-# The references' own (they are the CPU oracle and may sync), 3 layers: the grouped GEMMs' offsets (tolist, 2
-# forward + 2 dgrad + 2 wgrad per layer) in both modes, plus permute's int(sum) where the rows are not padded
-# to a static count. tests/kernels/test_sync_free_experts.py shows the Triton path at zero.
-REFERENCE_KERNEL_SYNCS = {False: 3 * (6 + 1), True: 3 * 6}
+# Measured, per MoE layer: flagged ops of one pair in normal mode, outside the expert kernels' CPU references.
+# Before the host-sync fixes the pair flagged, on every rank and per layer, bincount (router loads), nonzero and
+# tolist x2 (alltoall send order and counts); now the one read of the exchanged counts is left.
+NORMAL_MODE = {"alltoall": {"Tensor.tolist": 1}, "local": {}, "deepep": {}}
+# The references' own (they are the CPU oracle and may sync), per layer: the grouped GEMMs' offsets (tolist, 2
+# forward + 2 dgrad + 2 wgrad) in both modes, plus permute's int(sum) where the rows are not padded to a static
+# count. tests/kernels/test_sync_free_experts.py shows the Triton path at zero.
+REFERENCE_KERNEL_SYNCS = {False: 6 + 1, True: 6}
 
 
 # On the Triton path (the CUDA path) normal mode adds permute's read of the routed row count, once per MoE layer.
-TRITON_PERMUTE = {"aten._local_scalar_dense": 3}
+TRITON_PERMUTE = {"aten._local_scalar_dense": 1}
 
 
-def _check_modes(normal, free, kind: str, triton: bool = False) -> None:
+def _per_layers(counts: dict[str, int], layers: int) -> dict[str, int]:
+    return {op: n * layers for op, n in counts.items()}
+
+
+def _check_modes(normal, free, kind: str, triton: bool = False, layers: int = 3) -> None:
     (losses, grads, loads, _, _, inside), (losses_f, grads_f, loads_f, counts_f, where_f, inside_f) = normal, free
     assert losses == losses_f
     assert grads.keys() == grads_f.keys()
@@ -82,8 +86,9 @@ def _check_modes(normal, free, kind: str, triton: bool = False) -> None:
     for name in loads:
         assert torch.equal(loads[name], loads_f[name]), name
     assert counts_f == {}, where_f
-    assert normal[3] == (NORMAL_MODE[kind] | TRITON_PERMUTE if triton else NORMAL_MODE[kind]), normal[4]
-    want_inside = (0, 0) if triton else (REFERENCE_KERNEL_SYNCS[False], REFERENCE_KERNEL_SYNCS[True])
+    want = NORMAL_MODE[kind] | TRITON_PERMUTE if triton else NORMAL_MODE[kind]
+    assert normal[3] == _per_layers(want, layers), normal[4]
+    want_inside = (0, 0) if triton else (REFERENCE_KERNEL_SYNCS[False] * layers, REFERENCE_KERNEL_SYNCS[True] * layers)
     assert (inside, inside_f) == want_inside
 
 
@@ -96,11 +101,13 @@ def test_alltoall_sync_free_pair():
 @pytest.mark.slow
 def test_alltoall_sync_free_pair_on_triton():
     """The same pair with the expert kernels on Triton (the interpreter here, which runs kernels outside aten):
-    in sync-free mode nothing at all syncs, experts included, and the results still equal normal mode's."""
+    in sync-free mode nothing at all syncs, experts included, and the results still equal normal mode's. One MoE
+    layer (the counts are per layer, the plain test above has three): the interpreter runs every kernel program
+    in Python."""
     pytest.importorskip("triton")
     env = {"DUALPIPE_KERNELS": "triton"}
-    for normal, free in run_ranks(_both_modes, world_size=2, args=("alltoall",), timeout=300, env=env):
-        _check_modes(normal, free, "alltoall", triton=True)
+    for normal, free in run_ranks(_both_modes, world_size=2, args=("alltoall", 1), timeout=300, env=env):
+        _check_modes(normal, free, "alltoall", triton=True, layers=1)
 
 
 def test_local_sync_free_pair():
