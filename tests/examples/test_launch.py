@@ -152,13 +152,14 @@ def test_the_readme_main_command(tmp_path: Path) -> None:
     """`bash scripts/run.sh` (shortened): DualPipeV with overlap at pp=2 x ep=2 on 4 CPU ranks learns."""
     metrics = tmp_path / "main.jsonl"
     log = _run(
-        ["bash", str(ROOT / "scripts/run.sh"), "--steps", "25", "--val-every", "0", "--metrics-file", str(metrics)],
+        ["bash", str(ROOT / "scripts/run.sh"), "--steps", "20", "--val-every", "0", "--metrics-file", str(metrics)],
         timeout=600,
     )
     assert "pp=2 dp=2 ep=2 dualpipev overlap=True" in log
     loss = _metrics(metrics)
-    assert sorted(loss) == list(range(1, 26))
-    assert loss[25] < loss[1] - 1.0  # byte-level LM from ~ln(256)=5.5: clearly learning
+    assert sorted(loss) == list(range(1, 21))
+    # byte-level LM from ~ln(256)=5.5: clearly learning (measured 2026-11-28: 5.52 -> 4.15 at step 20)
+    assert loss[20] < loss[1] - 1.0
 
 
 def test_the_readme_deepseek_v3_command_passes_every_launch_check() -> None:
