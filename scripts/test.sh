@@ -13,9 +13,9 @@ if [ -z "${DUALPIPE_CLUSTER_TESTS:-}" ] && [ "$(id -u)" = 0 ] && command -v ip >
 fi
 .venv/bin/python -m ruff check .
 # One worker per core, at most 4 (DUALPIPE_TEST_WORKERS overrides; 0 runs in this process): single-process
-# tests use one thread each (tests/conftest.py), and much of a multi-rank test is waiting. Tests that share a
-# fixture wider than one test run on one worker, slow ones first (tests/conftest.py::_group_for_workers).
+# tests use one thread each (tests/conftest.py). A module at a time (its fixtures are built once), the modules
+# with slow tests first (tests/conftest.py::_slow_modules_first).
 workers=${DUALPIPE_TEST_WORKERS:-$(nproc)}
 [ "$workers" -gt 4 ] && workers=4
 [ "$workers" -lt 2 ] && workers=0
-.venv/bin/python -m pytest -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
+.venv/bin/python -m pytest -n "$workers" --dist loadscope --no-loadscope-reorder "$@"

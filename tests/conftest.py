@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 import pytest
 import torch
@@ -20,45 +19,17 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-def _shared_fixtures(item: pytest.Item) -> Iterable[str]:
-    """The fixtures of ours wider than one test that ``item`` uses: a module-scoped one is its module's, a
-    session-scoped one is everyone's."""
-    info = getattr(item, "_fixtureinfo", None)
-    for name, defs in info.name2fixturedefs.items() if info else ():
-        fixture = defs[-1]
-        if fixture.baseid and fixture.scope in ("module", "class", "package"):
-            yield f"{item.module.__name__}:{name}" if fixture.scope == "module" else f"{fixture.baseid}:{name}"
-        elif fixture.baseid and fixture.scope == "session":
-            yield f"session:{name}"
+def _slow_modules_first(items: list[pytest.Item]) -> None:
+    """On a pytest-xdist worker (scripts/test.sh: ``--dist loadscope``, a module at a time, so that a module's
+    fixtures are built once): the modules with a slow test first, in their order otherwise, so that no long
+    module is left for the end while the other worker idles."""
+    slow = {item.module.__name__ for item in items if "slow" in item.keywords and getattr(item, "module", None)}
+    items.sort(key=lambda item: getattr(item, "module", None) is None or item.module.__name__ not in slow)
 
 
-def _group_for_workers(items: list[pytest.Item]) -> None:
-    """Under ``pytest -n N --dist loadgroup`` (scripts/test.sh): the tests that share one of our fixtures
-    wider than a test run on one worker, so that it is built once; all others go wherever a worker is free.
-    Then the slow ones first (stable order otherwise), so that no long test is left for the end."""
-    parent: dict[str, str] = {}
-
-    def root(key: str) -> str:
-        while parent.setdefault(key, key) != key:
-            key = parent[key]
-        return key
-
-    keys = {item.nodeid: list(_shared_fixtures(item)) for item in items}
-    for first, *rest in (k for k in keys.values() if k):
-        for other in rest:
-            parent[root(other)] = root(first)
-    group = {nodeid: root(k[0]) for nodeid, k in keys.items() if k}
-    slow_groups = {group.get(item.nodeid, item.nodeid) for item in items if "slow" in item.keywords}
-    for item in items:
-        if item.nodeid in group:
-            item.add_marker(pytest.mark.xdist_group(group[item.nodeid]))
-    items.sort(key=lambda item: group.get(item.nodeid, item.nodeid) not in slow_groups)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
-        _group_for_workers(items)
+    if hasattr(config, "workerinput"):  # the order each worker collects is the order xdist hands modules out
+        _slow_modules_first(items)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_cluster = pytest.mark.skip(reason="needs root and DUALPIPE_CLUSTER_TESTS=1 (builds network namespaces)")
     has_cuda = torch.cuda.is_available()

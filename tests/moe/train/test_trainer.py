@@ -83,21 +83,6 @@ def losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def test_schedules_do_not_change_the_math(schedule_runs: dict[str, tuple[list[float], list[int]]]) -> None:
-    """Every registered schedule, through train.py at pp=2 x ep=2 (the V family: test_v_schedules), gives
-    dualpipev's losses with overlap, and those of one process running the same global batch (4 micro-batches x 2
-    ep ranks = 8 micro-batches); step 2 is the first to read the optimizer state. The runs share the spawns of
-    test_v_schedules (conftest's ``schedule_runs``)."""
-    from tests.moe.train.test_v_schedules import OTHERS, STEPS
-
-    v = schedule_runs["dualpipev"][0]
-    assert len(v) == STEPS == 2 and len(OTHERS) >= 3
-    for name in OTHERS:
-        assert schedule_runs[name][0] == pytest.approx(v, rel=2e-5), name
-    assert schedule_runs["one-others"][0] == pytest.approx(v, rel=2e-5)
-    assert v[-1] < v[0]
-
-
 @pytest.fixture(scope="module")
 def pp2_ep2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[int, float]]]:
     """On one set of 4 ranks at (pp=2, dp=2, ep=2), in turn: 4 uninterrupted steps ("full"), 2 steps saving a

@@ -7,8 +7,8 @@ micro-batches. The seed, the data and the model do not depend on the layout, so 
 process's losses. The deferred weight gradients (I and W) run in every one; the overlap hook runs once per
 pair the schedule made, per pipeline and step.
 
-The same spawns also train every other registered schedule for test_trainer's
-test_schedules_do_not_change_the_math (the ``schedule_runs`` fixture of this folder's conftest runs them once).
+The same spawns also train every other registered schedule for test_schedules_do_not_change_the_math (the
+``schedule_runs`` fixture runs them once).
 """
 
 from __future__ import annotations
@@ -93,6 +93,12 @@ def train_every_schedule(tmp: Path) -> dict[str, tuple[list[float], list[int]]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def schedule_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[float], list[int]]]:
+    """Every registered schedule trained once, read by both tests here."""
+    return train_every_schedule(tmp_path_factory.mktemp("schedules"))
+
+
 def test_v_family_trains_like_one_process(schedule_runs: dict[str, tuple[list[float], list[int]]]) -> None:
     reference = schedule_runs["one"][0]
     assert len(reference) == STEPS and reference[-1] < reference[0]
@@ -107,3 +113,16 @@ def test_v_family_trains_like_one_process(schedule_runs: dict[str, tuple[list[fl
         assert sum(calls) == expected, name
         zbv_pairs += expected if schedule == "zbv" else 0
     assert zbv_pairs > 0  # the overlapped path ran (zbv pairs at both layouts)
+
+
+def test_schedules_do_not_change_the_math(schedule_runs: dict[str, tuple[list[float], list[int]]]) -> None:
+    """Every registered schedule, through train.py at pp=2 x ep=2 (the V family: test_v_schedules), gives
+    dualpipev's losses with overlap, and those of one process running the same global batch (4 micro-batches x 2
+    ep ranks = 8 micro-batches); step 2 is the first to read the optimizer state. The runs share the V family's
+    spawns (``schedule_runs``)."""
+    v = schedule_runs["dualpipev"][0]
+    assert len(v) == STEPS == 2 and len(OTHERS) >= 3
+    for name in OTHERS:
+        assert schedule_runs[name][0] == pytest.approx(v, rel=2e-5), name
+    assert schedule_runs["one-others"][0] == pytest.approx(v, rel=2e-5)
+    assert v[-1] < v[0]
