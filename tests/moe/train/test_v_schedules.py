@@ -116,7 +116,7 @@ def test_v_family_trains_like_one_process(schedule_runs: dict[str, tuple[list[fl
 
 
 def test_schedules_do_not_change_the_math(schedule_runs: dict[str, tuple[list[float], list[int]]]) -> None:
-    """Every registered schedule, through train.py at pp=2 x ep=2 (the V family: test_v_schedules), gives
+    """Every registered schedule, through train.py at pp=2 x ep=2 (the V family: the test above), gives
     dualpipev's losses with overlap, and those of one process running the same global batch (4 micro-batches x 2
     ep ranks = 8 micro-batches); step 2 is the first to read the optimizer state. The runs share the V family's
     spawns (``schedule_runs``)."""
