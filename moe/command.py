@@ -20,15 +20,23 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
+from difflib import get_close_matches
 
-__all__ = ["DEBUG_GRACE_S", "EXIT_WAIT_S", "run_command"]
+__all__ = ["DEBUG_GRACE_S", "EXIT_WAIT_S", "did_you_mean", "run_command"]
 
 EXIT_WAIT_S = 15.0
 """How long a failing rank waits at most for the others to have printed before it exits (under torchrun only)."""
 DEBUG_GRACE_S = 3.0
 """With ``--debug`` and no shared store: how long rank 0 waits for the others' tracebacks before it exits."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``" (did you mean 'lr'?)"`` for the choice nearest ``word``, or ``""`` when none is near: the tail every
+    one-line error about an unknown name carries."""
+    near = get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def run_command(main: Callable[[], object], *, debug: bool = False) -> None:

@@ -76,3 +76,11 @@ def test_a_mistake_is_one_line_on_rank_0_only(monkeypatch: pytest.MonkeyPatch, c
     with pytest.raises(SystemExit) as exit_info:
         command.run_command(mistake, debug=True)
     assert "Traceback" in capsys.readouterr().err and exit_info.value.code == 1
+
+
+def test_did_you_mean_names_the_nearest_choice_or_nothing() -> None:
+    from moe.command import did_you_mean
+
+    assert did_you_mean("lrr", ["lr", "seed", "steps"]) == " (did you mean 'lr'?)"
+    assert did_you_mean("--micro-batch", ["--micro-batch-size", "--seq-len"]) == " (did you mean '--micro-batch-size'?)"
+    assert did_you_mean("zzz", ["lr", "seed"]) == ""
