@@ -61,6 +61,18 @@ PLAN_V3 = (
     " --top 5 --json plan.json --png plan.png"
 )
 MAIN_JOB = ".venv/bin/torchrun --standalone --nproc-per-node 4 examples/train.py --config examples/configs/tiny.toml"
+FIRST_DAY = "tests/e2e/test_first_day.py::test_the_readme_first_day_runs_as_written"
+FIRST_DAY_COMMANDS = (
+    ".venv/bin/python examples/tiny_hf_model.py runs/first-day/base --corpus docs",
+    ".venv/bin/python -m moe.data prepare --tokenizer runs/first-day/base/tokenizer.json --input docs"
+    " --output runs/first-day/tokens",
+    ".venv/bin/torchrun --standalone --nproc-per-node 4 examples/train.py --config examples/configs/first-day.toml",
+    ".venv/bin/torchrun --standalone --nproc-per-node 4 examples/train.py --config examples/configs/first-day.toml"
+    " --resume",
+    ".venv/bin/python -m moe.eval --model runs/first-day/ckpt --data runs/first-day/tokens --seq-len 32"
+    " --global-batch-size 8 --batches 4",
+    ".venv/bin/python -m moe.convert runs/first-day/ckpt runs/first-day/hf",
+)
 ROOT_CLUSTER = "needs root (builds the emulated cluster) and minutes"
 GPU = "needs a CUDA GPU"
 PLACEHOLDER = "a placeholder path the user fills in"
@@ -130,6 +142,11 @@ EXCLUDED: dict[str, tuple[str, str]] = {
         "needs a Slurm cluster of 256 GPU nodes",
         "tests/examples/test_launch.py::test_the_readme_deepseek_v3_command_passes_every_launch_check",
     ),
+    # the README's first day: one journey, each command depending on the one before
+    **{
+        command: ("a step of the README's first day, run in order with the others", FIRST_DAY)
+        for command in FIRST_DAY_COMMANDS
+    },
     # data
     "pip install 'dualpipe-moe[data]'": (INSTALLS, ""),
     "pip install 'dualpipe-moe[tensorboard]'": (INSTALLS, ""),
