@@ -101,7 +101,7 @@ class ModelConfig:
         path = Path(self.name)
         if not path.exists() and "/" not in self.name and os.sep not in self.name and self.name[:1] not in ".~":
             near = did_you_mean(self.name, PRESETS)
-            return f"not a preset{near}; choose one of {tuple(PRESETS)} or a Hugging Face directory"
+            return f"choose one of {tuple(PRESETS)} or a Hugging Face directory{near}"
         from moe.train.checkpoint import CheckpointError, model_source
 
         try:
