@@ -24,8 +24,9 @@ that fails on any rank (a full disk) fails the save on every rank and removes th
 
 Resuming (:func:`find_checkpoint`) verifies ``latest`` against its manifest and falls back to the newest
 intact older checkpoint, with a warning naming the damaged one; all ranks get rank 0's choice before any
-loads. Per-rank state is read with ``torch.load(weights_only=True)``, so a checkpoint directory from
-elsewhere cannot run code.
+loads. :func:`model_source` makes the same choice locally, without a process group, for the commands that
+read a model in any form the trainer writes (``moe.eval``, ``moe.convert``). Per-rank state is read with
+``torch.load(weights_only=True)``, so a checkpoint directory from elsewhere cannot run code.
 """
 
 from __future__ import annotations
