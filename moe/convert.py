@@ -1,10 +1,12 @@
 """``python -m moe.convert SRC DST``: between our distributed checkpoints and Hugging Face directories, both ways.
 
-    python -m moe.convert runs/ckpt runs/hf --dtype bfloat16      # ours (a step_* dir, or the root: latest) -> HF
+    python -m moe.convert runs/ckpt runs/hf --dtype bfloat16      # ours -> HF
     python -m moe.convert /ckpt/DeepSeek-V3 runs/v3               # HF (config.json + safetensors, FP8 too) -> ours
 
-The direction follows SRC: a directory with config.json is a Hugging Face checkpoint, one with meta.json (or a
-``latest`` pointer) is ours. DST must not exist (or be empty).
+The direction follows SRC, any form the trainer writes (:func:`moe.train.checkpoint.model_source`): a directory
+with config.json is a Hugging Face checkpoint; ours is a ``step_*`` directory or the directory of them (its
+``latest``, or the newest intact ``step_*`` when that is missing or damaged), verified against its manifest.
+DST must not exist (or be empty).
 
 - ours -> HF: config.json from the checkpoint's meta.json (its model config), safetensors shards of at most
   ``--max-shard-size`` bytes and their index, in the hub layout (:mod:`moe.hf.export`); optimizer state is left
@@ -31,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,8 +47,8 @@ from moe.command import run_command
 from moe.dispatch.local import LocalDispatcher
 from moe.models.config import MoEConfig
 from moe.models.stage import MoEStage
-from moe.train.checkpoint import checkpoint_entries
-from moe.train.manifest import CheckpointError, verify_checkpoint, write_manifest
+from moe.train.checkpoint import CheckpointError, ModelSource, checkpoint_entries, model_source
+from moe.train.manifest import write_manifest
 from moe.train.optimizer import OPTIMIZERS
 
 __all__ = ["ConvertError", "hf_to_ours", "main", "ours_to_hf"]
@@ -98,30 +101,17 @@ def _empty_target(dst: Path) -> None:
 # ours -> HF
 
 
-def _our_step(src: Path) -> Path:
-    """The verified ``step_*`` directory of ``src`` (itself, or what its ``latest`` names)."""
-    from moe.train.checkpoint import latest_checkpoint
-
-    step = src if (src / "meta.json").is_file() else latest_checkpoint(src)
-    if step is None:
-        raise ConvertError(f"error: {src}: neither a Hugging Face directory (config.json) nor one of our checkpoints")
-    try:
-        verify_checkpoint(step)
-    except CheckpointError as exc:
-        raise ConvertError(f"error: {exc}") from None
-    return step
-
-
-def ours_to_hf(src: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_bytes: int | None) -> None:
+def ours_to_hf(step: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_bytes: int | None) -> None:
+    """Our checkpoint ``step`` (a ``step_*`` directory: :func:`moe.train.checkpoint.model_source` finds it in the
+    directory of them) written as a Hugging Face directory ``dst``."""
     from moe.hf import HFConfigError, to_hf_config
     from moe.hf.export import MAX_SHARD_BYTES, HFExportError, check_target, make_piece, plan_pieces, write_hf_dir
     from moe.hf.keys import checkpoint_shapes
 
-    step = _our_step(src)
-    meta = json.loads((step / "meta.json").read_text())
-    if "model" not in meta:
-        raise ConvertError(f"error: {step}: its meta.json predates the model config; convert a newer checkpoint")
-    cfg = MoEConfig(**meta["model"])
+    try:
+        cfg = ModelSource(kind="ours", path=step).config()
+    except CheckpointError as exc:
+        raise ConvertError(f"error: {exc}") from None
     stored = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
 
     def entry(key: str, row: int | None) -> str:
@@ -299,14 +289,18 @@ def main(argv: list[str] | None = None) -> Path:
     args = _parser().parse_args(argv)
     src, dst = Path(args.src), Path(args.dst)
     dtype = _DTYPES[args.dtype] if args.dtype else None
-    if not src.is_dir():
-        raise ConvertError(f"error: {src}: no such directory")
-    if (src / "config.json").is_file():
+    try:
+        source = model_source(src)  # ours verified in full: one process reads it once
+    except CheckpointError as exc:
+        raise ConvertError(f"error: {src}: {exc}") from None
+    for line in source.warnings:
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+    if source.kind == "hf":
         if args.max_shard_size is not None:
             raise ConvertError("error: --max-shard-size is for ours -> HF; the source is a Hugging Face directory")
         out = hf_to_ours(src, dst, dtype=dtype, optimizer=None if args.optimizer == "none" else args.optimizer)
     else:
-        ours_to_hf(src, dst, dtype=dtype, max_shard_bytes=args.max_shard_size)
+        ours_to_hf(source.path, dst, dtype=dtype, max_shard_bytes=args.max_shard_size)
         out = dst
     print(f"{src} -> {out}", flush=True)
     return out

@@ -178,6 +178,11 @@ EXCLUDED: dict[str, tuple[str, str]] = {
         PLACEHOLDER,
         "tests/moe/hf/test_hf_jobs.py::test_eval_equals_transformers_in_one_process_and_pipelined",
     ),
+    ".venv/bin/python -m moe.eval --model /ckpt/Qwen3-30B-A3B --data tokens.npy --seq-len 4096 --global-batch-size 8"
+    " --batches 16 --json -": (
+        PLACEHOLDER,
+        "tests/moe/hf/test_hf_jobs.py::test_eval_equals_transformers_in_one_process_and_pipelined",
+    ),
     ".venv/bin/python -m moe.convert runs/ckpt runs/hf --dtype bfloat16": (
         "converts a checkpoint a training run must write first",
         "tests/moe/hf/test_convert.py::test_save_hf_at_the_end_of_training_and_a_converted_checkpoint_resumes",

@@ -72,6 +72,17 @@ def load_hf_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Mo
     return model.to(dtype)
 
 
+def _bin_hint(path: Path) -> str:
+    """For a directory of PyTorch pickles (``pytorch_model.bin`` or its shards), how to make them safetensors:
+    we read no pickles (loading one can run code)."""
+    if not any(path.glob("*.bin")):
+        return ""
+    return (
+        "; it holds PyTorch .bin weights, which are not read here: save them as safetensors, e.g. in transformers "
+        "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True)"
+    )
+
+
 class _Files(Mapping[str, torch.Tensor]):
     """A checkpoint directory's tensors by name, each read from its file only when asked for (safetensors maps
     the file; a rank touches only the tensors of its stages and experts)."""
@@ -85,7 +96,9 @@ class _Files(Mapping[str, torch.Tensor]):
             ) from None
         where = weight_map(path)
         if where is None:
-            raise HFCheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+            raise HFCheckpointError(
+                f"{path}: neither model.safetensors nor model.safetensors.index.json{_bin_hint(path)}"
+            )
         self._where = where
         self._files = {name: safe_open(str(path / name), framework="pt") for name in set(self._where.values())}
 

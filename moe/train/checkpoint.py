@@ -24,8 +24,9 @@ that fails on any rank (a full disk) fails the save on every rank and removes th
 
 Resuming (:func:`find_checkpoint`) verifies ``latest`` against its manifest and falls back to the newest
 intact older checkpoint, with a warning naming the damaged one; all ranks get rank 0's choice before any
-loads. Per-rank state is read with ``torch.load(weights_only=True)``, so a checkpoint directory from
-elsewhere cannot run code.
+loads. :func:`model_source` makes the same choice locally, without a process group, for the commands that
+read a model in any form the trainer writes (``moe.eval``, ``moe.convert``). Per-rank state is read with
+``torch.load(weights_only=True)``, so a checkpoint directory from elsewhere cannot run code.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import pickle
 import random
 import shutil
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from moe.models.config import MoEConfig
 from moe.train.manifest import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
 from moe.train.optimizer import DistributedOptimizer, ParamShard
 
@@ -54,10 +57,12 @@ Optimizer = torch.optim.Optimizer | DistributedOptimizer
 
 __all__ = [
     "CheckpointError",
+    "ModelSource",
     "checkpoint_entries",
     "find_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
+    "model_source",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
@@ -199,8 +204,9 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return target if target is not None and (target / "meta.json").exists() else None
 
 
-def _choose(root: Path, strict: bool) -> tuple[Path | None, list[str], str | None]:
-    """(checkpoint to load, warnings, error): the newest intact one, starting from ``latest``."""
+def _choose(root: Path, strict: bool, checksums: bool = True) -> tuple[Path | None, list[str], str | None]:
+    """(checkpoint to load, warnings, error): the newest intact one, starting from ``latest`` (``checksums``
+    False: intact by the manifest's sizes, no reads)."""
     steps = _step_dirs(root)
     if not steps:
         return None, [], None
@@ -215,7 +221,7 @@ def _choose(root: Path, strict: bool) -> tuple[Path | None, list[str], str | Non
         warnings.append(f"{root / _LATEST} points to {target.name}, which does not exist; using the newest step_*")
     for path in candidates:
         try:
-            verified = verify_checkpoint(path)
+            verified = verify_checkpoint(path, checksums=checksums)
         except CheckpointError as exc:
             if strict:
                 return None, warnings, f"the newest checkpoint is damaged: {exc}"
@@ -245,6 +251,61 @@ def find_checkpoint(ckpt_dir: str | Path, *, strict: bool = False) -> tuple[Path
     if error is not None:
         raise CheckpointError(error)
     return (None if path is None else Path(path)), warnings
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """The weights a ``--model`` directory names (:func:`model_source`)."""
+
+    kind: str
+    """``"hf"`` (a Hugging Face directory: config.json and safetensors) or ``"ours"`` (a ``step_*`` checkpoint)."""
+    path: Path
+    """The Hugging Face directory, or the ``step_*`` directory chosen."""
+    warnings: tuple[str, ...] = ()
+    """Damaged or unverified checkpoints passed over on the way (see :func:`find_checkpoint`)."""
+
+    def config(self) -> MoEConfig:
+        """The model's configuration: config.json's, or the one the checkpoint's meta.json records."""
+        if self.kind == "hf":
+            from moe.hf import HFConfigError, read_hf_config  # the hf package only for its directories
+
+            try:
+                return read_hf_config(self.path)
+            except HFConfigError as exc:
+                raise CheckpointError(str(exc)) from None
+        meta = json.loads((self.path / "meta.json").read_text())
+        if "model" not in meta:
+            raise CheckpointError(f"{self.path}: its meta.json predates the model config; use a newer checkpoint")
+        return MoEConfig(**meta["model"])
+
+
+def model_source(path: str | Path, *, checksums: bool = True) -> ModelSource:
+    """What ``path`` holds, in every form the trainer writes: a Hugging Face directory (config.json; what
+    ``--save-hf`` and ``moe.convert`` write), a ``step_*`` checkpoint, or the directory of them (its ``latest``,
+    else the newest intact ``step_*``, as :func:`find_checkpoint` picks, with its warnings).
+
+    A local decision, no communication: every rank of a job makes it alike, before any process group exists.
+    ``checksums`` False checks files against the manifest's sizes only (no reads: N ranks checksumming the
+    same checkpoint would read it N times). Raises :class:`CheckpointError` with one line, without the path
+    (the caller's prefix names it): ``no such directory`` for a path that is not there.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError("not a directory" if path.exists() else "no such directory")
+    if (path / "config.json").is_file():
+        return ModelSource(kind="hf", path=path)
+    if (path / "meta.json").is_file() or (path / MANIFEST).is_file():
+        verify_checkpoint(path, checksums=checksums)
+        return ModelSource(kind="ours", path=path)
+    step, warnings, error = _choose(path, strict=False, checksums=checksums)
+    if error is not None:
+        raise CheckpointError(error)
+    if step is None:
+        raise CheckpointError(
+            "neither a Hugging Face directory (config.json + safetensors) nor one of our checkpoints "
+            "(a step_* directory, or the directory of them)"
+        )
+    return ModelSource(kind="ours", path=step, warnings=tuple(warnings))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moe.command import did_you_mean
 from moe.dispatch import DISPATCHERS, Launch
 from moe.models.config import PRESETS, MoEConfig
 from moe.parallel import ParallelConfig
@@ -78,8 +80,7 @@ class ModelConfig:
     _built: MoEConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        ok = self.name in PRESETS or self.checkpoint is not None
-        _require(ok, "model.name", self.name, f"choose one of {tuple(PRESETS)} or a directory with a config.json")
+        _require(self.name in PRESETS or self.checkpoint is not None, "model.name", self.name, self._not_a_model())
         known = {f.name for f in dataclasses.fields(MoEConfig)}
         unknown = sorted(set(self.overrides) - known)
         _require(not unknown, "model", unknown, "not fields of MoEConfig")
@@ -93,6 +94,24 @@ class ModelConfig:
         """The Hugging Face checkpoint directory ``name`` points at, if it is one."""
         path = Path(self.name)
         return path if self.name not in PRESETS and (path / "config.json").is_file() else None
+
+    def _not_a_model(self) -> str:
+        """Why ``name`` is neither a preset nor a Hugging Face directory: the nearest preset for a bare word, what
+        :func:`moe.train.checkpoint.model_source` finds for a path."""
+        path = Path(self.name)
+        if not path.exists() and "/" not in self.name and os.sep not in self.name and self.name[:1] not in ".~":
+            near = did_you_mean(self.name, PRESETS)
+            return f"choose one of {tuple(PRESETS)} or a Hugging Face directory{near}"
+        from moe.train.checkpoint import CheckpointError, model_source
+
+        try:
+            source = model_source(path, checksums=False)
+        except CheckpointError as exc:
+            return str(exc)
+        return (
+            f"one of our checkpoints ({source.path}): resume it with --ckpt-dir and --resume, or start from it as "
+            "a Hugging Face directory made by python -m moe.convert"
+        )
 
     def build(self) -> MoEConfig:
         """The resolved, validated model configuration (resolved once, on construction: a checkpoint's

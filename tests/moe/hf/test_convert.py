@@ -64,7 +64,7 @@ def test_bad_sources_and_targets_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "used" / "x").write_text("")
     test_hf_qwen3_moe._hf_model().save_pretrained(tmp_path / "hf")
     cases = [
-        ([str(tmp_path / "empty"), str(tmp_path / "out")], "neither a Hugging Face directory (config.json) nor one"),
+        ([str(tmp_path / "empty"), str(tmp_path / "out")], "nor one of our checkpoints (a step_* directory"),
         ([str(tmp_path / "hf"), str(tmp_path / "used")], "used exists and is not an empty directory"),
         ([str(tmp_path / "hf"), str(tmp_path / "o"), "--max-shard-size", "9"], "--max-shard-size is for ours -> HF"),
     ]

@@ -57,16 +57,16 @@ def _eval(rank: int, world: int, argv: list[str]) -> dict:
     return main(argv)
 
 
-def _argv(ckpt: Path, tokens: Path, *extra: str) -> list[str]:
+def _argv(ckpt: Path, tokens: Path, *extra: str, batch: int = BATCH) -> list[str]:
     common = ["--model", str(ckpt), "--data", str(tokens), "--seq-len", str(SEQ)]
-    return [*common, "--batch-size", str(BATCH), "--batches", str(BATCHES), *extra]
+    return [*common, "--global-batch-size", str(batch), "--batches", str(BATCHES), *extra]
 
 
 def _refused_cases(ckpt: Path, tokens: Path, empty: Path) -> list[tuple[list[str], str]]:
     return [
-        (_argv(ckpt, tokens, "--batches", "1000"), "tokens, 128001 needed for --batches x --batch-size windows"),
-        (_argv(empty, tokens), "neither a Hugging Face directory (config.json) nor a checkpoint"),
-        (_argv(ckpt, tokens, "--batch-size", "1"), "DualPipeV needs num_chunks >= 2 * ranks = 2 (got 1)"),
+        (_argv(ckpt, tokens, "--batches", "1000"), "128001 needed for --batches x --global-batch-size windows"),
+        (_argv(empty, tokens), "neither a Hugging Face directory (config.json + safetensors) nor one of our"),
+        (_argv(empty / "nope", tokens), f"error: --model {empty / 'nope'}: no such directory"),
     ]
 
 
@@ -82,7 +82,7 @@ def runs(job, tmp_path_factory: pytest.TempPathFactory) -> dict:
     empty = tmp / "empty"
     empty.mkdir()
     args = ["--model", str(ckpt), "--data", str(tokens), "--seq-len", "16", "--steps", "3", "--val-every", "0"]
-    one = [(_eval, (_argv(ckpt, tokens, "--schedule", "1f1b"),))]
+    one = [(_eval, (_argv(ckpt, tokens),)), (_eval, (_argv(ckpt, tokens, batch=2),))]
     one += [
         (
             _train,
@@ -90,10 +90,11 @@ def runs(job, tmp_path_factory: pytest.TempPathFactory) -> dict:
         )
     ]
     one += [(exit_message, ("moe.eval", argv)) for argv, _ in _refused_cases(ckpt, tokens, empty)]
-    eval_one, train_one, *refused = run_ranks(_in_turn, 1, args=(one,), timeout=300)[0]
-    # DualPipeV at pp=2 x ep=2: 4 ranks, 2 data-parallel ranks of 4 one-sequence micro-batches each (eval); with
-    # overlapped all-to-all (the default) in training, DeepSeek-V3's MTP module on rank 0
-    piped = [(_eval, (_argv(ckpt, tokens, "--pp", "2", "--ep", "2"),))]
+    eval_one, small_one, train_one, *refused = run_ranks(_in_turn, 1, args=(one,), timeout=300)[0]
+    # pp=2 x ep=2: 4 ranks, 2 data-parallel ranks of 4 one-sequence micro-batches each (eval), then of 1 (a batch
+    # of 2: no pairing rule in a forward-only eval); DualPipeV with overlapped all-to-all (the default) in
+    # training, DeepSeek-V3's MTP module on rank 0
+    piped = [(_eval, (_argv(ckpt, tokens, "--pp", "2", "--ep", "2", batch=b),)) for b in (BATCH, 2)]
     piped += [
         (
             _train,
@@ -117,8 +118,10 @@ def runs(job, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {
         "eval-one": eval_one,
         "eval-piped": [r[0] for r in per_rank],
+        "small-one": small_one,
+        "small-piped": [r[1] for r in per_rank],
         "train-one": train_one,
-        "train-piped": per_rank[0][1],
+        "train-piped": per_rank[0][2],
         "refused": dict(zip((message for _, message in _refused_cases(ckpt, tokens, empty)), refused, strict=True)),
     }
 
@@ -132,6 +135,10 @@ def test_eval_equals_transformers_in_one_process_and_pipelined(job, runs: dict) 
     assert len(piped) == 4 and all(r["loss"] == pytest.approx(want, rel=1e-5) for r in piped)
     for result in (one, *piped):
         assert result.get("mtp_loss") == (None if want_mtp is None else pytest.approx(want_mtp, rel=1e-5))
+    small = runs["small-one"]
+    for result in runs["small-piped"]:  # a batch of 2 at pp=2 x ep=2: one micro-batch per pipeline
+        assert result["loss"] == pytest.approx(small["loss"], rel=1e-5)
+        assert result.get("mtp_loss") == (None if want_mtp is None else pytest.approx(small["mtp_loss"], rel=1e-5))
 
 
 def test_eval_refuses_what_it_cannot_run_in_one_line(runs: dict) -> None:
