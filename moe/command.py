@@ -16,15 +16,17 @@ first gives them :data:`DEBUG_GRACE_S` to print their tracebacks). No wait is lo
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 import traceback
+import typing
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from difflib import get_close_matches
 
-__all__ = ["DEBUG_GRACE_S", "EXIT_WAIT_S", "did_you_mean", "run_command"]
+__all__ = ["DEBUG_GRACE_S", "EXIT_WAIT_S", "CommandParser", "UsageError", "did_you_mean", "run_command"]
 
 EXIT_WAIT_S = 15.0
 """How long a failing rank waits at most for the others to have printed before it exits (under torchrun only)."""
@@ -32,11 +34,62 @@ DEBUG_GRACE_S = 3.0
 """With ``--debug`` and no shared store: how long rank 0 waits for the others' tracebacks before it exits."""
 
 
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
+def did_you_mean(word: str, choices: Iterable[str], *, strip: str = "") -> str:
     """``" (did you mean 'lr'?)"`` for the choice nearest ``word``, or ``""`` when none is near: the tail every
-    one-line error about an unknown name carries."""
-    near = get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {near[0]!r}?)" if near else ""
+    one-line error about an unknown name carries. ``strip``: leading characters the comparison leaves out
+    (``"-"`` for flags, whose shared ``--`` would make ``--bogus`` look like ``--gpu``)."""
+    by_core = {choice.lstrip(strip): choice for choice in choices}
+    near = get_close_matches(word.lstrip(strip), list(by_core), n=1, cutoff=0.6)
+    return f" (did you mean {by_core[near[0]]!r}?)" if near else ""
+
+
+class UsageError(SystemExit):
+    """A command-line or config-file mistake: one line (``"error: ..."``), printed once by :func:`run_command`."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The argument parser of every ``python -m moe.*`` command: a mistake is one :class:`UsageError` line
+    instead of argparse's usage block on every rank, and an unknown flag or choice names the nearest known one
+    (``unrecognized arguments: --lrr 0.1 (did you mean '--lr'?)``). Subcommand parsers are of the same class."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        tail = "" if message.endswith("?)") else " (see --help)"  # a suggestion already says what to do
+        raise UsageError(f"error: {message}{tail}")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._nearest_flags(extras)}")
+        return parsed
+
+    def _nearest_flags(self, extras: list[str]) -> str:
+        """``" (did you mean '--lr'?)"`` for the one unknown flag among ``extras``, ``" (--lrr: did you mean
+        '--lr'?; ...)"`` for several; ``""`` when none is near a known flag."""
+        flags = [a.split("=", 1)[0] for a in extras if a[:1] == "-" and a.lstrip("-")[:1].isalpha()]  # not -1
+        known = self._option_strings()
+        hints = {flag: did_you_mean(flag, known, strip="-") for flag in flags}
+        hints = {flag: hint for flag, hint in hints.items() if hint}
+        if len(flags) == 1:
+            return hints.get(flags[0], "")
+        return " (" + "; ".join(f"{flag}: {hint[2:-1]}" for flag, hint in hints.items()) + ")" if hints else ""
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        try:
+            super()._check_value(action, value)  # type: ignore[misc]
+        except argparse.ArgumentError as exc:
+            if not isinstance(value, str) or action.choices is None:
+                raise
+            hint = did_you_mean(value, [str(c) for c in action.choices])
+            raise argparse.ArgumentError(action, f"{exc.message}{hint}") from None
+
+    def _option_strings(self) -> list[str]:
+        """Every flag of this parser and of its subcommands' parsers (an unknown one reaches the top parser)."""
+        flags = list(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():  # add_subparsers makes them of this class
+                    flags += sub._option_strings()
+        return flags
 
 
 def run_command(main: Callable[[], object], *, debug: bool = False) -> None:

@@ -52,12 +52,12 @@ REPO_DIRS = ("bench", "docs", "dualpipe", "examples", "kernels", "moe", "scripts
 
 PLAN_CPU = (
     ".venv/bin/python -m moe.plan --costs bench/results/costs-cpu-2core-emulated-2node-400mbit-2026-11-26.json"
-    " --gpus 2 --gpus-per-node 1 --seq-len 64 --global-batch 192 --micro-batch 4 --recompute off"
+    " --gpus 2 --gpus-per-node 1 --seq-len 64 --global-batch-size 192 --micro-batch-size 4 --recompute off"
     " --json plan.json --png plan.png"
 )
 PLAN_V3 = (
     ".venv/bin/python -m moe.plan --model deepseek-v3 --gpu h800 --gpus 2048 --gpus-per-node 8 --seq-len 4096"
-    " --global-batch 15360 --micro-batch 1 --state-dtype bfloat16 --fp8 --fp8-activations --deepseek-v3"
+    " --global-batch-size 15360 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --fp8-activations --deepseek-v3"
     " --top 5 --json plan.json --png plan.png"
 )
 MAIN_JOB = ".venv/bin/torchrun --standalone --nproc-per-node 4 examples/train.py --config examples/configs/tiny.toml"

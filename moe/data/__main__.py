@@ -7,13 +7,15 @@ import os
 import sys
 from collections.abc import Sequence
 
+from moe.command import CommandParser
 from moe.data.errors import DataError
+from moe.data.sources import RAW_DTYPES
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m moe.data", description="Data tools: prepare (tokenize into the indexed format), inspect."
     )
     sub = parser.add_subparsers(dest="command")
@@ -21,11 +23,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "prepare",
         help="tokenize JSONL / text files into PREFIX.bin + PREFIX.idx (Megatron indexed format)",
-        description="Tokenize JSONL files (one document per line) or text files (one document per file) with a "
-        "HuggingFace tokenizer.json, append the end-of-document token, and write Megatron's indexed format.",
+        description="Tokenize JSONL files (one document per line) or text files (one document per file), or the "
+        "JSONL and text files of a directory, with a HuggingFace tokenizer.json, append the end-of-document token, "
+        "and write Megatron's indexed format.",
     )
     p.add_argument("--tokenizer", required=True, help="path of a HuggingFace tokenizer.json")
-    p.add_argument("--input", required=True, nargs="+", metavar="FILE", help=".jsonl[.gz] / .json / text files")
+    p.add_argument(
+        "--input",
+        required=True,
+        nargs="+",
+        metavar="FILE_OR_DIR",
+        help=".jsonl[.gz] / .json / text files, or directories of them (as the trainer's --data DIR)",
+    )
     p.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--json-key", default="text", help="JSONL field holding the text (default: text)")
     p.add_argument(
@@ -44,9 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="append the end-of-document token to every document (default: on)",
     )
 
-    i = sub.add_parser("inspect", help="describe a data path: tokens, documents, max token id")
-    i.add_argument("path", nargs="+", help="a data path, or WEIGHT PATH pairs")
-    i.add_argument("--dtype", choices=("uint16", "uint32"), help="dtype of a raw .bin without a sidecar")
+    i = sub.add_parser(
+        "inspect",
+        help="describe data paths: tokens, documents, max token id",
+        description="Describe each PATH in turn, or, when the first argument is a number, the one blend of WEIGHT "
+        "PATH pairs (as the trainer's --data 0.7 web 0.3 code).",
+    )
+    i.add_argument("path", nargs="+", metavar="PATH", help="data paths, or WEIGHT PATH pairs")
+    i.add_argument(
+        "--data-dtype",
+        "--dtype",
+        choices=RAW_DTYPES,
+        help="dtype of a raw .bin without a sidecar (the trainer's --data-dtype)",
+    )
     return parser
 
 
@@ -70,15 +89,25 @@ def _prepare(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from moe.data import open_data
 
-    data = open_data(args.path, dtype=args.dtype, val_fraction=0.0)
-    print(data.description)
-    for weight, source in zip(data.weights, data.sources):
-        docs = "no document boundaries" if source.num_documents is None else f"{source.num_documents} documents"
-        print(f"  {source.path}: weight {weight:.4g}, {source.num_tokens} tokens, {docs}, {source.tokens_N.dtype}")
-    print(f"tokens: {data.num_tokens}")
-    print(f"documents: {'-' if data.num_documents is None else data.num_documents}")
-    print(f"max token id: {data.max_token_id()}")
+    blend = _is_number(args.path[0])  # WEIGHT PATH pairs are one data path; else each path is one
+    for n, items in enumerate([args.path] if blend else [[path] for path in args.path]):
+        data = open_data(items, dtype=args.data_dtype, val_fraction=0.0)
+        print(("\n" if n else "") + data.description)
+        for weight, source in zip(data.weights, data.sources):
+            docs = "no document boundaries" if source.num_documents is None else f"{source.num_documents} documents"
+            print(f"  {source.path}: weight {weight:.4g}, {source.num_tokens} tokens, {docs}, {source.tokens_N.dtype}")
+        print(f"tokens: {data.num_tokens}")
+        print(f"documents: {'-' if data.num_documents is None else data.num_documents}")
+        print(f"max token id: {data.max_token_id()}")
     return 0
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """Tokenize JSONL or text files into Megatron's indexed format (``python -m moe.data prepare``).
 
-One document per JSONL line (the text under ``json_key``) or per plain text file; every document gets the
+One document per JSONL line (the text under ``json_key``) or per plain text file (a directory stands for its
+JSONL and text files, as the trainer's ``--data DIR`` for its text files); every document gets the
 end-of-document token appended and becomes one sequence of ``PREFIX.bin`` / ``PREFIX.idx``, in input order.
 Worker processes tokenize chunks of documents while the parent reads ahead a bounded number of chunks and
 writes results in order, so the output does not depend on the worker count and the corpus is never held in
@@ -18,14 +19,24 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
 from moe.data.errors import DataError
 from moe.data.indexed import IndexedWriter, token_dtype_for_vocab
+from moe.data.text import TEXT_SUFFIXES, text_files
 
-__all__ = ["COMMON_EOD_TOKENS", "JSONL_SUFFIXES", "PrepareOptions", "PrepareResult", "prepare", "resolve_eod"]
+__all__ = [
+    "COMMON_EOD_TOKENS",
+    "JSONL_SUFFIXES",
+    "PrepareOptions",
+    "PrepareResult",
+    "input_files",
+    "prepare",
+    "resolve_eod",
+]
 
 COMMON_EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
@@ -42,7 +53,8 @@ class PrepareOptions:
     tokenizer: str
     """Path of a HuggingFace ``tokenizer.json``."""
     inputs: list[str]
-    """JSONL files (one document per line, ``.gz`` allowed) or text files (one document each)."""
+    """JSONL files (one document per line, ``.gz`` allowed), text files (one document each) or directories of
+    them (their JSONL and text files, as :func:`moe.data.text.text_files` finds them)."""
     output: str
     """Output PREFIX: writes PREFIX.bin and PREFIX.idx (a trailing .bin / .idx is dropped)."""
     json_key: str = "text"
@@ -113,9 +125,24 @@ def resolve_eod(tokenizer: Any, eod_token: str | None, eod_id: int | None) -> in
     )
 
 
+def input_files(inputs: list[str]) -> list[str]:
+    """The files ``inputs`` name, in order: a file as given, a directory as its JSONL and text files."""
+    files = []
+    for path in inputs:
+        if os.path.isdir(path):
+            found = text_files(Path(path), TEXT_SUFFIXES | set(JSONL_SUFFIXES))
+            if not found:
+                kinds = ", ".join(sorted(TEXT_SUFFIXES | set(JSONL_SUFFIXES)))
+                raise DataError(f"{path}: no JSONL or text files ({kinds}) under this directory")
+            files += [str(f) for f in found]
+        elif os.path.isfile(path):
+            files.append(path)
+        else:
+            raise DataError(f"{path}: no such input file or directory")
+    return files
+
+
 def _open_input(path: str) -> IO[bytes]:
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such input file")
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
@@ -203,9 +230,7 @@ def prepare(opts: PrepareOptions, *, progress: IO[str] | bool = True) -> Prepare
     tokenizer = _load_tokenizer(opts.tokenizer)
     eod = resolve_eod(tokenizer, opts.eod_token, opts.eod_id) if opts.append_eod else None
     dtype = token_dtype_for_vocab(tokenizer.get_vocab_size(with_added_tokens=True))
-    for path in opts.inputs:  # fail before any work on a typo in the last of many inputs
-        if not os.path.isfile(path):
-            raise DataError(f"{path}: no such input file")
+    inputs = input_files(opts.inputs)  # fails before any work on a typo in the last of many inputs
     bar = _Progress(stream)
     docs = nbytes = 0
     with IndexedWriter(opts.output, dtype=dtype) as writer:
@@ -217,7 +242,7 @@ def prepare(opts: PrepareOptions, *, progress: IO[str] | bool = True) -> Prepare
             nbytes += size
             bar.update(docs, nbytes)
 
-        chunks = _chunks(_iter_documents(opts.inputs, opts.json_key))
+        chunks = _chunks(_iter_documents(inputs, opts.json_key))
         if opts.workers == 1:
             for texts, size in chunks:
                 write(_encode(tokenizer, texts, eod), size)

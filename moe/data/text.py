@@ -8,6 +8,7 @@ directory of text, with :func:`moe.data.open_data`.
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ __all__ = [
     "default_corpus_files",
     "read_text_dir",
     "read_text_files",
+    "text_files",
 ]
 
 BYTE_VOCAB_SIZE = 256
@@ -54,9 +56,17 @@ def read_text_files(files: list[Path], limit: int | None) -> np.ndarray:
     return np.frombuffer(joined[:limit] if limit is not None else joined, dtype=np.uint8)
 
 
+def text_files(path: Path, suffixes: Iterable[str] = TEXT_SUFFIXES) -> list[Path]:
+    """The files a directory given as data stands for: every file under ``path``, at any depth, whose name ends
+    in one of ``suffixes`` (case-insensitive), sorted by path. The trainer's ``--data DIR`` reads them as text,
+    ``moe.data prepare --input DIR`` tokenizes them (and its JSONL files)."""
+    ends = tuple(s.lower() for s in suffixes)
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(ends))
+
+
 def read_text_dir(path: Path, limit: int | None = None) -> np.ndarray:
-    """Every text file under ``path`` (by suffix, sorted by path) as bytes (uint8 [N]); held in memory."""
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    """Every text file under ``path`` (:func:`text_files`) as bytes (uint8 [N]); held in memory."""
+    files = text_files(path)
     if not files:
         raise DataError(f"{path}: no text files ({', '.join(sorted(TEXT_SUFFIXES))}) under this directory")
     return read_text_files(files, limit)

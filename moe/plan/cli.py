@@ -1,7 +1,7 @@
 """``python -m moe.plan``: the best layout for a model on a cluster, before the cluster is booked.
 
     python -m moe.plan --model deepseek-v3 --gpus 2048 --gpus-per-node 8 --gpu h800 --seq-len 4096 \\
-        --global-batch 15360 --micro-batch 1 --deepseek-v3 --json plan.json --png plan.png
+        --global-batch-size 15360 --micro-batch-size 1 --deepseek-v3 --json plan.json --png plan.png
     python -m moe.plan --model path/to/hf_checkpoint --gpus 64 --gpu h100 --recompute selective
     python -m moe.plan --config my_model.json --gpus 64 --gpu h100 --costs measured.json --json plan.json
 
@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dualpipe.schedule import SCHEDULES
+from moe.command import CommandParser
 from moe.models.config import PRESETS, MoEConfig, preset
 from moe.plan.costs import RECOMPUTE, STATE_DTYPES, MemoryOptions, Precision
 from moe.plan.hardware import GPUS, Cluster, gpu, with_overrides
@@ -46,7 +47,7 @@ _RECOMPUTE_FLAG.update({name: (name,) for name in RECOMPUTE})
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m moe.plan", description=__doc__.split("\n")[0])
+    p = CommandParser(prog="python -m moe.plan", description=__doc__.split("\n")[0])
     model = p.add_mutually_exclusive_group()
     model.add_argument(
         "--model",
@@ -68,8 +69,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nvlink-gbps", type=float, help="override NVLink GB/s per GPU, one direction")
     p.add_argument("--internode-gbps", type=float, help="override inter-node GB/s per GPU, one direction")
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=15360, help="sequences per optimizer step")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument(
+        "--global-batch-size",
+        "--global-batch",
+        type=int,
+        default=15360,
+        metavar="N",
+        help="sequences per optimizer step",
+    )
+    p.add_argument(
+        "--micro-batch-size", "--micro-batch", type=int, default=1, metavar="N", help="sequences per micro-batch"
+    )
     p.add_argument("--schedules", nargs="+", choices=sorted(SCHEDULES), help="default: every registered one")
     p.add_argument("--comm-sms", type=int, nargs="+", default=[20], help="SMs for communication to try (ep > 1)")
     p.add_argument(
@@ -129,7 +139,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="write the result as JSON ('-' for stdout)")
     p.add_argument("--png", metavar="FILE", help="draw the best plan's pipeline timeline")
     args = p.parse_args(argv)
-    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch", "micro_batch", "top"):
+    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch_size", "micro_batch_size", "top"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
@@ -204,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, source = _config(args, measured)
     cluster = _cluster(args, measured)
     precision = Precision(fp8=args.fp8, fp8_dispatch=args.fp8_dispatch)
-    run = RunShape(args.seq_len, args.global_batch, args.micro_batch, precision, args.expert_imbalance)
+    run = RunShape(args.seq_len, args.global_batch_size, args.micro_batch_size, precision, args.expert_imbalance)
     options = MemoryOptions(
         state_dtype=args.state_dtype, fp8_activations=args.fp8_activations, mtp_shared=not args.mtp_own_copies
     )

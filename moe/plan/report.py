@@ -193,7 +193,8 @@ def plan(
     if not found:
         raise ValueError(
             f"no layout runs a global batch of {run.global_batch} x {run.micro_batch}-sequence micro-batches on "
-            f"{cluster.num_gpus} GPUs: make --global-batch a multiple of --micro-batch x (GPUs / pp) for some pp"
+            f"{cluster.num_gpus} GPUs: make --global-batch-size a multiple of --micro-batch-size x (GPUs / pp) for "
+            "some pp"
         )
     models: dict[Candidate, LayerCostModel] = {}
     model = _sizer(cfg, cluster, run, measured, options, models)

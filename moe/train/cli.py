@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dualpipe.schedule import SCHEDULES
+from moe.command import CommandParser, UsageError, did_you_mean
 from moe.dispatch import DISPATCHERS
 from moe.models import ATTENTIONS
 from moe.models.config import PRESETS, ROUTER_SCORINGS, MoEConfig
@@ -70,15 +71,6 @@ CHOICES: dict[str, object] = {
 """The registries (or tuples) a field's value comes from, for ``--help``; the sections validate against them."""
 
 _WORLD_DEPENDENT = ("parallel.dp",)  # resolved from the world size when not given
-
-
-class UsageError(SystemExit):
-    """A command-line or config-file mistake: one line, printed once (see :func:`moe.train.cli.main`)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:  # argparse would print its usage on every rank
-        raise UsageError(f"error: {message} (see --help)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,10 +139,14 @@ def schema() -> tuple[_Field, ...]:
 
 def _base(tp: Any) -> tuple[Any, bool]:
     """(the type without ``| None``, whether None is allowed)."""
+    return _union(tp)[0], type(None) in typing.get_args(tp)
+
+
+def _union(tp: Any) -> list[Any]:
+    """The members of a union annotation but None; ``[tp]`` for any other annotation."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], len(args) < len(typing.get_args(tp))
-    return tp, False
+        return [a for a in typing.get_args(tp) if a is not type(None)]
+    return [tp]
 
 
 def _flags(f: _Field, bare_names: dict[str, int]) -> list[str]:
@@ -216,7 +212,7 @@ def _none_or(tp: type) -> Any:
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """The trainer's argument parser: ``--config``, ``--print-config`` and one flag per field (see the module
     docstring); a flag not given is absent from the namespace, so only what the user typed overrides."""
-    p = _Parser(
+    p = CommandParser(
         description=description,
         usage="%(prog)s [--config FILE.toml] [--print-config] [--section.field VALUE | --flag VALUE ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -242,7 +238,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 
 def load_config(path: str | Path) -> dict[str, dict[str, Any]]:
-    """A TOML file as ``{section: {field: value}}``; unknown tables and keys are one-line errors."""
+    """A TOML file as ``{section: {field: value}}``; an unknown table or key, or a value of the wrong type for
+    its field's annotation, is a one-line error naming it (and the nearest name, the type it wants)."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # the same parser before it joined the standard library (a dependency on Python 3.10)
@@ -254,20 +251,63 @@ def load_config(path: str | Path) -> dict[str, dict[str, Any]]:
         raise UsageError(f"error: --config {path}: no such file") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"error: --config {path}: not valid TOML ({exc})") from None
-    known: dict[str, set[str]] = {}
-    for f in schema():
-        known.setdefault(f.section, set()).add(f.name)
+    fields = {f.key: f for f in schema()}
+    known: dict[str, list[str]] = {}
+    for f in fields.values():
+        known.setdefault(f.section, []).append(f.name)
     owner = {f.name: f.section for f in reversed(schema())}
     for section, table in raw.items():
         if not isinstance(table, dict):
             where = f"[{owner[section]}]" if section in owner else "its table"
             raise UsageError(f"error: --config {path}: {section} is outside any table; put it under {where}")
         if section not in known:
-            raise UsageError(f"error: --config {path}: unknown table [{section}]; tables: {', '.join(known)}")
-        for key in table:
+            near = did_you_mean(section, known)
+            raise UsageError(f"error: --config {path}: unknown table [{section}]{near}; tables: {', '.join(known)}")
+        for key, value in table.items():
             if key not in known[section]:
-                raise UsageError(f"error: --config {path}: [{section}] has no field {key!r}")
+                elsewhere = f" (it is a field of [{owner[key]}])" if key in owner else ""
+                near = elsewhere or did_you_mean(key, known[section])
+                raise UsageError(f"error: --config {path}: [{section}] has no field {key!r}{near}")
+            tp = fields[f"{section}.{key}"].type
+            if not _fits(value, tp):
+                raise UsageError(f"error: --config {path}: {section}.{key} = {value!r}: must be {_wanted(tp)}")
     return raw
+
+
+_KINDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), bool: ("true/false", "booleans"),
+          str: ("a string", "strings")}  # fmt: skip
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    """Whether a TOML value fits a field's annotation (an int fits a float; a TOML array is a list)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in _union(tp))
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            return False
+        if origin is tuple and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(map(_fits, value, args))
+        return all(_fits(v, args[0]) for v in value)
+    if isinstance(value, bool) and tp is not bool:  # a bool is an int to Python, not to TOML
+        return False
+    return isinstance(value, (int, float) if tp is float else tp)
+
+
+def _wanted(tp: Any) -> str:
+    """What a field's annotation asks of a TOML value, in words and as the annotation (None left out: TOML
+    leaves an unset field out): ``an integer (int)``, ``an array of 2 numbers (tuple[float, float])``."""
+    words, names = [], []
+    for a in _union(tp):
+        origin, args = typing.get_origin(a), typing.get_args(a)
+        if origin in (list, tuple):
+            count = "" if origin is list or args[-1] is Ellipsis else f"{len(args)} "
+            words.append(f"an array of {count}{_KINDS[args[0]][1]}")
+            names.append(repr(a))
+        else:
+            words.append(_KINDS[a][0])
+            names.append(a.__name__)
+    return f"{' or '.join(words)} ({' | '.join(names)})"
 
 
 def _sections(values: dict[str, dict[str, Any]], world: int | None) -> dict[str, Any]:

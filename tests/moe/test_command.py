@@ -84,3 +84,40 @@ def test_did_you_mean_names_the_nearest_choice_or_nothing() -> None:
     assert did_you_mean("lrr", ["lr", "seed", "steps"]) == " (did you mean 'lr'?)"
     assert did_you_mean("--micro-batch", ["--micro-batch-size", "--seq-len"]) == " (did you mean '--micro-batch-size'?)"
     assert did_you_mean("zzz", ["lr", "seed"]) == ""
+    assert did_you_mean("--bogus", ["--gpu", "--lr"]) == " (did you mean '--gpu'?)"  # the shared -- alone
+    assert did_you_mean("--bogus", ["--gpu", "--lr"], strip="-") == ""
+
+
+def _parse(parser: command.CommandParser, argv: list[str]) -> str:
+    with pytest.raises(command.UsageError) as info:
+        parser.parse_args(argv)
+    return str(info.value.code)
+
+
+def test_the_command_parser_is_one_line_naming_the_nearest_flag_or_choice() -> None:
+    p = command.CommandParser(prog="x", allow_abbrev=False)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--gpu", choices=["h100", "h800"])
+    assert _parse(p, ["--lrr", "0.1"]) == "error: unrecognized arguments: --lrr 0.1 (did you mean '--lr'?)"
+    assert _parse(p, ["--lrr=0.1"]) == "error: unrecognized arguments: --lrr=0.1 (did you mean '--lr'?)"
+    assert _parse(p, ["--lrr", "1", "--stepz", "3"]) == (
+        "error: unrecognized arguments: --lrr 1 --stepz 3 (--lrr: did you mean '--lr'?; --stepz: did you mean "
+        "'--steps'?)"
+    )
+    assert _parse(p, ["--bogus", "1"]) == "error: unrecognized arguments: --bogus 1 (see --help)"
+    assert _parse(p, ["--gpu", "h8000"]).endswith(
+        "invalid choice: 'h8000' (choose from 'h100', 'h800') (did you mean 'h800'?)"
+    )
+    assert _parse(p, ["--steps", "x"]) == "error: argument --steps: invalid int value: 'x' (see --help)"
+
+
+def test_a_subcommand_parser_names_its_own_flags_and_the_nearest_subcommand() -> None:
+    p = command.CommandParser(prog="x")
+    sub = p.add_subparsers(dest="command")
+    sub.add_parser("prepare").add_argument("--input")
+    sub.add_parser("inspect")
+    assert (
+        _parse(p, ["prepare", "--inptu", "a"]) == "error: unrecognized arguments: --inptu a (did you mean '--input'?)"
+    )
+    assert _parse(p, ["inspct"]).endswith("(did you mean 'inspect'?)")

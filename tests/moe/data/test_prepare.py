@@ -145,3 +145,44 @@ def test_inspect_and_cli_usage(tmp_path: Path, tokenizer_json: str, capsys: pyte
     root = Path(__file__).parents[3]
     bare = subprocess.run([sys.executable, "-m", "moe.data"], capture_output=True, text=True, cwd=root)
     assert bare.returncode == 2 and "prepare" in bare.stderr and "inspect" in bare.stderr
+
+
+def test_prepare_takes_a_directory_as_the_trainer_does(tmp_path: Path, tokenizer_json: str) -> None:
+    """``--input DIR`` stands for the directory's JSONL and text files, found by the rule ``--data DIR`` uses
+    (any depth, sorted by path); other files are left out, and a directory with none of them is one line."""
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS[:3]))
+    (corpus / "sub" / "c.txt").write_text(DOCS[4])
+    (corpus / "a.md").write_text(DOCS[3])
+    (corpus / "skip.bin").write_bytes(b"\x00\x01")
+    out = str(tmp_path / "d")
+    assert main(["prepare", "--tokenizer", tokenizer_json, "--input", str(corpus), "--output", out]) == 0
+    texts, _ = _decode_docs(tokenizer_json, out)
+    assert texts == [DOCS[3], *DOCS[:3], DOCS[4]]  # a.md, b.jsonl, sub/c.txt
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"empty: no JSONL or text files \(.*\.jsonl.*\) under this directory"):
+        prepare(PrepareOptions(tokenizer=tokenizer_json, inputs=[str(tmp_path / "empty")], output=out))
+
+
+def test_inspect_takes_several_paths_or_one_blend(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Several paths are described one after the other; a first argument that is a number makes the arguments
+    WEIGHT PATH pairs, one blend; ``--data-dtype`` is the trainer's name (``--dtype`` still reads)."""
+    np.save(tmp_path / "a.npy", np.arange(10, dtype=np.uint16))
+    np.arange(30, dtype=np.uint32).tofile(tmp_path / "b.bin")
+    a, b = str(tmp_path / "a.npy"), str(tmp_path / "b.bin")
+    assert main(["inspect", a, b, "--data-dtype", "uint32"]) == 0
+    blocks = capsys.readouterr().out.split("\n\n")
+    assert len(blocks) == 2 and "tokens: 10\n" in blocks[0] and "max token id: 9" in blocks[0]
+    assert "tokens: 30\n" in blocks[1] and "max token id: 29" in blocks[1]
+    assert main(["inspect", "1", a, "3", b, "--dtype", "uint32"]) == 0
+    blend = capsys.readouterr().out
+    assert "\n\n" not in blend and f"{a}: weight 0.25" in blend and f"{b}: weight 0.75" in blend
+    assert "tokens: 40\n" in blend
+
+
+def test_cli_mistakes_name_the_nearest_flag(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"^error: unrecognized arguments: --inptu x \(did you mean '--input'\?\)$"):
+        main(["prepare", "--tokenizer", "t.json", "--output", "o", "--input", "a", "--inptu", "x"])
+    with pytest.raises(SystemExit, match=r"invalid choice: 'inspct' .*\(did you mean 'inspect'\?\)$"):
+        main(["inspct", "a"])

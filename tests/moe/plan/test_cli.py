@@ -17,7 +17,7 @@ from moe.plan.params import auto_layout
 from moe.plan.report import V3_LAYOUT
 
 SMALL = ["--preset", "tiny", "--gpus", "8", "--gpus-per-node", "4", "--gpu", "h100", "--seq-len", "64"]
-SMALL += ["--global-batch", "64", "--micro-batch", "2"]
+SMALL += ["--global-batch-size", "64", "--micro-batch-size", "2"]
 
 ROW_KEYS = {
     "schedule", "pp", "dp", "ep", "edp", "num_chunks", "comm_sms", "recompute", "pipeline_layout", "memory_options",
@@ -72,14 +72,14 @@ def test_one_line_per_class_of_losing_candidates(capsys: pytest.CaptureFixture[s
 
 
 def test_errors_name_the_flag(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="2"):
+    with pytest.raises(SystemExit, match=r"^error: --gpus must be positive \(see --help\)$"):
         main([*SMALL, "--gpus", "0"])
     bad = tmp_path / "bad.json"
     bad.write_text('{"hidden_sizes": 3}')
     with pytest.raises(SystemExit, match="--config"):
         main([*SMALL[2:], "--config", str(bad)])
     with pytest.raises(SystemExit, match="no layout runs a global batch of 7"):
-        main([*SMALL[:-4], "--global-batch", "7", "--micro-batch", "2"])
+        main([*SMALL[:-4], "--global-batch-size", "7", "--micro-batch-size", "2"])
 
 
 def test_an_unevenly_loaded_expert_group_runs_at_its_busiest_rank(tmp_path: Path, capsys) -> None:
@@ -95,10 +95,28 @@ def test_an_unevenly_loaded_expert_group_runs_at_its_busiest_rank(tmp_path: Path
     with_ep = [k for k in even if even[k]["ep"] > 1 and k in skewed]
     assert with_ep and all(skewed[k]["step_time_s"] > even[k]["step_time_s"] for k in with_ep)
     assert all(skewed[k]["step_time_s"] == even[k]["step_time_s"] for k in even if even[k]["ep"] == 1 and k in skewed)
-    capsys.readouterr()
-    with pytest.raises(SystemExit, match="2"):
+    with pytest.raises(
+        SystemExit, match=r"^error: --expert-imbalance 0\.5: the busiest rank over the mean is at least 1"
+    ):
         main([*SMALL, "--expert-imbalance", "0.5"])
-    assert "--expert-imbalance 0.5: the busiest rank over the mean is at least 1" in capsys.readouterr().err
+
+
+def test_the_batch_flags_share_the_trainers_names_and_keep_the_old_ones(tmp_path: Path) -> None:
+    """``--global-batch-size`` and ``--micro-batch-size`` as in moe.train; ``--global-batch`` and ``--micro-batch``
+    still read; an unknown flag names the nearest one."""
+    docs = []
+    for names in (("--global-batch-size", "--micro-batch-size"), ("--global-batch", "--micro-batch")):
+        out = tmp_path / "plan.json"
+        argv = [*SMALL[:-4], names[0], "32", names[1], "4", "--recompute", "off", "--top", "3", "--json", str(out)]
+        assert main(argv) == 0
+        docs.append(json.loads(out.read_text()))
+    assert docs[0] == docs[1] and docs[0]["inputs"]["global_batch"] == 32 and docs[0]["inputs"]["micro_batch"] == 4
+    with pytest.raises(
+        SystemExit, match=r"^error: unrecognized arguments: --seq-lenn 64 \(did you mean '--seq-len'\?\)$"
+    ):
+        main([*SMALL, "--seq-lenn", "64"])
+    with pytest.raises(SystemExit, match=r"invalid choice: 'h1000' .*\(did you mean 'h100'\?\)$"):
+        main([*SMALL, "--gpu", "h1000"])
 
 
 def _key(row: dict) -> tuple:
@@ -110,7 +128,9 @@ def test_measured_costs_describe_the_machine_they_came_from(tmp_path: Path) -> N
     costs = next(Path(__file__).resolve().parents[3].glob("bench/results/costs-cpu-*-emulated-*.json"))
     out = tmp_path / "plan.json"
     argv = ["--costs", str(costs), "--gpus", "2", "--gpus-per-node", "1", "--seq-len", "64", "--recompute", "both"]
-    assert main([*argv, "--global-batch", "192", "--micro-batch", "4", "--top", "40", "--json", str(out)]) == 0
+    assert (
+        main([*argv, "--global-batch-size", "192", "--micro-batch-size", "4", "--top", "40", "--json", str(out)]) == 0
+    )
     doc = json.loads(out.read_text())
     measured = json.loads(costs.read_text())
     assert doc["inputs"]["model"]["hidden_size"] == measured["config"]["hidden_size"]

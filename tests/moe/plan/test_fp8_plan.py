@@ -197,11 +197,10 @@ def test_fp8_activations_by_hand() -> None:
 
 
 def test_cli_flags_and_measured_gemms(capsys) -> None:
-    argv = ["--model", "deepseek-v3-tiny", "--gpus", "8", "--gpu", "h100", "--seq-len", "64", "--global-batch", "16",
-            "--schedules", "1f1b", "--recompute", "off"]  # fmt: skip
-    with pytest.raises(SystemExit):
+    argv = ["--model", "deepseek-v3-tiny", "--gpus", "8", "--gpu", "h100", "--seq-len", "64",
+            "--global-batch-size", "16", "--schedules", "1f1b", "--recompute", "off"]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"^error: --fp8-activations needs --fp8"):
         main([*argv, "--fp8-activations"])
-    assert "--fp8-activations needs --fp8" in capsys.readouterr().err
     assert main([*argv, "--fp8", "--no-fp8-dispatch", "--top", "1"]) == 0
     assert "precision: FP8 GEMMs (every linear but the head and the router's gate), dispatch and combine" in (
         capsys.readouterr().out

@@ -26,7 +26,7 @@ from moe.train.preflight import memory_estimate
 
 V3 = PRESETS["deepseek-v3-tiny"].replace(mtp_layers=1)  # 4 layers (1 dense), one MTP module
 SMALL = ["--preset", "tiny", "--gpus", "8", "--gpus-per-node", "4", "--gpu", "h100", "--seq-len", "64"]
-SMALL += ["--global-batch", "64", "--micro-batch", "2", "--top", "2"]
+SMALL += ["--global-batch-size", "64", "--micro-batch-size", "2", "--top", "2"]
 
 
 def _built(schedule: str, pp: int, pp_rank: int, layout: str) -> list[tuple[str, int]]:

@@ -197,6 +197,7 @@ def test_each_preset_has_a_config_file_that_loads() -> None:
         (["--dp", "4"], "error: parallel.pp x parallel.dp = 1 x 4 = 4, but the world size is 2"),
         (["--rank-order", "pp,ep"], None),  # the old two-name order still reads
         (["--bogus", "1"], "error: unrecognized arguments: --bogus 1 (see --help)"),
+        (["--lrr", "0.1"], "error: unrecognized arguments: --lrr 0.1 (did you mean '--lr'?)"),
     ],
 )
 def test_out_of_range_values_are_one_line_naming_the_field(argv: list[str], message: str | None) -> None:
@@ -209,10 +210,48 @@ def test_out_of_range_values_are_one_line_naming_the_field(argv: list[str], mess
     assert text.startswith(message) and "\n" not in text, text
 
 
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('[training]\nseq_len = "64"', "training.seq_len = '64': must be an integer (int)"),
+        ("[training]\nsteps = 1.5", "training.steps = 1.5: must be an integer (int)"),
+        ('[checkpoint]\nresume = "yes"', "checkpoint.resume = 'yes': must be true/false (bool)"),
+        ("[data]\npath = 3", "data.path = 3: must be an array of strings (list[str])"),
+        ('[data]\npath = "web"', "data.path = 'web': must be an array of strings (list[str])"),
+        ("[optimizer]\nbetas = [0.9]", "optimizer.betas = [0.9]: must be an array of 2 numbers (tuple[float, float])"),
+        ("[model]\nnum_experts = true", "model.num_experts = True: must be an integer (int)"),
+        ("[parallel]\nrecompute = 1", "parallel.recompute = 1: must be true/false or a string (bool | str)"),
+        ("[metrics]\ntensorboard_dir = 1", "metrics.tensorboard_dir = 1: must be a string (str)"),
+    ],
+)
+def test_a_toml_value_of_the_wrong_type_names_the_field_and_its_type(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(line + "\n")
+    with pytest.raises(UsageError) as info:
+        config_from_args(["--config", str(path)], world=1)
+    assert str(info.value.code) == f"error: --config {path}: {message}"
+
+
+def test_a_toml_value_of_the_right_type_reads(tmp_path: Path) -> None:
+    """An int where a float is wanted, arrays for tuples, a string or a bool for a switch with levels."""
+    path = tmp_path / "job.toml"
+    path.write_text(
+        "[model]\ndense_layers = [0]\n[optimizer]\nweight_decay = 0\nbetas = [0, 0.5]\n"
+        '[parallel]\nrecompute = true\nrank_order = ["pp", "ep"]\n[data]\npath = ["web"]\n'
+    )
+    config, _ = config_from_args(["--config", str(path)], world=1)
+    assert config.optimizer.weight_decay == 0 and list(config.optimizer.betas) == [0, 0.5]
+    assert config.parallel.recompute == "full" and config.model.build().dense_layers == (0,)
+    assert config.data.path == ["web"]
+
+
 def test_config_file_mistakes_are_one_line(tmp_path: Path) -> None:
     cases = {
         "[optimiser]\nlr = 1e-3\n": "unknown table [optimiser]",
         "[optimizer]\nlearning_rate = 1e-3\n": "[optimizer] has no field 'learning_rate'",
+        "[optimizer]\nlrr = 1e-3\n": "[optimizer] has no field 'lrr' (did you mean 'lr'?)",
+        "[training]\nlr = 1e-3\n": "[training] has no field 'lr' (it is a field of [optimizer])",
+        "[trainig]\nsteps = 3\n": "unknown table [trainig] (did you mean 'training'?); tables: model, ",
         "[optimizer]\nlr = \n": "not valid TOML",
         "lr = 1e-3\n": "lr is outside any table; put it under [optimizer]",
     }
