@@ -43,7 +43,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from moe.command import run_command
+from moe.command import CommandParser, run_command
 from moe.dispatch.local import LocalDispatcher
 from moe.models.config import MoEConfig
 from moe.models.stage import MoEStage
@@ -62,8 +62,8 @@ class ConvertError(SystemExit):
     """A source, target or option that cannot be converted: one line."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def _parser() -> CommandParser:
+    p = CommandParser(
         prog="python -m moe.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("src", help="our checkpoint (a step_* directory or the directory of them) or a Hugging Face one")

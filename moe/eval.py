@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe.command import run_command
+from moe.command import CommandParser, run_command
 from moe.data import DataError, open_data
 from moe.models.config import MoEConfig
 from moe.models.model import lm_loss
@@ -50,8 +50,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.f
 """``--dtype``: the project's names, and the short ones as aliases."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def _parser() -> CommandParser:
+    p = CommandParser(
         prog="python -m moe.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", required=True, help="our checkpoint directory, a step_* one, or a Hugging Face one")

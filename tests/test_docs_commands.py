@@ -173,11 +173,6 @@ EXCLUDED: dict[str, tuple[str, str]] = {
         PLACEHOLDER,
         "tests/moe/hf/test_hf_jobs.py::test_training_from_a_checkpoint_pipelined_equals_one_process",
     ),
-    ".venv/bin/python -m moe.eval --model /ckpt/Qwen3-30B-A3B --data tokens.npy --seq-len 4096 --batch-size 8"
-    " --batches 16 --json -": (
-        PLACEHOLDER,
-        "tests/moe/hf/test_hf_jobs.py::test_eval_equals_transformers_in_one_process_and_pipelined",
-    ),
     ".venv/bin/python -m moe.eval --model /ckpt/Qwen3-30B-A3B --data tokens.npy --seq-len 4096 --global-batch-size 8"
     " --batches 16 --json -": (
         PLACEHOLDER,
