@@ -34,7 +34,7 @@ from moe.models.config import PRESETS, ROUTER_SCORINGS, MoEConfig
 from moe.parallel import RECOMPUTE, ParallelConfig
 from moe.pipeline_layout import AUTO
 from moe.plan.params import auto_layout
-from moe.train.config import DTYPES, SECTIONS, TOKEN_DTYPES, ConfigError, ModelConfig, TrainConfig
+from moe.train.config import DTYPES, SECTIONS, TOKEN_DTYPES, ConfigError, ModelConfig, TrainConfig, TrainingConfig
 from moe.train.lr import LR_SCHEDULES
 from moe.train.optimizer import OPTIMIZERS, STATE_DTYPES
 
@@ -332,6 +332,7 @@ def _sections(values: dict[str, dict[str, Any]], world: int | None) -> dict[str,
                         "processes (torchrun --nproc-per-node ...)"
                     )
                 given["dp"] = world // pp
+            _chunks_from_global_batch(given, values.get("training", {}))
         try:
             built[section] = cls(**given)
         except ConfigError:
@@ -339,6 +340,17 @@ def _sections(values: dict[str, dict[str, Any]], world: int | None) -> dict[str,
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"[{section}] {exc}") from None
     return built
+
+
+def _chunks_from_global_batch(parallel: dict[str, Any], training: dict[str, Any]) -> None:
+    """``training.global_batch_size`` given and ``parallel.num_chunks`` not: the micro-batches that make it (when
+    they do not divide it, num_chunks stays unset and TrainConfig's check names the numbers)."""
+    global_batch = training.get("global_batch_size")
+    if global_batch is None or parallel.get("num_chunks") is not None:
+        return
+    per = training.get("micro_batch_size", TrainingConfig().micro_batch_size) * parallel["dp"]
+    if global_batch % per == 0:
+        parallel["num_chunks"] = global_batch // per
 
 
 def config_from_args(

@@ -224,6 +224,9 @@ class TrainingConfig:
     """Tokens per sequence."""
     micro_batch_size: int = 4
     """Sequences per micro-batch on one data-parallel rank."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over the whole job: micro_batch_size x parallel.dp x parallel.num_chunks.
+    Set, it decides parallel.num_chunks (unset: parallel.num_chunks decides it)."""
     seed: int = 0
     """Initial weights and the data order."""
     dtype: str = "float32"
@@ -259,6 +262,8 @@ class TrainingConfig:
         for name in ("steps", "seq_len", "micro_batch_size", "val_batches"):
             value = getattr(self, name)
             _require(value > 0, f"training.{name}", value, "must be positive")
+        ok = self.global_batch_size is None or self.global_batch_size > 0
+        _require(ok, "training.global_batch_size", self.global_batch_size, "must be positive")
         _require(self.dtype in DTYPES, "training.dtype", self.dtype, f"choose one of {DTYPES}")
         _require(self.val_every >= 0, "training.val_every", self.val_every, "must be >= 0 (0: never)")
         _require(self.seed >= 0, "training.seed", self.seed, "must be >= 0")
@@ -388,6 +393,14 @@ class TrainConfig:
                 to_hf_config(cfg)
             except HFConfigError as exc:
                 raise ConfigError(f"checkpoint.save_hf: {exc}") from None
+        tr = self.training
+        if tr.global_batch_size is not None and tr.global_batch_size != self.global_batch:
+            per = tr.micro_batch_size * pc.dp
+            raise ConfigError(
+                f"training.global_batch_size = {tr.global_batch_size}: must be micro_batch_size x parallel.dp x "
+                f"parallel.num_chunks = {tr.micro_batch_size} x {pc.dp} x {pc.num_chunks} = {self.global_batch}"
+                + (f"; or leave num_chunks unset and give a multiple of {per}" if tr.global_batch_size % per else "")
+            )
         if self.training.val_every and not self.data.val_fraction:
             raise ConfigError(
                 f"training.val_every = {self.training.val_every}: there is no validation split (data.val_fraction "

@@ -324,3 +324,13 @@ def test_deepep_group_sizes_are_refused_with_the_config(ep: int, extra: list[str
         config_from_args(argv, world=ep)
     text = str(info.value.code)
     assert text.startswith("error: --dispatcher deepep: ") and problem in text and "\n" not in text, text
+
+
+def test_global_batch_size_decides_the_micro_batches_or_names_the_numbers() -> None:
+    config, _ = config_from_args(["--micro-batch-size", "2", "--global-batch-size", "16"], world=2)
+    assert (config.parallel.num_chunks, config.global_batch) == (4, 16)  # 2 sequences x dp 2 x 4 micro-batches
+    argv = ["--micro-batch-size", "2", "--global-batch-size", "16", "--num-chunks", "2"]
+    with pytest.raises(SystemExit, match=r"global_batch_size = 16: must be .* = 2 x 2 x 2 = 8$"):
+        config_from_args(argv, world=2)
+    with pytest.raises(SystemExit, match="or leave num_chunks unset and give a multiple of 4$"):
+        config_from_args(["--micro-batch-size", "2", "--global-batch-size", "10"], world=2)
