@@ -353,6 +353,18 @@ def _chunks_from_global_batch(parallel: dict[str, Any], training: dict[str, Any]
         parallel["num_chunks"] = global_batch // per
 
 
+def _check_choices(values: dict[str, dict[str, Any]]) -> None:
+    """A name outside its registry (:data:`CHOICES`) is one line with the nearest name; ``model.name`` may also
+    be a directory, which its section checks."""
+    for key, choices in CHOICES.items():
+        section, name = key.split(".")
+        value = values.get(section, {}).get(name)
+        if key == "model.name" or not isinstance(value, str) or value in choices:
+            continue
+        names = tuple(choices)
+        raise UsageError(f"error: {key} = {value!r}: choose one of {names}{did_you_mean(value, names)}")
+
+
 def config_from_args(
     argv: list[str] | None, world: int | None, description: str | None = None
 ) -> tuple[TrainConfig, argparse.Namespace]:
@@ -364,6 +376,7 @@ def config_from_args(
         if "." in key:
             section, name = key.split(".", 1)
             values.setdefault(section, {})[name] = value
+    _check_choices(values)
     try:
         config = TrainConfig(**_sections(values, world))
     except ConfigError as exc:

@@ -332,5 +332,20 @@ def test_global_batch_size_decides_the_micro_batches_or_names_the_numbers() -> N
     argv = ["--micro-batch-size", "2", "--global-batch-size", "16", "--num-chunks", "2"]
     with pytest.raises(SystemExit, match=r"global_batch_size = 16: must be .* = 2 x 2 x 2 = 8$"):
         config_from_args(argv, world=2)
-    with pytest.raises(SystemExit, match="or leave num_chunks unset and give a multiple of 4$"):
+    with pytest.raises(SystemExit, match=r"or leave num_chunks unset and give a multiple of 4$"):
         config_from_args(["--micro-batch-size", "2", "--global-batch-size", "10"], world=2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--schedule", "dualpipv"], "error: parallel.schedule = 'dualpipv': choose one of ("),
+        (["--optimizer", "adamm"], "error: optimizer.name = 'adamm': choose one of ('adamw', 'sgd') (did you mean"),
+        (["--recompute", "selectve"], "(did you mean 'selective'?)"),
+    ],
+)
+def test_a_name_outside_its_registry_names_the_nearest(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        config_from_args(argv, world=2)
+    assert message in str(exc.value.code)
+    assert str(exc.value.code).endswith("?)")
