@@ -6,14 +6,17 @@
 The direction follows SRC: a directory with config.json is a Hugging Face checkpoint, one with meta.json (or a
 ``latest`` pointer) is ours. DST must not exist (or be empty).
 
-- ours -> HF: config.json from the checkpoint's meta.json (its model config), safetensors shards of at most
+- ours -> HF: config.json from the checkpoint's meta.json (its model config; for a model that started from a
+  Hugging Face directory, that directory's config.json with only what training changed set, and its tokenizer
+  and generation config copied: the checkpoint carries them), safetensors shards of at most
   ``--max-shard-size`` bytes and their index, in the hub layout (:mod:`moe.hf.export`); optimizer state is left
   out. ``--dtype`` defaults to the checkpoint's (fp32 masters, usually).
 - HF -> ours: a checkpoint ``DST/step_00000000`` (and ``DST/latest``) that :func:`moe.train.checkpoint.load_checkpoint`
   and ``Trainer.resume`` read at any (pp, dp, ep): the weights (FP8 ones dequantized), the buffers a fresh model
   has (expert-load counts, rotary frequencies) and a fresh optimizer state for ``--optimizer`` (zeros at step 0,
-  as before a first step; ``none`` leaves it out, for evaluation only). No data position or random state: a
-  resumed run starts at step 0. ``--dtype`` defaults to float32 (what our checkpoints hold: the masters).
+  as before a first step; ``none`` leaves it out, for evaluation only), and the source's config.json, tokenizer
+  and generation config, for the way back. No data position or random state: a resumed run starts at step 0.
+  ``--dtype`` defaults to float32 (what our checkpoints hold: the masters).
 
 One process, never the whole model in memory. Nothing is read to plan: shapes come from a meta-device model of
 the config. At peak it holds
@@ -44,7 +47,7 @@ from moe.command import run_command
 from moe.dispatch.local import LocalDispatcher
 from moe.models.config import MoEConfig
 from moe.models.stage import MoEStage
-from moe.train.checkpoint import checkpoint_entries
+from moe.train.checkpoint import checkpoint_entries, write_files
 from moe.train.manifest import CheckpointError, verify_checkpoint, write_manifest
 from moe.train.optimizer import OPTIMIZERS
 
@@ -114,7 +117,15 @@ def _our_step(src: Path) -> Path:
 
 def ours_to_hf(src: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_bytes: int | None) -> None:
     from moe.hf import HFConfigError, to_hf_config
-    from moe.hf.export import MAX_SHARD_BYTES, HFExportError, check_target, make_piece, plan_pieces, write_hf_dir
+    from moe.hf.export import (
+        MAX_SHARD_BYTES,
+        HFExportError,
+        HFSource,
+        check_target,
+        make_piece,
+        plan_pieces,
+        write_hf_dir,
+    )
     from moe.hf.keys import checkpoint_shapes
 
     step = _our_step(src)
@@ -122,6 +133,7 @@ def ours_to_hf(src: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_byt
     if "model" not in meta:
         raise ConvertError(f"error: {step}: its meta.json predates the model config; convert a newer checkpoint")
     cfg = MoEConfig(**meta["model"])
+    source = HFSource.from_checkpoint(step, meta)  # the Hugging Face directory training started from, if any
     stored = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
 
     def entry(key: str, row: int | None) -> str:
@@ -136,7 +148,8 @@ def ours_to_hf(src: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_byt
         shapes[key] = (shape, stored[name].properties.dtype)
     written = dtype or next(iter(shapes.values()))[1]
     try:
-        config = to_hf_config(cfg, dtype=str(written).removeprefix("torch."))
+        raw = None if source is None else source.config
+        config = to_hf_config(cfg, dtype=str(written).removeprefix("torch."), source=raw)
         check_target(dst)
         pieces = plan_pieces(shapes, dtype=dtype)
     except (HFConfigError, HFExportError) as exc:
@@ -157,7 +170,9 @@ def ours_to_hf(src: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_byt
         return out
 
     try:
-        write_hf_dir(dst, config, pieces, make, dtype=dtype, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES)
+        files = None if source is None else source.files
+        limit = max_shard_bytes or MAX_SHARD_BYTES
+        write_hf_dir(dst, config, pieces, make, files=files, dtype=dtype, max_shard_bytes=limit)
     except HFExportError as exc:
         raise ConvertError(f"error: {exc}") from None
 
@@ -233,11 +248,13 @@ class _BoundedWriter(dcp.FileSystemWriter):
 
 def hf_to_ours(src: Path, dst: Path, *, dtype: torch.dtype | None, optimizer: str | None) -> Path:
     from moe.hf import HFCheckpointError, HFConfigError, hf_tensors, read_hf_config, to_ours
+    from moe.hf.export import HFSource
     from moe.hf.keys import checkpoint_shapes
 
     try:
         cfg = read_hf_config(src)
         files = hf_tensors(src)
+        source = HFSource.read(src)  # kept, so the way back to a Hugging Face directory keeps them
     except (HFConfigError, HFCheckpointError) as exc:
         raise ConvertError(f"error: {src}: {exc}") from None
     _empty_target(dst)
@@ -287,6 +304,7 @@ def hf_to_ours(src: Path, dst: Path, *, dtype: torch.dtype | None, optimizer: st
     meta = {"step": 0, "consumed_samples": 0, "pp": 1, "dp": 1, "ep": 1, "converted_from": str(src)}
     meta["config"] = {"model": str(src)}
     meta["model"] = dataclasses.asdict(cfg)
+    write_files(partial, source.into_checkpoint(meta))
     # No world_size: the checkpoint holds no per-rank state (random states), so no rank looks for one.
     (partial / "meta.json").write_text(json.dumps(meta))
     write_manifest(partial)
