@@ -12,6 +12,8 @@ the config.json is in the hub's style (``rope_theta`` + ``rope_scaling``, Qwen's
 published checkpoints use and transformers reads. A field the architecture cannot express (a shared expert in
 Qwen3-MoE, our grouped-query ``gqa`` presets anywhere) is an :class:`HFConfigError` naming it. Fields that shape
 our training only, which no config.json holds (the selection-bias step, the sequence-wise loss), are not written.
+Given the config.json the model was read from (``source``), the writer keeps it and sets only what differs, so
+what it does not model (``max_position_embeddings``, ``bos_token_id``...) survives an export.
 """
 
 from __future__ import annotations

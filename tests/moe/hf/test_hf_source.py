@@ -26,6 +26,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
+pytestmark = pytest.mark.slow  # the fixture trains twice and converts three times (about 10 s on 2 cores)
+
 KEPT = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
 """What PreTrainedTokenizerFast.save_pretrained and the model's save_pretrained write besides config + weights."""
 
@@ -150,6 +152,10 @@ def test_the_exports_load_in_transformers(exports) -> None:
     assert all(torch.equal(t, want[k]) for k, t in converted.state_dict().items())
     trained = transformers.AutoModelForCausalLM.from_pretrained(exports["trained"])
     assert trained.config.num_hidden_layers == 3
+    tok = transformers.AutoTokenizer.from_pretrained(exports["trained"])
+    prompt = tok("experts route", return_tensors="pt")
+    made = trained.generate(**prompt, do_sample=False)  # the copied generation config: 7 new tokens at most
+    assert prompt["input_ids"].shape[1] < made.shape[1] <= prompt["input_ids"].shape[1] + 7
     # the checkpoint converted after the source was deleted is the export at the end of training
     a, b = read_safetensors(exports["trained"]), read_safetensors(exports["from_run"])
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
