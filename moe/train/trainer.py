@@ -72,6 +72,9 @@ class Trainer:
         self.config = config
         self.model_config = config.model_config
         self.device = pick_device()
+        self.hf_source = self.read_hf_source()
+        """The Hugging Face directory the model started from, as checkpoints and the export keep it (None: a
+        preset); read now, so a directory moved or deleted during the run does not matter."""
         self.memory_estimate = self.preflight()
         self.data = self.build_data()
         self.owns_process_group = init_process_group(self.device, config.fault.timeout, config.parallel.reserved_sms)
@@ -81,9 +84,6 @@ class Trainer:
         self.dispatcher_warm_up_s = 0.0
         """Seconds :meth:`build_stages` took to warm the dispatcher up (the banner says it)."""
         self.stages = self.build_stages()
-        self.hf_source = self.read_hf_source()
-        """The Hugging Face directory the model started from, as checkpoints and the export keep it (None: a
-        preset); read now, so a directory moved or deleted during the run does not matter."""
         self.pipe = self.build_pipeline()
         self.optimizer = self.build_optimizer()
         self.meter = MemoryMeter(list(self.pipe.module), self.optimizer)
@@ -114,11 +114,14 @@ class Trainer:
         preflight.check_checkpoint_dir(self.config)
         preflight.check_tensorboard(self.config)
         if self.config.checkpoint.save_hf:  # found now, not after the training it would export
+            from moe.hf import HFConfigError, to_hf_config
             from moe.hf.export import HFExportError, check_target
 
             try:
                 check_target(Path(self.config.checkpoint.save_hf))
-            except HFExportError as exc:
+                if self.hf_source is not None:  # the source's config.json can carry what the run changes
+                    to_hf_config(self.model_config, source=self.hf_source.config)
+            except (HFExportError, HFConfigError) as exc:
                 raise preflight.PreflightError(f"error: --save-hf: {exc}") from None
         return preflight.check_memory(self.config, self.device)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from moe.convert import main as convert
 from moe.hf import read_safetensors
@@ -176,3 +177,17 @@ def test_a_checkpoint_carries_the_source_under_its_manifest(exports, tmp_path: P
     (step / "hf_source" / "tokenizer.json").write_bytes(b"{}")
     with pytest.raises(CheckpointError, match=r"tokenizer\.json"):
         verify_checkpoint(step)
+
+
+def test_save_hf_of_a_change_the_source_cannot_carry_is_refused_before_training(tmp_path: Path) -> None:
+    from moe.train import Trainer, config_from_args
+    from tests.moe.hf import test_hf_deepseek_v3
+
+    test_hf_deepseek_v3._hf_model().save_pretrained(tmp_path / "v3")  # YaRN spelled as rope_parameters
+    np.save(tmp_path / "tokens.npy", np.zeros(1024, dtype=np.uint16))
+    argv = ["--model", str(tmp_path / "v3"), "--rope-factor", "8", "--data", str(tmp_path / "tokens.npy")]
+    config = config_from_args([*argv, "--seq-len", "16", "--save-hf", str(tmp_path / "out")], 1)[0]
+    with pytest.raises(SystemExit) as err:
+        Trainer(config)
+    assert err.value.code.startswith("error: --save-hf: cannot write max_position_embeddings, rope_scaling into")
+    assert not dist.is_initialized()  # before any process group
