@@ -8,14 +8,17 @@ with config.json is a Hugging Face checkpoint; ours is a ``step_*`` directory or
 ``latest``, or the newest intact ``step_*`` when that is missing or damaged), verified against its manifest.
 DST must not exist (or be empty).
 
-- ours -> HF: config.json from the checkpoint's meta.json (its model config), safetensors shards of at most
+- ours -> HF: config.json from the checkpoint's meta.json (its model config; for a model that started from a
+  Hugging Face directory, that directory's config.json with only what training changed set, and its tokenizer
+  and generation config copied: the checkpoint carries them), safetensors shards of at most
   ``--max-shard-size`` bytes and their index, in the hub layout (:mod:`moe.hf.export`); optimizer state is left
   out. ``--dtype`` defaults to the checkpoint's (fp32 masters, usually).
 - HF -> ours: a checkpoint ``DST/step_00000000`` (and ``DST/latest``) that :func:`moe.train.checkpoint.load_checkpoint`
   and ``Trainer.resume`` read at any (pp, dp, ep): the weights (FP8 ones dequantized), the buffers a fresh model
   has (expert-load counts, rotary frequencies) and a fresh optimizer state for ``--optimizer`` (zeros at step 0,
-  as before a first step; ``none`` leaves it out, for evaluation only). No data position or random state: a
-  resumed run starts at step 0. ``--dtype`` defaults to float32 (what our checkpoints hold: the masters).
+  as before a first step; ``none`` leaves it out, for evaluation only), and the source's config.json, tokenizer
+  and generation config, for the way back. No data position or random state: a resumed run starts at step 0.
+  ``--dtype`` defaults to float32 (what our checkpoints hold: the masters).
 
 One process, never the whole model in memory. Nothing is read to plan: shapes come from a meta-device model of
 the config. At peak it holds
@@ -47,7 +50,7 @@ from moe.command import CommandParser, run_command
 from moe.dispatch.local import LocalDispatcher
 from moe.models.config import MoEConfig
 from moe.models.stage import MoEStage
-from moe.train.checkpoint import CheckpointError, ModelSource, checkpoint_entries, model_source
+from moe.train.checkpoint import CheckpointError, ModelSource, checkpoint_entries, model_source, write_files
 from moe.train.manifest import write_manifest
 from moe.train.optimizer import OPTIMIZERS
 
@@ -105,13 +108,23 @@ def ours_to_hf(step: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_by
     """Our checkpoint ``step`` (a ``step_*`` directory: :func:`moe.train.checkpoint.model_source` finds it in the
     directory of them) written as a Hugging Face directory ``dst``."""
     from moe.hf import HFConfigError, to_hf_config
-    from moe.hf.export import MAX_SHARD_BYTES, HFExportError, check_target, make_piece, plan_pieces, write_hf_dir
+    from moe.hf.export import (
+        MAX_SHARD_BYTES,
+        HFExportError,
+        HFSource,
+        check_target,
+        make_piece,
+        plan_pieces,
+        write_hf_dir,
+    )
     from moe.hf.keys import checkpoint_shapes
 
     try:
         cfg = ModelSource(kind="ours", path=step).config()
     except CheckpointError as exc:
         raise ConvertError(f"error: {exc}") from None
+    meta = json.loads((step / "meta.json").read_text())
+    source = HFSource.from_checkpoint(step, meta)  # the Hugging Face directory training started from, if any
     stored = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
 
     def entry(key: str, row: int | None) -> str:
@@ -126,7 +139,8 @@ def ours_to_hf(step: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_by
         shapes[key] = (shape, stored[name].properties.dtype)
     written = dtype or next(iter(shapes.values()))[1]
     try:
-        config = to_hf_config(cfg, dtype=str(written).removeprefix("torch."))
+        raw = None if source is None else source.config
+        config = to_hf_config(cfg, dtype=str(written).removeprefix("torch."), source=raw)
         check_target(dst)
         pieces = plan_pieces(shapes, dtype=dtype)
     except (HFConfigError, HFExportError) as exc:
@@ -147,7 +161,9 @@ def ours_to_hf(step: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_by
         return out
 
     try:
-        write_hf_dir(dst, config, pieces, make, dtype=dtype, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES)
+        files = None if source is None else source.files
+        limit = max_shard_bytes or MAX_SHARD_BYTES
+        write_hf_dir(dst, config, pieces, make, files=files, dtype=dtype, max_shard_bytes=limit)
     except HFExportError as exc:
         raise ConvertError(f"error: {exc}") from None
 
@@ -223,11 +239,13 @@ class _BoundedWriter(dcp.FileSystemWriter):
 
 def hf_to_ours(src: Path, dst: Path, *, dtype: torch.dtype | None, optimizer: str | None) -> Path:
     from moe.hf import HFCheckpointError, HFConfigError, hf_tensors, read_hf_config, to_ours
+    from moe.hf.export import HFSource
     from moe.hf.keys import checkpoint_shapes
 
     try:
         cfg = read_hf_config(src)
         files = hf_tensors(src)
+        source = HFSource.read(src)  # kept, so the way back to a Hugging Face directory keeps them
     except (HFConfigError, HFCheckpointError) as exc:
         raise ConvertError(f"error: {src}: {exc}") from None
     _empty_target(dst)
@@ -277,6 +295,7 @@ def hf_to_ours(src: Path, dst: Path, *, dtype: torch.dtype | None, optimizer: st
     meta = {"step": 0, "consumed_samples": 0, "pp": 1, "dp": 1, "ep": 1, "converted_from": str(src)}
     meta["config"] = {"model": str(src)}
     meta["model"] = dataclasses.asdict(cfg)
+    write_files(partial, source.into_checkpoint(meta))
     # No world_size: the checkpoint holds no per-rank state (random states), so no rank looks for one.
     (partial / "meta.json").write_text(json.dumps(meta))
     write_manifest(partial)

@@ -12,6 +12,8 @@ the config.json is in the hub's style (``rope_theta`` + ``rope_scaling``, Qwen's
 published checkpoints use and transformers reads. A field the architecture cannot express (a shared expert in
 Qwen3-MoE, our grouped-query ``gqa`` presets anywhere) is an :class:`HFConfigError` naming it. Fields that shape
 our training only, which no config.json holds (the selection-bias step, the sequence-wise loss), are not written.
+Given the config.json the model was read from (``source``), the writer keeps it and sets only what differs, so
+what it does not model (``max_position_embeddings``, ``bos_token_id``...) survives an export.
 """
 
 from __future__ import annotations
@@ -307,18 +309,67 @@ def quantization_block(raw: Mapping[str, Any]) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def to_hf_config(cfg: MoEConfig, *, dtype: str | None = None) -> dict[str, Any]:
-    """The config.json of ``cfg`` in the architecture its attention makes it (:data:`HF_CONFIGS`), with
-    ``torch_dtype`` when given; :func:`from_hf_config` reads it back to ``cfg`` (fields that shape training
-    only aside)."""
+def _written(cfg: MoEConfig) -> dict[str, Any]:
+    """``cfg``'s config.json in the architecture its attention makes it, written afresh."""
     found = [(name, arch) for name, arch in HF_CONFIGS.items() if arch.attention == cfg.attention]
     if not found:
         known = ", ".join(f"{name} ({arch.attention!r})" for name, arch in HF_CONFIGS.items())
         raise HFConfigError(f"MoEConfig.attention = {cfg.attention!r}: no published architecture has it; {known} do")
-    raw = found[0][1].write(cfg)
+    return found[0][1].write(cfg)
+
+
+def to_hf_config(
+    cfg: MoEConfig, *, dtype: str | None = None, source: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The config.json of ``cfg`` in the architecture its attention makes it (:data:`HF_CONFIGS`), with
+    ``torch_dtype`` when given; :func:`from_hf_config` reads it back to ``cfg`` (fields that shape training
+    only aside).
+
+    ``source``: the config.json the model was read from. The result is then that file with only what differs
+    between it and ``cfg`` changed (a ``[model]`` override: ``vocab_size``, ``num_hidden_layers``...), every
+    other key kept verbatim, those we do not model too (``max_position_embeddings``, ``bos_token_id``), in the
+    source's spelling (``num_local_experts``, ``rope_parameters``, ``dtype``); ``quantization_config`` is
+    dropped (the weights are written dequantized). A source of another architecture is ignored."""
+    raw = _written(cfg)
+    if source is not None and source.get("model_type") == raw["model_type"]:
+        return _onto(source, cfg, raw, dtype)
     if dtype is not None:
         raw["torch_dtype"] = dtype
     return raw
+
+
+_SPELLINGS = {"num_experts": "num_local_experts"}
+"""Hub-style keys :func:`to_hf_config` writes -> how transformers 5.x spells them (both are read)."""
+
+
+def _as_read(raw: Mapping[str, Any], cfg: MoEConfig) -> MoEConfig:
+    """``raw`` read as :func:`read_hf_config` read it for ``cfg``'s tensors: MTP modules the config.json names
+    but the tensors lack (transformers writes ``num_nextn_predict_layers`` = 1 always) are not there."""
+    read = from_hf_config(raw)
+    return read.replace(mtp_layers=0) if read.mtp_layers and not cfg.mtp_layers else read
+
+
+def _onto(source: Mapping[str, Any], cfg: MoEConfig, written: dict[str, Any], dtype: str | None) -> dict[str, Any]:
+    """``source`` with the keys where ``cfg`` differs from it set (see :func:`to_hf_config`)."""
+    before = _written(_as_read(source, cfg))
+    out = json.loads(json.dumps(dict(source)))  # a deep copy: nested dicts (rope_parameters) may change
+    out.pop("quantization_config", None)
+    for key, value in written.items():
+        if value == before.get(key):
+            continue
+        if key == "rope_theta" and "rope_theta" in (out.get("rope_parameters") or {}):
+            out["rope_parameters"]["rope_theta"] = value
+        elif key not in out and _SPELLINGS.get(key) in out:
+            out[_SPELLINGS[key]] = value
+        else:
+            out[key] = value
+    if dtype is not None:
+        for key in [k for k in ("torch_dtype", "dtype") if k in out] or ["torch_dtype"]:
+            out[key] = dtype
+    if _written(_as_read(out, cfg)) != written:  # a change the source's spelling hides (another rope style)
+        differs = sorted(k for k, v in _written(_as_read(out, cfg)).items() if written.get(k) != v)
+        raise HFConfigError(f"cannot write {', '.join(differs)} into the source's config.json as it spells them")
+    return out
 
 
 def from_hf_config(raw: Mapping[str, Any]) -> MoEConfig:

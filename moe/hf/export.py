@@ -15,6 +15,12 @@ once, by the lowest rank holding it: the ranks agree on that and on the global s
 ``all_gather_object`` of the names and sizes each would write (a few hundred short names per rank). Without a
 process group, one process writes everything it is given.
 
+What the model started from is kept (:class:`HFSource`): for a model read from a Hugging Face directory,
+config.json is that directory's with only what training changed set (:func:`moe.hf.to_hf_config`'s ``source``),
+and its tokenizer files and ``generation_config.json`` (:data:`SOURCE_FILES`) are copied, byte for byte. A
+checkpoint of such a model carries both (:meth:`HFSource.into_checkpoint`), so ``moe.convert`` exports it the
+same way after the directory has gone. Every file is written with the user's umask (0644 under umask 022).
+
 Atomic: everything goes to ``.<name>.partial`` beside the target, renamed once every rank's shards are in place.
 A failure on any rank (a full disk) raises :class:`HFExportError` on every rank and removes the partial
 directory; the target is never half-written. The target must not exist, or be an empty directory.
@@ -41,14 +47,83 @@ from moe.hf.keys import checkpoint_shapes, to_hub
 from moe.models.config import MoEConfig
 from moe.models.stage import MoEStage
 
-__all__ = ["MAX_SHARD_BYTES", "HFExportError", "Piece", "check_target", "plan_pieces", "save_hf", "write_hf_dir"]
+__all__ = [
+    "MAX_SHARD_BYTES",
+    "SOURCE_FILES",
+    "HFExportError",
+    "HFSource",
+    "Piece",
+    "check_target",
+    "plan_pieces",
+    "save_hf",
+    "write_hf_dir",
+]
 
 MAX_SHARD_BYTES = 5 * 10**9
 """transformers' default ``max_shard_size`` ("5GB")."""
 
 
+SOURCE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+)
+"""The files of a Hugging Face directory besides config.json and the weights that an export copies: the
+tokenizer's (fast, BPE vocab and merges, SentencePiece, the chat template) and the generation defaults."""
+
+_CHECKPOINT_DIR = "hf_source"
+"""Where a checkpoint of ours keeps the :data:`SOURCE_FILES` of the directory its model came from."""
+
+
 class HFExportError(RuntimeError):
     """An export that cannot be written (the target exists, a rank failed to write); one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class HFSource:
+    """The Hugging Face directory a model started from, as far as an export keeps it: its config.json and its
+    :data:`SOURCE_FILES` (a few files of a few MB at most, held in memory: the directory may go away)."""
+
+    config: dict[str, Any]
+    """config.json as read."""
+    files: dict[str, bytes]
+    """The :data:`SOURCE_FILES` it has, by name."""
+
+    @classmethod
+    def read(cls, path: str | Path) -> HFSource:
+        path = Path(path)
+        files = {name: (path / name).read_bytes() for name in SOURCE_FILES if (path / name).is_file()}
+        return cls(json.loads((path / "config.json").read_text()), files)
+
+    def into_checkpoint(self, meta: dict[str, Any]) -> dict[str, bytes]:
+        """Record the source in a checkpoint's ``meta`` (its config.json under ``hf_config``); returns the files
+        to store beside it, by path in the checkpoint directory."""
+        meta["hf_config"] = self.config
+        return {f"{_CHECKPOINT_DIR}/{name}": data for name, data in self.files.items()}
+
+    @classmethod
+    def from_checkpoint(cls, step: str | Path, meta: dict[str, Any]) -> HFSource | None:
+        """What :meth:`into_checkpoint` recorded in the checkpoint directory ``step``; None for a model that
+        started from no Hugging Face directory (a preset), or a checkpoint written before sources were kept."""
+        if meta.get("hf_config") is None:
+            return None
+        folder = Path(step) / _CHECKPOINT_DIR
+        files = {name: (folder / name).read_bytes() for name in SOURCE_FILES if (folder / name).is_file()}
+        return cls(meta["hf_config"], files)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # read it by setting it: POSIX has no getter (os.umask is process-wide, set back now)
+    os.umask(mask)
+    return mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,13 +241,15 @@ def write_hf_dir(
     pieces: Sequence[Piece],
     make: Callable[[list[Piece]], dict[str, torch.Tensor]],
     *,
+    files: dict[str, bytes] | None = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Write this rank's ``pieces`` (``make(pieces)`` gives their hub tensors by name) as shards of a Hugging
-    Face directory at ``path``; rank 0 adds the index and ``config``. Collective over ``group`` (None: one
-    process). Holds one shard's tensors (plus what ``make`` reads for it) at a time."""
+    Face directory at ``path``; rank 0 adds the index, ``config`` and ``files`` (name -> contents: the source's
+    tokenizer, :class:`HFSource`). Collective over ``group`` (None: one process). Holds one shard's tensors
+    (plus what ``make`` reads for it) at a time."""
     import safetensors.torch  # the hf extra; the caller imported moe.hf, which says how to install it
 
     path = Path(path)
@@ -181,6 +258,7 @@ def write_hf_dir(
         raise HFExportError(f"max_shard_bytes = {max_shard_bytes}: must be positive")
     rank = dist.get_rank(group) if group is not None else 0
     partial = path.parent / f".{path.name}.partial"
+    mode = 0o666 & ~_umask()  # safetensors writes 0600 whatever the umask; the other files follow it
     error = None
     if rank == 0:
         try:
@@ -216,6 +294,7 @@ def write_hf_dir(
                 del made
                 file = partial / _shard_name(first + k, total)
                 safetensors.torch.save_file(tensors, str(file), metadata={"format": "pt"})
+                os.chmod(file, mode)
         except Exception as exc:  # reported to every rank below
             error = _first_line(exc)
         _raise_if_failed(_gather(error, group), f"exporting to {path}")
@@ -231,6 +310,8 @@ def write_hf_dir(
                 meta = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
                 (partial / "model.safetensors.index.json").write_text(json.dumps(meta, indent=2) + "\n")
                 (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+                for name, data in (files or {}).items():
+                    (partial / name).write_bytes(data)
                 if path.is_dir():
                     path.rmdir()  # empty (check_target): the rename takes its place
                 os.rename(partial, path)
@@ -254,6 +335,7 @@ def save_hf(
     path: str | Path,
     cfg: MoEConfig,
     *,
+    source: HFSource | None = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     group: dist.ProcessGroup | None = None,
@@ -261,13 +343,16 @@ def save_hf(
     """Write the model whose stages the ranks hold as a Hugging Face directory at ``path``; collective over
     ``group`` (default: the default process group, if there is one; else this process's ``stages`` are the
     whole model). ``dtype``: of the written tensors and config.json's ``torch_dtype`` (None: the parameters').
+    ``source``: the directory the model started from, whose config.json and tokenizer the export keeps (None:
+    config.json written afresh from ``cfg``).
 
     A config the published architectures cannot express, or a target that exists and is not empty, is an error
     raised before any collective (:class:`moe.hf.HFConfigError`, :class:`HFExportError`)."""
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
     written = dtype or next(p.dtype for s in stages for p in s.parameters())
-    config = to_hf_config(cfg, dtype=str(written).removeprefix("torch."))
+    raw = None if source is None else source.config
+    config = to_hf_config(cfg, dtype=str(written).removeprefix("torch."), source=raw)
     check_target(Path(path))
     sources = [_stage_tensors(stage) for stage in stages]
     pieces = []
@@ -282,4 +367,5 @@ def save_hf(
             out.update(make_piece(p, t if p.row is None else t[p.row : p.row + 1]))
         return out
 
-    write_hf_dir(path, config, pieces, make, dtype=dtype, max_shard_bytes=max_shard_bytes, group=group)
+    files = source.files if source is not None else None
+    write_hf_dir(path, config, pieces, make, files=files, dtype=dtype, max_shard_bytes=max_shard_bytes, group=group)

@@ -67,6 +67,7 @@ __all__ = [
     "save_checkpoint",
     "set_rng_state",
     "verify_checkpoint",
+    "write_files",
 ]
 
 _LATEST = "latest"
@@ -344,6 +345,13 @@ def _write_rank_state(rank_state: dict[str, Any], path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def write_files(directory: Path, files: dict[str, bytes]) -> None:
+    """Write ``files`` (path relative to ``directory`` -> contents) into a checkpoint directory being made."""
+    for name, data in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(data)
+
+
 def _prune(root: Path, newest: Path, keep_last: int) -> None:
     """Remove checkpoints older than the ``keep_last`` newest up to ``newest``; never what ``latest`` names."""
     if keep_last <= 0:
@@ -364,14 +372,17 @@ def save_checkpoint(
     meta: dict[str, Any],
     rank_state: dict[str, Any] | None = None,
     keep_last: int = 3,
+    files: dict[str, bytes] | None = None,
 ) -> Path:
     """Collectively save a checkpoint of ``step``; every rank of the default group must call it.
 
     ``meta`` (JSON-able: step, data position, config, layout) is written by rank 0; ``rank_state`` (tensors
     and plain values only, e.g. :func:`rng_state`) is saved per rank and restored only at the same world
-    size. Once the new checkpoint is in place and matches its manifest, all but the newest ``keep_last``
-    are removed (0: keep all). A failed write on any rank (a full disk) raises :class:`CheckpointError` on
-    every rank after the partial directory is removed; the previous checkpoint and ``latest`` are untouched.
+    size; ``files`` (path in the checkpoint directory -> contents: small ones, the tokenizer of the Hugging Face
+    directory the model came from) by rank 0, covered by the manifest. Once the new checkpoint is in place and
+    matches its manifest, all but the newest ``keep_last`` are removed (0: keep all). A failed write on any rank
+    (a full disk) raises :class:`CheckpointError` on every rank after the partial directory is removed; the
+    previous checkpoint and ``latest`` are untouched.
     """
     root = Path(ckpt_dir)
     rank = dist.get_rank()
@@ -400,6 +411,7 @@ def save_checkpoint(
                 (partial / "meta.json").write_text(
                     json.dumps({**meta, "step": step, "world_size": dist.get_world_size()})
                 )
+                write_files(partial, files or {})
                 write_manifest(partial)
                 # The pointer's new content is written before the rename: after it, nothing needs space.
                 tmp = root / f".{_LATEST}.tmp"

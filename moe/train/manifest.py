@@ -37,12 +37,13 @@ def _crc32(path: Path) -> int:
 
 
 def write_manifest(directory: str | Path) -> Path:
-    """Checksum every file in ``directory`` (read back from disk) into its ``manifest.json``; fsync it."""
+    """Checksum every file under ``directory`` (read back from disk; one in a subdirectory by its relative path,
+    ``hf_source/tokenizer.json``) into its ``manifest.json``; fsync it."""
     directory = Path(directory)
     files = {
-        p.name: {"size": p.stat().st_size, "crc32": _crc32(p)}
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST
+        p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)}
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p != directory / MANIFEST
     }
     path = directory / MANIFEST
     with open(path, "w") as f:

@@ -72,6 +72,9 @@ class Trainer:
         self.config = config
         self.model_config = config.model_config
         self.device = pick_device()
+        self.hf_source = self.read_hf_source()
+        """The Hugging Face directory the model started from, as checkpoints and the export keep it (None: a
+        preset); read now, so a directory moved or deleted during the run does not matter."""
         self.memory_estimate = self.preflight()
         self.data = self.build_data()
         self.owns_process_group = init_process_group(self.device, config.fault.timeout, config.parallel.reserved_sms)
@@ -111,11 +114,14 @@ class Trainer:
         preflight.check_checkpoint_dir(self.config)
         preflight.check_tensorboard(self.config)
         if self.config.checkpoint.save_hf:  # found now, not after the training it would export
+            from moe.hf import HFConfigError, to_hf_config
             from moe.hf.export import HFExportError, check_target
 
             try:
                 check_target(Path(self.config.checkpoint.save_hf))
-            except HFExportError as exc:
+                if self.hf_source is not None:  # the source's config.json can carry what the run changes
+                    to_hf_config(self.model_config, source=self.hf_source.config)
+            except (HFExportError, HFConfigError) as exc:
                 raise preflight.PreflightError(f"error: --save-hf: {exc}") from None
         return preflight.check_memory(self.config, self.device)
 
@@ -183,6 +189,14 @@ class Trainer:
             stage.aux_loss_scale = 1.0 / pc.num_chunks  # type: ignore[operator]
             stage.mtp_loss_weight = tr.mtp_loss_weight
         return stages
+
+    def read_hf_source(self):
+        """``--model DIR``'s config.json, tokenizer and generation config (:class:`moe.hf.export.HFSource`)."""
+        if self.config.model.checkpoint is None:
+            return None
+        from moe.hf.export import HFSource
+
+        return HFSource.read(self.config.model.checkpoint)
 
     def build_pipeline(self) -> Pipeline:
         tr = self.config.training
@@ -444,6 +458,8 @@ class Trainer:
         meta = {"consumed_samples": self.consumed_samples, "pp": pc.pp, "dp": pc.dp, "ep": pc.ep}
         meta["config"] = {"model": self.config.model.name, "schedule": pc.schedule}
         meta["model"] = dataclasses.asdict(self.model_config)  # what moe.eval rebuilds the model from
+        # the Hugging Face source, for moe.convert to export as --save-hf would (its config.json in meta.json)
+        files = self.hf_source.into_checkpoint(meta) if self.hf_source is not None else None
         try:
             save_checkpoint(
                 self.config.checkpoint.dir,
@@ -453,18 +469,20 @@ class Trainer:
                 meta,
                 rng_state(),
                 keep_last=self.config.checkpoint.keep_last,
+                files=files,
             )
         except CheckpointError as exc:  # every rank gets it: all stop, none waits on a dead peer
             raise TrainingError(f"error: {exc}; training stopped, the previous checkpoint is untouched") from None
 
     def save_hf(self) -> None:
         """Export the model as a Hugging Face directory (``checkpoint.save_hf``): each rank writes its own stages'
-        tensors, in the parameters' dtype (:func:`moe.hf.export.save_hf`)."""
+        tensors, in the parameters' dtype (:func:`moe.hf.export.save_hf`), with the config.json, tokenizer and
+        generation config of the directory the model started from, if any (changed only where training did)."""
         from moe.hf.export import HFExportError, save_hf
 
         path = self.config.checkpoint.save_hf
         try:
-            save_hf(self.modules, path, self.model_config)
+            save_hf(self.modules, path, self.model_config, source=self.hf_source)
         except HFExportError as exc:  # every rank gets it
             raise TrainingError(f"error: --save-hf: {exc}") from None
         if self.rank == 0:
@@ -493,6 +511,10 @@ class Trainer:
             raise TrainingError(f"error: {exc}") from None
         if rank_state is not None:
             set_rng_state(rank_state)
+        if self.hf_source is None and "hf_config" in meta:  # a checkpoint converted from a Hugging Face directory
+            from moe.hf.export import HFSource
+
+            self.hf_source = HFSource.from_checkpoint(path, meta)
         self.step = int(meta["step"])
         # Checkpoints from before the data position was recorded trained at this job's global batch.
         self.consumed_samples = int(meta.get("consumed_samples", self.step * self.config.global_batch))

@@ -185,6 +185,33 @@ def test_config_json_round_trips_for_every_preset_of_the_published_architectures
         to_hf_config(PRESETS["qwen3-moe-tiny"].replace(num_shared_experts=1))
 
 
+def test_config_json_sets_what_changed_in_the_source_s_spelling(tmp_path: Path) -> None:
+    test_hf_qwen3_moe._hf_model().config.save_pretrained(tmp_path / "qwen")  # transformers 5.x's spelling
+    raw = json.loads((tmp_path / "qwen" / "config.json").read_text()) | {"dtype": "float32"}  # as a model writes
+    cfg = from_hf_config(raw).replace(num_experts=16, rope_theta=5e5, vocab_size=256)
+    out = to_hf_config(cfg, dtype="bfloat16", source=raw)
+    assert (out["num_local_experts"], out["rope_parameters"]["rope_theta"], out["vocab_size"]) == (16, 5e5, 256)
+    assert out["dtype"] == "bfloat16" and not {"num_experts", "rope_theta", "torch_dtype"} & set(out)
+    changed = {"num_local_experts", "rope_parameters", "vocab_size", "dtype"}
+    assert set(out) == set(raw) and all(out[k] == raw[k] for k in set(raw) - changed)
+    assert from_hf_config(out) == cfg
+    # DeepSeek-V3 published as FP8 with an MTP module the tensors lack: the weights are written dequantized, and
+    # num_nextn_predict_layers stays as transformers writes it (our reader drops it again: no such tensors)
+    test_hf_deepseek_v3._hf_model().config.save_pretrained(tmp_path / "v3")
+    raw = json.loads((tmp_path / "v3" / "config.json").read_text()) | {
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    }
+    cfg = from_hf_config(raw).replace(mtp_layers=0)
+    out = to_hf_config(cfg, source=raw)
+    assert out == {k: v for k, v in raw.items() if k != "quantization_config"}
+    # a change the source's spelling cannot carry is one line naming the field; another architecture's source
+    # is ignored
+    with pytest.raises(HFConfigError, match=r"cannot write .*rope_scaling into the source") as err:
+        to_hf_config(cfg.replace(rope_factor=8.0), source=raw)
+    assert "\n" not in str(err.value)
+    assert to_hf_config(cfg) == to_hf_config(cfg, source=json.loads((tmp_path / "qwen" / "config.json").read_text()))
+
+
 def test_an_mtp_model_exports_its_layer_as_published(tmp_path: Path) -> None:
     from moe.hf.export import save_hf
     from moe.models.config import preset
