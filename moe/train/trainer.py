@@ -53,7 +53,15 @@ from moe.train.grad_sync import balance_routers, make_optimizer, reduce_gradient
 from moe.train.guard import find_nonfinite, weights_are_finite
 from moe.train.lr import lr_at
 from moe.train.memory import MemoryMeter
-from moe.train.metrics import Callback, JsonlWriter, ProgressPrinter, SyncDebug, TensorBoardWriter, peak_flops
+from moe.train.metrics import (
+    Callback,
+    JsonlWriter,
+    ProgressPrinter,
+    SyncDebug,
+    TensorBoardWriter,
+    format_bytes,
+    peak_flops,
+)
 from moe.train.optimizer import DistributedOptimizer, grad_of
 from moe.train.ranks import init_process_group, make_pipeline, pick_device
 
@@ -98,8 +106,8 @@ class Trainer:
         self.grad_norm = float("nan")
         self.flops_per_token = model_flops_per_token(self.model_config, tr.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, config.metrics.peak_tflops)
-        self.callbacks = self.build_callbacks() if self.rank == 0 else []
-        self.callbacks += callbacks or []
+        self.callbacks = list(callbacks or [])
+        """The records' sinks: these, and from :meth:`train` on, rank 0's own first (:meth:`build_callbacks`)."""
         if config.metrics.sync_debug and self.device.type != "cuda" and self.rank == 0:
             print("--sync-debug: no CUDA device, so no host syncs are counted (it needs torch.cuda)", flush=True)
 
@@ -208,13 +216,15 @@ class Trainer:
         )
 
     def build_callbacks(self) -> list[Callback]:
-        """Rank 0's record sinks: the progress line, ``metrics.file`` and ``metrics.tensorboard_dir``."""
+        """Rank 0's record sinks: the progress line, ``metrics.file`` and ``metrics.tensorboard_dir``; built once
+        the run knows its first step, so a resumed run first drops the records past its checkpoint."""
         m = self.config.metrics
+        resumed_at = self.step if self.config.checkpoint.resume else None
         out: list[Callback] = [ProgressPrinter(self.config.training.steps, m.log_every)]
         if m.file:
-            out.append(JsonlWriter(m.file))
+            out.append(JsonlWriter(m.file, resumed_at))
         if m.tensorboard_dir:
-            out.append(TensorBoardWriter(m.tensorboard_dir))
+            out.append(TensorBoardWriter(m.tensorboard_dir, resumed_at))
         return out
 
     # the loop
@@ -251,6 +261,7 @@ class Trainer:
             self.resume()
         self.first_step = self.step + 1
         if self.rank == 0:
+            self.callbacks[:0] = self.build_callbacks()
             self.print_banner()
         while self.step < c.training.steps:
             step = self.step + 1
@@ -439,13 +450,16 @@ class Trainer:
 
     # checkpoints
 
-    def save(self) -> None:
+    def save(self) -> Path:
+        """Collective: a checkpoint of this step (:func:`moe.train.checkpoint.save_checkpoint`); one line on rank 0
+        with its step, directory, size and seconds. Returns the directory."""
         pc = self.config.parallel
         meta = {"consumed_samples": self.consumed_samples, "pp": pc.pp, "dp": pc.dp, "ep": pc.ep}
         meta["config"] = {"model": self.config.model.name, "schedule": pc.schedule}
         meta["model"] = dataclasses.asdict(self.model_config)  # what moe.eval rebuilds the model from
         try:
-            save_checkpoint(
+            t0 = time.monotonic()
+            path = save_checkpoint(
                 self.config.checkpoint.dir,
                 self.step,
                 self.modules,
@@ -456,6 +470,10 @@ class Trainer:
             )
         except CheckpointError as exc:  # every rank gets it: all stop, none waits on a dead peer
             raise TrainingError(f"error: {exc}; training stopped, the previous checkpoint is untouched") from None
+        if self.rank == 0:
+            size = format_bytes(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+            print(f"checkpoint step {self.step} -> {path} ({size}, {time.monotonic() - t0:.2f} s)", flush=True)
+        return path
 
     def save_hf(self) -> None:
         """Export the model as a Hugging Face directory (``checkpoint.save_hf``): each rank writes its own stages'

@@ -37,7 +37,7 @@ def _env() -> dict[str, str]:
 
 
 def _metrics(path: Path) -> dict[int, float]:
-    """Last logged loss per step (a restarted run logs the replayed steps again)."""
+    """Loss per step."""
     out: dict[int, float] = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
