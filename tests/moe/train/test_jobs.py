@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -154,6 +155,22 @@ def test_plain_python_runs_one_process(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pp=1 dp=1 ep=1" in done.stdout and "step     2/2" in done.stdout
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
+
+
+def test_ctrl_c_stops_a_plain_python_run_after_a_step(tmp_path: Path) -> None:
+    """A Ctrl-C (SIGINT) after step 2's line: the run stops after a step, with one line saying so and every step's
+    record written, and exits with 130, as a shell reports a process ended by SIGINT."""
+    from tests.examples.test_launch import signal_when
+
+    metrics = tmp_path / "m.jsonl"
+    argv = [sys.executable, str(ROOT / "examples/train.py"), "--steps", "50", "--val-every", "0", "--log-every", "1"]
+    argv += ["--metrics-file", str(metrics)]
+    status, out, _ = signal_when(argv, lambda lines: lines[-1].startswith("step     2/50"), signal.SIGINT, _env())
+    assert status == 130, out[-3000:]
+    assert "Traceback" not in out
+    stops = re.findall(r"^stopping at step (\d+) on SIGINT: no checkpoint \(checkpoint.dir unset\)$", out, re.M)
+    assert len(stops) == 1 and 2 <= int(stops[0]) < 50, out[-3000:]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, int(stops[0]) + 1))
 
 
 def test_what_cannot_fit_or_cannot_run_stops_in_seconds_with_one_line() -> None:
