@@ -9,10 +9,10 @@
 
 Modules: :mod:`.config` (the sections), :mod:`.cli` (flags and TOML from the fields), :mod:`.lr` (learning-rate
 schedules), :mod:`.preflight` (checks before the first collective), :mod:`.metrics` (records and sinks),
-:mod:`.trainer` (the loop), :mod:`.launch` (the command); what the loop keeps: :mod:`.optimizer` (fp32 masters,
-ZeRO-1), :mod:`.grad_sync` (gradient reduction, router balancing), :mod:`.checkpoint` and :mod:`.manifest`
-(verified distributed checkpoints), :mod:`.guard` (non-finite checks), :mod:`.memory` (the memory meter),
-:mod:`.ranks` (process groups and the pipeline).
+:mod:`.trainer` (the loop), :mod:`.stop` (SIGINT and SIGTERM), :mod:`.launch` (the command); what the loop keeps:
+:mod:`.optimizer` (fp32 masters, ZeRO-1), :mod:`.grad_sync` (gradient reduction, router balancing),
+:mod:`.checkpoint` and :mod:`.manifest` (verified distributed checkpoints), :mod:`.guard` (non-finite checks),
+:mod:`.memory` (the memory meter), :mod:`.ranks` (process groups and the pipeline).
 """
 
 from moe.train.cli import UsageError, build_parser, config_from_args, dump_toml, load_config

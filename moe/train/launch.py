@@ -27,8 +27,9 @@ DESCRIPTION = """Train an MoE transformer with a DualPipe-family pipeline and ex
 World size = pp x dp; ep divides dp (dp/ep expert replicas per stage). CPU ranks use gloo, CUDA ranks
 NCCL. Every option is a field of a table of the TOML file (--section.field) and most have a short flag;
 flags override the file. Rank 0 prints progress; --metrics-file gets one JSON line per step,
---tensorboard-dir TensorBoard event files. A failure the flags or the machine cause is one line on rank 0
-(--debug: every rank's traceback)."""
+--tensorboard-dir TensorBoard event files. SIGINT (Ctrl-C) or SIGTERM stops every rank after the same step,
+with a checkpoint when --ckpt-dir is set, and exits with status 128 + the signal's number. A failure the flags
+or the machine cause is one line on rank 0 (--debug: every rank's traceback)."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer = Trainer(config)
     trainer.train()
     trainer.close()
+    if trainer.stopped_by is not None:  # stopped cleanly on a signal: the status a shell gives a process it ended
+        raise SystemExit(128 + int(trainer.stopped_by))
 
 
 def _debug(argv: list[str]) -> bool:

@@ -37,6 +37,8 @@ __all__ = [
     "SyncDebug",
     "TensorBoardWriter",
     "count_host_syncs",
+    "drop_records_after",
+    "format_bytes",
     "peak_flops",
 ]
 
@@ -49,11 +51,45 @@ class Callback(Protocol):
     def close(self) -> None: ...
 
 
-class JsonlWriter:
-    """One JSON line per step, appended and flushed (a restarted run appends its replayed steps again)."""
+def format_bytes(n: float) -> str:
+    """``12.3 MiB``: ``n`` bytes in the largest binary unit that keeps the number at 1 or more."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            break
+        n /= 1024
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
-    def __init__(self, path: str | Path) -> None:
+
+def drop_records_after(path: str | Path, step: int) -> None:
+    """Rewrite the JSONL file ``path`` keeping its records of steps up to ``step``, atomically (a new file renamed
+    over it): what a run resumed at ``step`` does before it appends its own. A line that does not parse (the
+    torn last write of a killed run) goes too."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+class JsonlWriter:
+    """One JSON line per step, appended and flushed. ``resumed_at``: the step a resumed run starts after; the
+    records past it (the interrupted run's steps, about to be run again) are dropped first."""
+
+    def __init__(self, path: str | Path, resumed_at: int | None = None) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if resumed_at is not None:
+            drop_records_after(path, resumed_at)
         self._file = open(path, "a")  # noqa: SIM115 (held for the run, closed in close())
 
     def on_step(self, record: dict[str, Any]) -> None:
@@ -66,12 +102,15 @@ class JsonlWriter:
 
 class TensorBoardWriter:
     """TensorBoard event files: every number of the record as a scalar (per-layer imbalance under
-    ``expert_imbalance/layer_N``), at its step. Needs the ``tensorboard`` extra."""
+    ``expert_imbalance/layer_N``), at its step. Needs the ``tensorboard`` extra. ``resumed_at``: the step a
+    resumed run starts after; TensorBoard hides the events of later steps already in ``log_dir`` (a
+    ``SummaryWriter`` ``purge_step``: the files are not rewritten, readers drop those events)."""
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, resumed_at: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # lazily: tensorboard is an optional extra
 
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        purge = None if resumed_at is None else resumed_at + 1
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def on_step(self, record: dict[str, Any]) -> None:
         step = record["step"]

@@ -2,7 +2,7 @@
 
     trainer = Trainer(config)        # pre-flight, process group, mesh, stages, pipeline, optimizer, data
     trainer.train()                  # steps, validation, checkpoints; records to the callbacks on rank 0
-    trainer.close()
+    trainer.close()                  # then, if trainer.stopped_by (SIGINT, SIGTERM): exit 128 + its number
 
 Each part is a method a subclass may override (``build_stages``, ``build_optimizer``, ``train_step``...).
 Order of construction: every check that needs no peer (:mod:`moe.train.preflight`, the data's vocabulary)
@@ -53,9 +53,18 @@ from moe.train.grad_sync import balance_routers, make_optimizer, reduce_gradient
 from moe.train.guard import find_nonfinite, weights_are_finite
 from moe.train.lr import lr_at
 from moe.train.memory import MemoryMeter
-from moe.train.metrics import Callback, JsonlWriter, ProgressPrinter, SyncDebug, TensorBoardWriter, peak_flops
+from moe.train.metrics import (
+    Callback,
+    JsonlWriter,
+    ProgressPrinter,
+    SyncDebug,
+    TensorBoardWriter,
+    format_bytes,
+    peak_flops,
+)
 from moe.train.optimizer import DistributedOptimizer, grad_of
 from moe.train.ranks import init_process_group, make_pipeline, pick_device
+from moe.train.stop import StopSignals
 
 __all__ = ["Trainer", "TrainingError"]
 
@@ -101,8 +110,10 @@ class Trainer:
         self.grad_norm = float("nan")
         self.flops_per_token = model_flops_per_token(self.model_config, tr.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, config.metrics.peak_tflops)
-        self.callbacks = self.build_callbacks() if self.rank == 0 else []
-        self.callbacks += callbacks or []
+        self.callbacks = list(callbacks or [])
+        """The records' sinks: these, and from :meth:`train` on, rank 0's own first (:meth:`build_callbacks`)."""
+        self.signals = StopSignals()
+        """SIGINT and SIGTERM during :meth:`train`: the ranks stop together after a step (:meth:`stop`)."""
         if config.metrics.sync_debug and self.device.type != "cuda" and self.rank == 0:
             print("--sync-debug: no CUDA device, so no host syncs are counted (it needs torch.cuda)", flush=True)
 
@@ -222,13 +233,15 @@ class Trainer:
         )
 
     def build_callbacks(self) -> list[Callback]:
-        """Rank 0's record sinks: the progress line, ``metrics.file`` and ``metrics.tensorboard_dir``."""
+        """Rank 0's record sinks: the progress line, ``metrics.file`` and ``metrics.tensorboard_dir``; built once
+        the run knows its first step, so a resumed run first drops the records past its checkpoint."""
         m = self.config.metrics
+        resumed_at = self.step if self.config.checkpoint.resume else None
         out: list[Callback] = [ProgressPrinter(self.config.training.steps, m.log_every)]
         if m.file:
-            out.append(JsonlWriter(m.file))
+            out.append(JsonlWriter(m.file, resumed_at))
         if m.tensorboard_dir:
-            out.append(TensorBoardWriter(m.tensorboard_dir))
+            out.append(TensorBoardWriter(m.tensorboard_dir, resumed_at))
         return out
 
     # the loop
@@ -259,30 +272,51 @@ class Trainer:
         return self.pipe.split_batch((to_device(ids, self.device),), (to_device(labels, self.device),))
 
     def train(self) -> None:
-        """Train from the current step (0, or the resumed checkpoint's) to ``training.steps``."""
+        """Train from the current step (0, or the resumed checkpoint's) to ``training.steps``, or until a SIGINT
+        or SIGTERM: then every rank stops after the same step, with a checkpoint of it (:meth:`stop`), and
+        :attr:`stopped_by` names the signal. The previous signal handlers are back when it returns."""
         c = self.config
-        if c.checkpoint.resume:
-            self.resume()
-        self.first_step = self.step + 1
-        if self.rank == 0:
-            self.print_banner()
-        while self.step < c.training.steps:
-            step = self.step + 1
-            self._drills(step)
-            t0 = time.monotonic()
-            figures = self._maybe_profiled(step)
-            dt = time.monotonic() - t0
-            self.step = step
-            self.consumed_samples += c.global_batch
-            record = self.record(step, figures, dt)
-            if c.training.val_every and step % c.training.val_every == 0:
-                record["val_loss"] = self.validate()
-            if c.checkpoint.every and step % c.checkpoint.every == 0:
-                self.save()
-            for cb in self.callbacks:
-                cb.on_step(record)
+        with self.signals:
+            if c.checkpoint.resume:
+                self.resume()
+            self.first_step = self.step + 1
+            if self.rank == 0:
+                self.callbacks[:0] = self.build_callbacks()
+                self.print_banner()
+            while self.step < c.training.steps:
+                step = self.step + 1
+                self._drills(step)
+                t0 = time.monotonic()
+                figures = self._maybe_profiled(step)
+                dt = time.monotonic() - t0
+                self.step = step
+                self.consumed_samples += c.global_batch
+                record = self.record(step, figures, dt)
+                if c.training.val_every and step % c.training.val_every == 0:
+                    record["val_loss"] = self.validate()
+                saved = self.save() if c.checkpoint.every and step % c.checkpoint.every == 0 else None
+                for cb in self.callbacks:
+                    cb.on_step(record)
+                if self.stopped_by is not None:  # the same on every rank: read from this step's all-reduce
+                    self.stop(saved)
+                    return
         if c.checkpoint.save_hf:
             self.save_hf()
+
+    @property
+    def stopped_by(self) -> signal.Signals | None:
+        """The signal the run stopped on (any rank's, agreed by all), or None."""
+        return self.signals.agreed
+
+    def stop(self, saved: Path | None) -> None:
+        """End the run after this step on :attr:`stopped_by`: a checkpoint of it unless ``saved`` holds one
+        already (with ``checkpoint.dir`` set), and one line on rank 0 naming the step and where it went."""
+        if self.config.checkpoint.dir and saved is None:
+            self.require_finite_weights(self.step)
+            saved = self.save()
+        if self.rank == 0:
+            where = f"checkpoint saved to {saved}" if saved else "no checkpoint (checkpoint.dir unset)"
+            print(f"stopping at step {self.step} on {self.stopped_by.name}: {where}", flush=True)
 
     def record(self, step: int, figures: dict[str, Any], seconds: float) -> dict[str, Any]:
         tokens = self.config.global_batch * self.config.training.seq_len
@@ -380,11 +414,16 @@ class Trainer:
             rate = bias_rate_at(self.model_config.bias_update_rate, lr, self.config.optimizer.lr)
             balance_routers(self.modules, self.layout, rate=rate)
             every = self.config.checkpoint.every
-            if every and step % every == 0 and not weights_are_finite(self.modules):
-                raise TrainingError(
-                    f"error: non-finite weights after step {step}; its checkpoint is not written: lower --lr"
-                )
+            if every and step % every == 0:
+                self.require_finite_weights(step)
         return loss
+
+    def require_finite_weights(self, step: int) -> None:
+        """Collective: stop the run (every rank alike) rather than checkpoint a NaN or infinite weight."""
+        if not weights_are_finite(self.modules):
+            raise TrainingError(
+                f"error: non-finite weights after step {step}; its checkpoint is not written: lower --lr"
+            )
 
     def _worst_over_ranks(self, memory: dict[str, int]) -> tuple[dict[int, float], dict[str, int]]:
         """One MAX all-reduce over the world: each MoE layer's expert imbalance of the last balancing step (max /
@@ -403,16 +442,21 @@ class Trainer:
     def _global_mean_losses(self, loss: torch.Tensor | None) -> tuple[float, float | None]:
         """One all-reduce over the world (all ranks call this): the mean micro-batch loss over every rank that
         computed one, and the mean multi-token-prediction loss (over depths and micro-batches) of the
-        micro-batches run since the last call (None for a model without MTP)."""
-        total = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss sum, count; MTP sum, count
+        micro-batches run since the last call (None for a model without MTP). The ranks' stop signals ride
+        along (:meth:`StopSignals.votes`): every rank learns of any rank's at the same call."""
+        votes = self.signals.votes()
+        total = torch.zeros(4 + len(votes), dtype=torch.float64, device=self.device)  # loss sum, count; MTP; votes
         if loss is not None:
             total[0], total[1] = loss.double().sum(), loss.numel()
         for losses in self._pop_mtp_losses():
             total[2] += losses.mean(1).double().sum()
             total[3] += losses.shape[0]
+        total[4:] = torch.tensor(votes, dtype=torch.float64)
         dist.all_reduce(total)
-        mtp = (total[2] / total[3]).item() if self.model_config.mtp_layers else None
-        return (total[0] / total[1]).item(), mtp
+        loss_sum, count, mtp_sum, mtp_count, *votes = total.tolist()
+        self.signals.agree(votes)
+        mtp = (mtp_sum / mtp_count if mtp_count else math.nan) if self.model_config.mtp_layers else None
+        return (loss_sum / count if count else math.nan), mtp
 
     def _pop_mtp_losses(self) -> list[torch.Tensor]:
         """This rank's MTP losses since the last call, ``[micro-batches, depths]`` per stage that ran some."""
@@ -453,7 +497,9 @@ class Trainer:
 
     # checkpoints
 
-    def save(self) -> None:
+    def save(self) -> Path:
+        """Collective: a checkpoint of this step (:func:`moe.train.checkpoint.save_checkpoint`); one line on rank 0
+        with its step, directory, size and seconds. Returns the directory."""
         pc = self.config.parallel
         meta = {"consumed_samples": self.consumed_samples, "pp": pc.pp, "dp": pc.dp, "ep": pc.ep}
         meta["config"] = {"model": self.config.model.name, "schedule": pc.schedule}
@@ -461,7 +507,8 @@ class Trainer:
         # the Hugging Face source, for moe.convert to export as --save-hf would (its config.json in meta.json)
         files = self.hf_source.into_checkpoint(meta) if self.hf_source is not None else None
         try:
-            save_checkpoint(
+            t0 = time.monotonic()
+            path = save_checkpoint(
                 self.config.checkpoint.dir,
                 self.step,
                 self.modules,
@@ -473,6 +520,10 @@ class Trainer:
             )
         except CheckpointError as exc:  # every rank gets it: all stop, none waits on a dead peer
             raise TrainingError(f"error: {exc}; training stopped, the previous checkpoint is untouched") from None
+        if self.rank == 0:
+            size = format_bytes(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+            print(f"checkpoint step {self.step} -> {path} ({size}, {time.monotonic() - t0:.2f} s)", flush=True)
+        return path
 
     def save_hf(self) -> None:
         """Export the model as a Hugging Face directory (``checkpoint.save_hf``): each rank writes its own stages'

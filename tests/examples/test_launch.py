@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from bench import process_tree
-from tests.moe.train.test_trainer import COMMON, losses, train
+from tests.moe.train.test_trainer import COMMON, losses, train, train_each
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +41,7 @@ def _env() -> dict[str, str]:
 
 
 def _metrics(path: Path) -> dict[int, float]:
-    """Last logged loss per step (a restarted run logs the replayed steps again)."""
+    """Loss per step."""
     out: dict[int, float] = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
@@ -51,6 +55,34 @@ def _run(argv: list[str], timeout: float = 300) -> str:
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     return log
+
+
+def signal_when(
+    argv: list[str], when: Callable[[list[str]], bool], sig: signal.Signals, env: dict[str, str], timeout: float = 300
+) -> tuple[int, str, list[int]]:
+    """Run ``argv`` from the repository root and send it ``sig`` (as a user's Ctrl-C or a scheduler does) at the
+    first line of its output (stdout and stderr) at which ``when(lines so far)`` holds. Returns its exit status,
+    its output and the processes it had started by then (torchrun's workers). At ``timeout`` its whole tree is
+    killed: no worker outlives the test."""
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(timeout, process_tree.kill_tree, (proc.pid,), {"grace_s": 1.0})
+    watchdog.start()
+    lines: list[str] = []
+    started: list[int] | None = None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if started is None and when(lines):
+                started = process_tree.descendants(proc.pid)
+                proc.send_signal(sig)
+        proc.wait()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            process_tree.kill_tree(proc.pid, grace_s=1.0)
+            proc.wait()
+    return proc.returncode, "".join(lines), started or []
 
 
 def _train(nproc: int, *args: str, restarts: int = 0, timeout: float = 300) -> str:
@@ -97,38 +129,39 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_rank_restarts_from_the_last_checkpoint(tmp_path: Path) -> None:
+def test_a_killed_rank_restarts_from_the_last_checkpoint_and_sigterm_stops_the_job(tmp_path: Path) -> None:
     """4 ranks at (pp=2, dp=2, ep=2) with ZeRO-1: one SIGKILLed rank at step 3, torchrun restarts the job, it
-    resumes from the step-2 checkpoint and ends with the uninterrupted run's losses."""
-    base = [
-        *COMMON,
-        "--pp",
-        "2",
-        "--dp",
-        "2",
-        "--ep",
-        "2",
-        "--zero",
-        "1",
-        "--micro-batch-size",
-        "1",
-        "--steps",
-        "4",
-        "--ckpt-dir",
-        str(tmp_path / "ckpt"),
-        "--ckpt-every",
-        "2",
-        "--resume",
-    ]
+    resumes from the step-2 checkpoint. A SIGTERM to torchrun after the restart's step 4 (as a scheduler sends
+    it): every rank stops after the same step S, one line names it and its checkpoint, no worker is left. Resumed
+    from that checkpoint, the job ends with the uninterrupted run's losses, and the metrics file holds each step
+    once."""
+    ckpt = tmp_path / "ckpt"
+    layout = ["--pp", "2", "--dp", "2", "--ep", "2", "--zero", "1", "--micro-batch-size", "1"]
+    job = [*layout, "--steps", "8", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", "--resume"]
     metrics = ["--metrics-file", str(tmp_path / "killed.jsonl")]
-    log = _train(4, *base, "--kill-rank-at-step", "3", *metrics, restarts=1, timeout=400)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    argv = [*torchrun, "--max-restarts", "1", str(ROOT / "examples/train.py"), *COMMON, *job, *metrics]
+
+    def restarted_step_4(lines: list[str]) -> bool:
+        return lines[-1].startswith("step     4/8") and any("resumed from" in line for line in lines)
+
+    argv += ["--log-every", "1", "--kill-rank-at-step", "3"]
+    status, log, workers = signal_when(argv, restarted_step_4, signal.SIGTERM, _env())
     assert "failure drill: killing rank 1 at step 3" in log
     assert "(step 2, written at pp=2 dp=2 ep=2)" in log  # the restart resumed from the step-2 checkpoint
-    uninterrupted = losses(train(4, tmp_path, "clean", *base[len(COMMON) : -5]))  # the same 4 ranks, no torchrun
-    recovered = _metrics(tmp_path / "killed.jsonl")
-    assert sorted(recovered) == list(range(1, 5))
-    assert recovered[4] == uninterrupted[4]
-    assert recovered == uninterrupted
+    stops = re.findall(r"^stopping at step (\d+) on SIGTERM: checkpoint saved to (\S+)$", log, re.M)
+    assert len(stops) == 1, log[-4000:]
+    step, saved = int(stops[0][0]), Path(stops[0][1])
+    assert 4 <= step < 8 and saved == ckpt / f"step_{step:08d}"
+    assert (ckpt / "latest").read_text() == saved.name and (saved / "meta.json").is_file()
+    # torchrun itself ends with its SignalException (status 1), after its workers, within its grace
+    assert status == 1 and "SignalException" in log and "forcefully exiting" not in log, log[-4000:]
+    assert workers and not any(Path(f"/proc/{pid}").exists() for pid in workers)
+    clean = [*layout, "--steps", "8"]
+    runs = train_each(4, tmp_path, {"clean": clean, "killed": job})  # in turn on 4 ranks, no torchrun
+    recovered = [json.loads(line)["step"] for line in (tmp_path / "killed.jsonl").read_text().splitlines()]
+    assert recovered == list(range(1, 9))  # each step once: the resumed runs dropped the records past their start
+    assert runs["killed"] == runs["clean"]
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,12 @@ resumes bitwise, pre-flight stops what cannot fit, TensorBoard and other optimiz
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -153,6 +157,22 @@ def test_plain_python_runs_one_process(tmp_path: Path) -> None:
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
 
 
+def test_ctrl_c_stops_a_plain_python_run_after_a_step(tmp_path: Path) -> None:
+    """A Ctrl-C (SIGINT) after step 2's line: the run stops after a step, with one line saying so and every step's
+    record written, and exits with 130, as a shell reports a process ended by SIGINT."""
+    from tests.examples.test_launch import signal_when
+
+    metrics = tmp_path / "m.jsonl"
+    argv = [sys.executable, str(ROOT / "examples/train.py"), "--steps", "50", "--val-every", "0", "--log-every", "1"]
+    argv += ["--metrics-file", str(metrics)]
+    status, out, _ = signal_when(argv, lambda lines: lines[-1].startswith("step     2/50"), signal.SIGINT, _env())
+    assert status == 130, out[-3000:]
+    assert "Traceback" not in out
+    stops = re.findall(r"^stopping at step (\d+) on SIGINT: no checkpoint \(checkpoint.dir unset\)$", out, re.M)
+    assert len(stops) == 1 and 2 <= int(stops[0]) < 50, out[-3000:]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, int(stops[0]) + 1))
+
+
 def test_what_cannot_fit_or_cannot_run_stops_in_seconds_with_one_line() -> None:
     t0 = time.monotonic()
     done = _plain("--seq-len", "1000000")
@@ -164,12 +184,35 @@ def test_what_cannot_fit_or_cannot_run_stops_in_seconds_with_one_line() -> None:
     assert done.returncode == 1 and done.stderr == "error: optimizer.lr = -1.0: must be a positive number\n"
 
 
-def test_tensorboard_events_and_mfu(tmp_path: Path) -> None:
+def _train_printing(rank: int, world: int, runs: list[list[str]]) -> list[tuple[list[dict], str]]:
+    """Several runs in turn; per run, rank 0's metrics records and what this rank printed."""
+    out = []
+    for argv in runs:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            records = _train(rank, world, argv)
+        out.append((records, printed.getvalue()))
+    return out
+
+
+def test_tensorboard_events_and_mfu_and_a_resume_drops_the_records_past_its_checkpoint(tmp_path: Path) -> None:
+    """3 steps with a checkpoint at step 2, then resumed to 4 steps, into the same metrics file and TensorBoard
+    directory: each holds steps 1 to 4 once, step 3 the resumed run's (its learning rate follows 4 steps, not 3).
+    Each checkpoint gets its line: step, directory, size and seconds."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tb = tmp_path / "tb"
-    records = train(1, tmp_path, "tb", *ONE, "--steps", "2", "--tensorboard-dir", str(tb))
+    tb, ckpt, metrics = tmp_path / "tb", tmp_path / "ckpt", tmp_path / "m.jsonl"
+    sinks = ["--metrics-file", str(metrics), "--tensorboard-dir", str(tb), "--ckpt-dir", str(ckpt)]
+    job = [*ONE, *sinks, "--ckpt-every", "2"]
+    runs = [[*job, "--steps", "3"], [*job, "--steps", "4", "--resume"]]
+    (first, printed), (records, _) = run_ranks(_train_printing, 1, args=(runs,), timeout=240)[0]
+    line = re.search(r"^checkpoint step 2 -> (\S+) \((\d+\.\d) (KiB|MiB), (\d+\.\d\d) s\)$", printed, re.M)
+    assert line and line[1] == str(ckpt / "step_00000002"), printed
+    size = sum(f.stat().st_size for f in (ckpt / "step_00000002").rglob("*") if f.is_file())
+    assert float(line[2]) == pytest.approx(size / 2 ** {"KiB": 10, "MiB": 20}[line[3]], abs=0.05)
+    assert [r["step"] for r in first] == [1, 2, 3]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[:2] == first[:2] and records[2]["lr"] != first[2]["lr"]  # step 3: the resumed run's
     assert all(0 < r["mfu"] < 1 for r in records)
     assert set(records[-1]["expert_imbalance_per_layer"]) == {"0", "1"}  # JSON keys: every MoE layer
     events = EventAccumulator(str(tb))
@@ -177,7 +220,8 @@ def test_tensorboard_events_and_mfu(tmp_path: Path) -> None:
     tags = set(events.Tags()["scalars"])
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "expert_imbalance"} <= tags
     assert {"expert_imbalance/layer_0", "expert_imbalance/layer_1"} <= tags
-    assert [e.step for e in events.Scalars("loss")] == [1, 2]
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
+    assert [e.value for e in events.Scalars("lr")] == pytest.approx([r["lr"] for r in records], rel=1e-6)
     assert events.Scalars("loss")[0].value == pytest.approx(records[0]["loss"], rel=1e-6)
 
 
