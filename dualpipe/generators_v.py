@@ -28,16 +28,18 @@ the simulator run that order as early as inputs allow ("squeezing"), so only the
   passes moves to the earliest free slot its inputs allow, a forward only where the rank stays within the
   block's own peak. The steady phase keeps the block's slots.
 
-Overlapped pairs (``FB``, for ``overlapped_forward_backward``; :func:`_pair`): where a rank runs a forward,
-an input gradient and a ``W`` back to back (in any order, a forward and a backward of different
-micro-batches, both inputs there when the first starts), the three become one pair whose backward is a
-full ``B`` (the ``W`` folds into it): the same three slots with ``F&B = F + B``. The pair sends what its
-halves made only when it ends, so it is made only where that is still no later than each consumer starts:
-the bubble and every other pass stay where they were, and the peak activation count cannot grow (a pair
-adds one module and frees one). With a real overlap (``F&B < F + B``) the pair ends earlier. These schedules
-keep every message's consumer close behind it (a zero bubble leaves no slack), so they pair little: ``zbv``
-one pair per micro-batch past 3N - 1 (m - 3N + 1 a step), ``v-half`` and ``v-min`` next to none. They are
-the schedules to pick when memory, not hiding communication, is the limit.
+Overlapped pairs (``FB``, for ``overlapped_forward_backward``; :func:`_pair`). The rule: on a rank, a
+forward and the input gradient next to it in the rank's order (``W`` s between them skipped), of two
+micro-batches, become one pair whenever both inputs are there when the first starts and the whole step, run
+in unit slots with the pair costing ``F + B`` (its backward is a full ``B``: one ``W`` fewer) and its sends
+leaving only when it ends, still ends by the unpaired plan's last slot. Every such pair is made, greedily, in
+the order the unpaired plan starts them. The slack that pays for them is the ``W`` s': a consumer the pair
+delays runs weight gradients meanwhile, so the plan is timed twice, with the ``W`` s where the planner put
+them and with the ``W`` s filling each rank's waits (a ``W`` first once the rank queues as many as the
+unpaired plan's peak, so the weight-gradient inputs held never grow), and the one with more pairs is kept.
+So at ``F&B = F + B`` the step takes as long as unpaired, the peak activation count cannot grow (a pair adds
+one module and frees one) and every pair with ``F&B < F + B`` can only shorten it. ``pairs_per_step`` counts
+them (docs/pipeline.md has the table and its command).
 
 Communication is placed by :func:`_emit`, not by :class:`dualpipe.authoring.Emitter` (which sends right
 after the producing compute): a plan decides when each message is needed, and the sends follow that.
@@ -49,9 +51,9 @@ import bisect
 import functools
 from collections.abc import Callable
 
-from dualpipe.schedule import Action, Layout, Op, ScheduleSpec, register_schedule
+from dualpipe.schedule import Action, Layout, Op, ScheduleSpec, build_schedule, register_schedule, schedule_spec
 
-__all__: list[str] = []  # nothing to import from here: use dualpipe.schedule.SCHEDULES / build_schedule
+__all__ = ["pairs_per_step"]  # the schedules themselves: dualpipe.schedule.SCHEDULES / build_schedule
 
 Plan = tuple[tuple[Action, ...], ...]
 """Per rank, the compute actions in order (``F``, ``I``, ``W``, ``FB``); communication comes at emission."""
@@ -223,62 +225,195 @@ def _block_schedule(n: int, m: int, memory: str) -> Plan:
 # -- overlapped pairs -------------------------------------------------------------------------------------
 
 
-def _unit_starts(n: int, plan: Plan) -> list[list[int]]:
-    """Start slot of every compute action, as early as its inputs allow in each rank's order (one slot per
-    F, I and W, three per pair: ``F&B = F + B``)."""
-    end: dict[Pass, int] = {}
-    starts: list[list[int]] = [[] for _ in range(n)]
-    clock = [0] * n
-    while any(len(starts[r]) < len(plan[r]) for r in range(n)):
-        progressed = False
-        for r in range(n):
-            while len(starts[r]) < len(plan[r]):
-                a = plan[r][len(starts[r])]
-                mine = _passes(n, r, a)
-                needs = [x for x in (_input_of(*p, n) for p in mine) if x is not None and x not in mine]
-                if any(x not in end for x in needs):
-                    break
-                t = max([clock[r], *(end[x] for x in needs)])
-                clock[r] = t + (3 if a.op is Op.FB else 1)
-                end.update((p, clock[r]) for p in mine)
-                starts[r].append(t)
-                progressed = True
-        if not progressed:
-            raise AssertionError("V plan cannot progress")  # a bug: the planners respect every dependency
-    return starts
+def _queue_peaks(plan: Plan) -> list[int]:
+    """Per rank, the most deferred weight gradients (``I`` not yet popped by a ``W``) it ever holds."""
+    peaks = []
+    for order in plan:
+        queued = peak = 0
+        for a in order:
+            queued += (a.op is Op.I) - (a.op is Op.W)
+            peak = max(peak, queued)
+        peaks.append(peak)
+    return peaks
+
+
+def _slots(a: Action) -> int:
+    """Unit slots a compute action takes: a pair is ``F + I + W`` (its backward is a full ``B``)."""
+    return 3 if a.op is Op.FB else 1
+
+
+class _Squeeze:
+    """Run per-rank orders of ``F``, ``I`` and ``FB`` in unit slots, each as early as its inputs allow, with
+    the ``W`` s filling the waits: a rank runs a ``W`` when its next pass cannot start yet, or first once
+    ``backlog[r]`` are queued (so the weight-gradient inputs a rank holds never exceed the unpaired plan's).
+    """
+
+    def __init__(self, n: int, orders: list[list[Action]], backlog: list[int] | None) -> None:
+        self.n, self.orders, self.backlog = n, orders, backlog
+        self.passes = [[_passes(n, r, a) for a in order] for r, order in enumerate(orders)]
+        # the slots each rank still has to run from order index i on: its passes and one W per I
+        self.work = [[0] * (len(order) + 1) for order in orders]
+        for r, order in enumerate(orders):
+            for i in range(len(order) - 1, -1, -1):
+                self.work[r][i] = self.work[r][i + 1] + _slots(order[i]) + (order[i].op is Op.I and backlog is not None)
+        self.pos, self.queued, self.free = [0] * n, [0] * n, [0] * n
+        self.end: dict[Pass, int] = {}  # pass -> the slot after it
+        self.began: dict[Pass, int] = {}
+        self.t = 0
+        self.plan: list[list[Action]] = [[] for _ in range(n)]
+        self.starts: list[list[int]] = [[] for _ in range(n)]
+
+    def state(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.pos), tuple(self.queued), tuple(self.free)
+
+    def done(self) -> bool:
+        return all(p == len(o) for p, o in zip(self.pos, self.orders, strict=True))
+
+    def bound(self) -> int:
+        """No rank can end before this slot (its own remaining work, back to back)."""
+        return max(max(self.t, f) + w[p] + q for f, w, p, q in zip(self.free, self.work, self.pos, self.queued))
+
+    def step(self) -> list[Pass]:
+        """Run slot ``t``; returns the passes started in it. A slot where no rank is busy and none starts
+        anything is a deadlock (the orders wait on each other): ``AssertionError``."""
+        started: list[Pass] = []
+        t = self.t
+        for r, order in enumerate(self.orders):
+            if self.free[r] > t:
+                continue
+            i = self.pos[r]
+            ready = i < len(order) and all(
+                self.end.get(x, t + 1) <= t
+                for x in (_input_of(*p, self.n) for p in self.passes[r][i])
+                if x is not None and x not in self.passes[r][i]
+            )
+            if self.backlog is not None and self.queued[r] and (self.queued[r] >= self.backlog[r] or not ready):
+                a = Action(Op.W)
+                self.queued[r] -= 1
+            elif ready:
+                a = order[i]
+                self.queued[r] += a.op is Op.I and self.backlog is not None
+                self.pos[r] += 1
+                self.end.update((p, t + _slots(a)) for p in self.passes[r][i])
+                self.began.update((p, t) for p in self.passes[r][i])
+                started += self.passes[r][i]
+            else:
+                continue
+            self.plan[r].append(a)
+            self.starts[r].append(t)
+            self.free[r] = t + _slots(a)
+        if not started and all(f <= t for f in self.free) and not self.done():
+            raise AssertionError(f"V plan stuck at slot {t}")
+        self.t += 1
+        return started
+
+    def run(self) -> tuple[Plan, list[list[int]], int, list[tuple]]:
+        """Run to the end: the plan (``W`` s placed), every action's start, the makespan, the state per slot."""
+        states = []
+        while not self.done():
+            states.append(self.state())
+            self.step()
+        for r in range(self.n):  # the W s still queued run at the end
+            self.plan[r] += [Action(Op.W)] * self.queued[r]
+            self.starts[r] += range(self.free[r], self.free[r] + self.queued[r])
+        makespan = max(s[-1] + 1 if s else 0 for s in self.starts)
+        return tuple(map(tuple, self.plan)), self.starts, max(makespan, *self.free), states
+
+
+def _fold(order: list[Action], x: Action, fill: bool) -> tuple[list[Action], Action] | None:
+    """``order`` with ``x`` and the next pass after it (``W`` s skipped) as one pair, and the pair; None where
+    they are not a forward and an input gradient of two micro-batches. Without ``fill`` the ``W`` that would
+    have popped the input gradient's weight gradient goes too (the pair's full backward computes it)."""
+    i = order.index(x)
+    j = next((k for k in range(i + 1, len(order)) if order[k].op is not Op.W), None)
+    if j is None or {x.op, order[j].op} != {Op.F, Op.I} or x.chunk == order[j].chunk:
+        return None
+    f, b = (x, order[j]) if x.op is Op.F else (order[j], x)
+    pair = Action(Op.FB, f.module, f.chunk, b_module=b.module, b_chunk=b.chunk)
+    out = [*order[:i], pair, *order[i + 1 : j], *order[j + 1 :]]
+    if not fill:  # FIFO: the k-th I is popped by the k-th W
+        k = sum(a.op is Op.I for a in order[: order.index(b)])
+        w = [n for n, a in enumerate(out) if a.op is Op.W][k]
+        del out[w]
+    return out, pair
 
 
 def _pair(n: int, plan: Plan) -> tuple[Plan, list[list[int]]]:
-    """Fold back-to-back (F, I, W) triples into overlapped pairs where no consumer would start later (see
-    the module docstring); returns the plan and every action's start slot (unchanged by the folding)."""
-    starts = _unit_starts(n, plan)
-    start_of = {p: t for r, order in enumerate(plan) for a, t in zip(order, starts[r]) for p in _passes(n, r, a)}
-    sent = {p: t + 1 for p, t in start_of.items()}  # when each pass's output leaves (a pair's: when it ends)
-    triples = sorted(
-        (starts[r][i], r, i)
-        for r, order in enumerate(plan)
-        for i in range(len(order) - 2)
-        if sorted(a.op.value for a in order[i : i + 3]) == ["F", "I", "W"] and starts[r][i + 2] == starts[r][i] + 2
+    """Fold adjacent forwards and input gradients of two micro-batches on a rank into overlapped pairs where
+    the step still ends by the unpaired plan's last slot (see the module docstring), with the ``W`` s where
+    the plan put them and with the ``W`` s filling the waits; the one with more pairs. Returns the plan and
+    every action's start slot."""
+    kept = _pair_orders(n, plan, fill=False, limit=None)
+    filled = _pair_orders(n, plan, fill=True, limit=kept[2])
+    return max(kept, filled, key=_pairs_within(kept[2]))[:2]
+
+
+def _pairs_within(limit: int) -> Callable[[tuple[Plan, list[list[int]], int]], tuple[bool, int]]:
+    """Rank paired plans: ending by ``limit`` first, then by their number of pairs."""
+
+    def key(paired: tuple[Plan, list[list[int]], int]) -> tuple[bool, int]:
+        return paired[2] <= limit, sum(a.op is Op.FB for order in paired[0] for a in order)
+
+    return key
+
+
+def _pair_orders(n: int, plan: Plan, fill: bool, limit: int | None) -> tuple[Plan, list[list[int]], int]:
+    """Pair greedily, in the order the unpaired plan starts its passes, every forward or input gradient with
+    the next pass on its rank where the step then still ends by ``limit`` (None: the unpaired step's end).
+    Returns the plan, every action's start slot and the makespan in slots."""
+    backlog = _queue_peaks(plan) if fill else None
+    orders = [[a for a in order if a.op is not Op.W or not fill] for order in plan]
+    base = _Squeeze(n, orders, backlog)
+    run = base.run()
+    limit = run[2] if limit is None else limit
+    candidates = sorted(  # every forward and input gradient, in the order the unpaired plan starts them
+        (base.began[_passes(n, r, a)[0]], r, k)
+        for r, order in enumerate(orders)
+        for k, a in enumerate(order)
+        if a.op is not Op.W
     )
-    pairs: list[dict[int, Action]] = [{} for _ in range(n)]  # per rank: first index of a folded triple -> pair
-    for t, r, i in triples:
-        if any(j in pairs[r] for j in range(i - 2, i + 3)):
-            continue  # overlaps a triple already folded
-        f, b = (next(a for a in plan[r][i : i + 3] if a.op is op) for op in (Op.F, Op.I))
-        mine = [(Op.F, _stage(n, r, f.module), f.chunk), (Op.I, _stage(n, r, b.module), b.chunk)]
-        if any(x is not None and sent[x] > t for x in (_input_of(*p, n) for p in mine)):
-            continue  # an input arrives after the pair would start (or is made inside it)
-        if any(x is not None and start_of[x] < t + 3 for x in (_output_to(*p, n) for p in mine)):
-            continue  # a consumer would wait for the pair
-        pairs[r][i] = Action(Op.FB, f.module, f.chunk, b_module=b.module, b_chunk=b.chunk)
-        sent.update((p, t + 3) for p in mine)
-    out, out_starts = [], []
-    for r, order in enumerate(plan):
-        skip = {j for i in pairs[r] for j in (i + 1, i + 2)}
-        keep = [i for i in range(len(order)) if i not in skip]
-        out.append(tuple(pairs[r].get(i, order[i]) for i in keep))
-        out_starts.append([starts[r][i] for i in keep])
-    return tuple(out), out_starts
+    unpaired = orders
+    for _, r, k in candidates:
+        x = unpaired[r][k]
+        if x not in orders[r]:
+            continue  # already folded into a pair
+        folded = _fold(orders[r], x, fill)
+        if folded is None or not _ready(n, r, folded[1], x, base):
+            continue
+        trial = [*orders[:r], folded[0], *orders[r + 1 :]]
+        if _fits(n, trial, base, run[3], limit, r, x):
+            orders = trial
+            base = _Squeeze(n, orders, backlog)
+            run = base.run()
+    return run[0], run[1], run[2]
+
+
+def _ready(n: int, r: int, pair: Action, x: Action, base: _Squeeze) -> bool:
+    """Whether both halves of ``pair`` (folded at ``x`` on rank ``r``) had their inputs when ``x`` started in
+    ``base``: a pair that would wait for one only delays both."""
+    t0 = base.began[_passes(n, r, x)[0]]
+    return all(base.end.get(i, t0 + 1) <= t0 for p in _passes(n, r, pair) if (i := _input_of(*p, n)) is not None)
+
+
+def _fits(
+    n: int, orders: list[list[Action]], base: _Squeeze, states: list[tuple], limit: int, r: int, x: Action
+) -> bool:
+    """Whether ``orders`` (``base.orders`` with one more pair, at ``x`` on rank ``r``) still end by ``limit``:
+    run from the slot ``x`` started in ``base``, everything before it as there."""
+    t0 = base.began[_passes(n, r, x)[0]]
+    trial = _Squeeze(n, orders, base.backlog)
+    pos, queued, free = states[t0]
+    trial.pos, trial.queued, trial.free, trial.t = list(pos), list(queued), list(free), t0
+    trial.end = {p: e for p, e in base.end.items() if base.began[p] < t0}
+    trial.began = {p: s for p, s in base.began.items() if s < t0}
+    while not trial.done():
+        if trial.bound() > limit:
+            return False
+        try:
+            trial.step()
+        except AssertionError:
+            return False
+    return trial.bound() <= limit
 
 
 # -- emission ---------------------------------------------------------------------------------------------
@@ -374,3 +509,13 @@ def _register(name: str, title: str, class_name: str, summary: str) -> None:
 _register("zbv", "ZBV", "ZeroBubbleV", "ZB-V: V-shaped zero bubble at 1F1B's activation memory, deferred W")
 _register("v-half", "V-Half", "VHalf", "V-Half: controllable-memory V schedule, half of 1F1B's activation memory")
 _register("v-min", "V-Min", "VMin", "V-Min: controllable-memory V schedule, a third of 1F1B's activation memory")
+
+
+V_FAMILY = ("zbv", "v-half", "v-min")
+
+
+def pairs_per_step(name: str, num_ranks: int, num_chunks: int | None = None) -> int:
+    """Overlapped pairs (``FB`` actions, all ranks together) in one step of schedule ``name`` (any registered
+    one) at ``num_chunks`` micro-batches (default: the schedule's own default for ``num_ranks``)."""
+    chunks = schedule_spec(name).default_chunks(num_ranks) if num_chunks is None else num_chunks
+    return sum(a.op is Op.FB for actions in build_schedule(name, num_ranks, chunks).ranks for a in actions)
