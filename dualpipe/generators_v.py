@@ -472,11 +472,14 @@ def _emit(layout: Layout, plan: Plan, starts: list[list[int]]) -> Plan:
 @functools.lru_cache(maxsize=64)
 def _actions(name: str, n: int, m: int) -> Plan:
     """Every rank's action list for ``name`` (planned once per shape for all ranks: the plan is global)."""
+    return _emit(Layout.v_shape(n), *_pair(n, _plan(name, n, m)))
+
+
+def _plan(name: str, n: int, m: int) -> Plan:
+    """The unpaired plan of ``name``: every rank's F, I and W in order."""
     if name == "zbv":
-        plan = _list_schedule(n, m, cap=2 * n, backlog=3 * n - 2)
-    else:
-        plan = _block_schedule(n, m, "half" if name == "v-half" else "min")
-    return _emit(Layout.v_shape(n), *_pair(n, plan))
+        return _list_schedule(n, m, cap=2 * n, backlog=3 * n - 2)
+    return _block_schedule(n, m, "half" if name == "v-half" else "min")
 
 
 def _generator(name: str) -> Callable[[Layout, int, int], list[Action]]:

@@ -11,8 +11,9 @@ import json
 
 import pytest
 
-from dualpipe.generators_v import _v_block
-from dualpipe.schedule import Op, build_schedule
+from dualpipe.checks import check_schedule
+from dualpipe.generators_v import _emit, _plan, _Squeeze, _v_block, pairs_per_step
+from dualpipe.schedule import Layout, Op, Schedule, build_schedule
 from dualpipe.simulate import Costs, main, simulate
 
 V_FAMILY = ("zbv", "v-half", "v-min")
@@ -87,3 +88,43 @@ def test_building_blocks_repeat_without_collisions(memory: str) -> None:
     for n in range(1, 65):
         for slots in _v_block(n, memory):
             assert len({s % 6 for s in slots}) == 4
+
+
+def _unpaired(name: str, p: int, m: int) -> Schedule:
+    """The schedule as its planner made it, before any pair: the W s where the plan put them."""
+    plan = _plan(name, p, m)
+    out, starts, *_ = _Squeeze(p, [list(order) for order in plan], None).run()
+    return Schedule(name, Layout.v_shape(p), m, m, _emit(Layout.v_shape(p), out, starts))
+
+
+@pytest.mark.parametrize("p", [4, 8])
+@pytest.mark.parametrize("name", V_FAMILY)
+def test_pairs_never_lengthen_the_step(name: str, p: int) -> None:
+    # At F&B = F + B a paired step ends when the unpaired one does; with a real overlap it can only end earlier,
+    # and the pairs take no activation memory (a pair adds one module and frees one).
+    m = 2 * p
+    paired, unpaired = build_schedule(name, p, m), _unpaired(name, p, m)
+    check_schedule(unpaired, ("async", "grouped"))
+    base = simulate(unpaired)
+    assert simulate(paired).makespan == base.makespan
+    for fb in (2.0, 2.5):  # F&B from max(F, B) (a full overlap) to half of F hidden
+        assert simulate(paired, Costs(FB=fb)).makespan <= base.makespan
+    assert simulate(paired).peak_activations <= base.peak_activations
+
+
+# Pairs per step at 2p micro-batches (every V schedule's default), pinned: the greedy pairs in the order the
+# unpaired plan starts its passes, so the counts are its output, not a closed form. Reasons, per schedule:
+# zbv's steady state alternates F and I on every rank with W s to spare: most adjacent F/I fold;
+# v-half keeps a micro-batch about 6N slots on a rank, so fewer F/I meet back to back; v-min's block hands every
+# pass on at once (no slack), so it pairs least and none at p = 8.
+PAIRS = {
+    "zbv": {4: 9, 8: 32, 16: 107},
+    "v-half": {4: 6, 8: 18, 16: 52},
+    "v-min": {4: 5, 8: 0, 16: 24},
+}
+
+
+@pytest.mark.parametrize("name", V_FAMILY)
+def test_pairs_per_step(name: str) -> None:
+    assert {p: pairs_per_step(name, p) for p in (4, 8, 16)} == PAIRS[name]
+    assert pairs_per_step(name, 4) == pairs_per_step(name, 4, 8)  # the default is 2p micro-batches
