@@ -50,6 +50,10 @@ SHELLS = ("bash", "sh", "shell", "console")
 LAUNCHERS = (".venv/bin/", "python ", "python3 ", "torchrun ", "bash ", "pip ", "sbatch ", "git ", "PYTHONPATH=")
 REPO_DIRS = ("bench", "docs", "dualpipe", "examples", "kernels", "moe", "scripts", "tests")
 
+PAIRS_V = (
+    '.venv/bin/python -c "from dualpipe.generators_v import pairs_per_step as n; '
+    "print([[n(s, p) for p in (4, 8, 16)] for s in ('zbv', 'v-half', 'v-min')])\""
+)
 PLAN_CPU = (
     ".venv/bin/python -m moe.plan --costs bench/results/costs-cpu-2core-emulated-2node-400mbit-2026-11-26.json"
     " --gpus 2 --gpus-per-node 1 --seq-len 64 --global-batch-size 192 --micro-batch-size 4 --recompute off"
@@ -97,6 +101,7 @@ RUN: dict[str, Run] = {
     ".venv/bin/python -m dualpipe.simulate --schedule dualpipev --ranks 4 --chunks 10 --F 1 --B 2 --W 1 --FB 2.5": Run(
         output="makespan 59, bubble fraction 0.0699"
     ),
+    PAIRS_V: Run(output="[[9, 32, 107], [6, 18, 52], [5, 0, 24]]"),
     "bash bench/gpu_session.sh --dry-run": Run(output="dry run of the one-GPU check"),
     "bash bench/cluster_session.sh --dry-run": Run(output="the steps, none of them run"),
 }
