@@ -65,12 +65,13 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 from dualpipe.checks import DeadlockError, MessageKey, message_key, needed_receives
 from dualpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, Action, Op, Schedule, build_schedule
 
-__all__ = ["Costs", "SimResult", "Span", "main", "render_png", "simulate"]
+__all__ = ["Costs", "SimResult", "Span", "main", "render_png", "simulate", "stage_share"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -146,7 +147,7 @@ class SimResult:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
-def _stage_fraction(schedule: Schedule) -> float:
+def stage_share(schedule: Schedule) -> float:
     """Share of a 1F1B stage held by one module: ranks over stages per path (DualPipeV: 1/2)."""
     return schedule.layout.num_ranks / len(schedule.layout.paths[0])
 
@@ -252,7 +253,7 @@ def simulate(
     busy = tuple(sum(x.end - x.start for x in s) for s in spans)
     idle = tuple(makespan - b for b in busy)
     peaks = tuple(_peak_activations(actions) for actions in schedule.ranks)
-    fraction = _stage_fraction(schedule)
+    fraction = stage_share(schedule)
     return SimResult(
         schedule=schedule.name,
         num_ranks=len(schedule.ranks),
@@ -327,9 +328,15 @@ def _summary(result: SimResult) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dualpipe.simulate", description=__doc__.split("\n")[0])
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default=DEFAULT_SCHEDULE)
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), help=f"the schedule to time (default {DEFAULT_SCHEDULE})")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="every registered schedule side by side, with and without overlap (dualpipe.compare): costs per full "
+        "stage, --chunks default the fewest every schedule accepts",
+    )
     p.add_argument("--ranks", type=int, default=4, help="pipeline ranks")
-    p.add_argument("--chunks", type=int, default=10, help="micro-batches in total")
+    p.add_argument("--chunks", type=int, default=None, help="micro-batches in total (default 10)")
     p.add_argument(
         "--modules-per-rank",
         type=int,
@@ -340,27 +347,84 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--B", type=float, default=2.0, help="full backward of one chunk (input + weight grad)")
     p.add_argument("--W", type=float, default=1.0, help="weight-grad part of B")
     p.add_argument("--FB", type=float, default=None, help="overlapped forward+backward pair (default F+B)")
+    p.add_argument(
+        "--a2a",
+        type=float,
+        default=0.0,
+        help="with --compare: all-to-all time of one forward (and one backward) chunk, on top of its compute",
+    )
     p.add_argument("--latency", type=float, default=0.0, help="point-to-point latency")
     p.add_argument("--early-receives", action="store_true", help="post receives one compute earlier")
-    p.add_argument("--json", action="store_true", help="print a JSON object instead of a summary")
-    p.add_argument("--png", metavar="PATH", help="draw the timeline into a PNG (needs matplotlib)")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="write a JSON object (--compare: the table's rows) into FILE; alone: print it instead of the summary",
+    )
+    p.add_argument(
+        "--png",
+        metavar="PATH",
+        help="draw the timeline into a PNG (needs matplotlib); with --compare two, PATH's name ending in the "
+        "schedule: the fastest overlapped 1F1B-family row and DualPipeV",
+    )
     return p
+
+
+def _draw(result: SimResult, path: str) -> None:
+    try:
+        render_png(result, path)
+    except ImportError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+
+
+def _compare(args: argparse.Namespace, costs: Costs) -> int:
+    from dualpipe import compare as cmp  # it builds on this module
+
+    if args.schedule is not None:
+        raise SystemExit("error: --compare runs every registered schedule: drop --schedule")
+    try:
+        results = cmp.compare(
+            args.ranks, costs, a2a=args.a2a, num_chunks=args.chunks, modules_per_rank=args.modules_per_rank,
+            early_receives=args.early_receives,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    rows = [row for row, _ in results]
+    if args.json != "-":
+        print(cmp.compare_table(rows, costs, args.a2a))
+    if args.json:
+        cmp.write_json(args.json, rows, costs, args.a2a)
+    if args.png:
+        path = Path(args.png)
+        for result in cmp.pictured(results, args.modules_per_rank):
+            out = path.with_name(f"{path.stem}-{result.schedule}{path.suffix or '.png'}")
+            _draw(result, str(out))
+            if args.json != "-":
+                print(f"wrote {out}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        schedule = build_schedule(args.schedule, args.ranks, args.chunks, args.early_receives, args.modules_per_rank)
         costs = Costs(F=args.F, B=args.B, W=args.W, FB=args.FB, latency=args.latency)
+        if args.compare:
+            return _compare(args, costs)
+        if args.a2a:
+            raise ValueError("--a2a needs --compare (a single schedule's summary has no all-to-all)")
+        name = args.schedule or DEFAULT_SCHEDULE
+        chunks = 10 if args.chunks is None else args.chunks
+        schedule = build_schedule(name, args.ranks, chunks, args.early_receives, args.modules_per_rank)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     result = simulate(schedule, costs)
-    print(json.dumps(result.to_dict()) if args.json else _summary(result))
+    text = json.dumps(result.to_dict())
+    if args.json and args.json != "-":
+        Path(args.json).write_text(text + "\n")
+    print(text if args.json == "-" else _summary(result))
     if args.png:
-        try:
-            render_png(result, args.png)
-        except ImportError as exc:
-            raise SystemExit(f"error: {exc}") from exc
+        _draw(result, args.png)
     return 0
 
 
