@@ -226,8 +226,9 @@ class StageTimes:
         return self.pair(stage, stage)
 
 
-def _durations(schedule: Schedule, times: StageTimes) -> tuple[list[list[float]], float, float]:
-    """Per rank, the duration of each compute action; and the step's exposed and total all-to-all seconds."""
+def _durations(schedule: Schedule, times: StageTimes, overlap: bool = True) -> tuple[list[list[float]], float, float]:
+    """Per rank, the duration of each compute action; and the step's exposed and total all-to-all seconds.
+    Without ``overlap`` a pair runs as a lone forward, then a lone backward (``overlap=False`` in the executor)."""
     layout = schedule.layout
     out: list[list[float]] = []
     exposed = total = 0.0
@@ -253,10 +254,16 @@ def _durations(schedule: Schedule, times: StageTimes) -> tuple[list[list[float]]
             elif a.op is Op.W:
                 mine.append(times.alone(deferred.pop(0)).W)
             else:  # FB
-                t = times.pair(stage, layout.stage_of(rank, a.b_module))
-                mine.append(t.FB)
-                exposed += t.exposed_fb
-                total += t.comm_f + times.alone(layout.stage_of(rank, a.b_module)).comm_f
+                b_stage = layout.stage_of(rank, a.b_module)
+                if overlap:
+                    t = times.pair(stage, b_stage)
+                    mine.append(t.FB)
+                    exposed += t.exposed_fb
+                else:
+                    f, b = times.alone(stage), times.alone(b_stage)
+                    mine.append(f.F + b.B)
+                    exposed += f.exposed_f + b.exposed_b
+                total += times.alone(stage).comm_f + times.alone(b_stage).comm_f
         out.append(mine)
     return out, exposed, total
 
@@ -269,12 +276,14 @@ def predict(
     tokens_per_step: int,
     num_gpus: int,
     peak_flops: float,
+    overlap: bool = True,
 ) -> Prediction:
     """Time and size ``candidate`` with ``model`` (see the module docstring), its stages as ``plans`` say
-    (:func:`moe.plan.params.stage_plans` of its ``pipeline_layout``)."""
+    (:func:`moe.plan.params.stage_plans` of its ``pipeline_layout``); without ``overlap`` each pair runs as
+    its forward, then its backward."""
     schedule = build_schedule(candidate.schedule, candidate.pp, candidate.num_chunks)
     times = StageTimes(model, plans)
-    durations, exposed, total = _durations(schedule, times)
+    durations, exposed, total = _durations(schedule, times, overlap)
     sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
     reduce = model.dp_reduce()
     step = sim.makespan + reduce
