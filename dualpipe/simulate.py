@@ -54,7 +54,8 @@ Sends are timed where the schedule issues them, right after the compute before t
 compute everywhere except at the turn (DualPipe's middle ranks, DualPipeV's last rank), where the reference
 holds a send back by one compute; on these schedules that never moves the makespan.
 
-Run ``python -m dualpipe.simulate --help`` for the command line.
+Run ``python -m dualpipe.simulate --help`` for the command line; ``--compare`` times every registered schedule
+with and without overlap side by side (:mod:`dualpipe.compare`).
 """
 
 from __future__ import annotations

@@ -60,6 +60,16 @@ PLAN_V3 = (
     " --global-batch-size 15360 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --fp8-activations --deepseek-v3"
     " --top 5 --json plan.json --png plan.png"
 )
+COMPARE_V3 = (
+    ".venv/bin/python -m moe.plan --model deepseek-v3 --gpu h800 --gpus 2048 --gpus-per-node 8 --seq-len 4096"
+    " --global-batch-size 15360 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --fp8-activations --recompute"
+    " selective --compare-schedules --pp 16 --ep 64"
+)
+COMPARE_QWEN3 = (
+    ".venv/bin/python -m moe.plan --model qwen3-235b-a22b --gpu h100 --gpus 256 --gpus-per-node 8 --seq-len 4096"
+    " --global-batch-size 1024 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --recompute full"
+    " --compare-schedules --pp 8 --ep 32"
+)
 MAIN_JOB = ".venv/bin/torchrun --standalone --nproc-per-node 4 examples/train.py --config examples/configs/tiny.toml"
 FIRST_DAY = "tests/e2e/test_first_day.py::test_the_readme_first_day_runs_as_written"
 FIRST_DAY_COMMANDS = (
@@ -97,6 +107,14 @@ RUN: dict[str, Run] = {
     ".venv/bin/python -m dualpipe.simulate --schedule dualpipev --ranks 4 --chunks 10 --F 1 --B 2 --W 1 --FB 2.5": Run(
         output="makespan 59, bubble fraction 0.0699"
     ),
+    ".venv/bin/python -m dualpipe.simulate --compare --ranks 4 --F 1 --B 2 --W 1 --a2a 0.5 --json compare.json"
+    " --png compare.png": Run(
+        output="4 ranks, 8 micro-batches; per full stage F=1 B=2 W=1 F&B=3 a2a=0.5",
+        file="compare.json",
+        file_text='"exposed_a2a_fraction"',
+    ),
+    COMPARE_V3: Run(output="every schedule at pp=16 dp=128 ep=64 chunks=120 comm_sms=20 recompute=selective"),
+    COMPARE_QWEN3: Run(output="every schedule at pp=8 dp=32 ep=32 chunks=32 comm_sms=20 recompute=full"),
     "bash bench/gpu_session.sh --dry-run": Run(output="dry run of the one-GPU check"),
     "bash bench/cluster_session.sh --dry-run": Run(output="the steps, none of them run"),
 }
