@@ -101,8 +101,9 @@ class Costs:
             raise ValueError(f"W (weight-grad part) must not exceed the full backward B (got W={self.W}, B={self.B})")
 
     def of(self, action: Action) -> float:
-        """Cost of one compute action."""
-        return self.table()[action.op]
+        """Cost of one compute action (a ``deferred`` ``FB`` leaves its backward half's ``W`` for later)."""
+        cost = self.table()[action.op]
+        return cost - self.W if action.op is Op.FB and action.deferred else cost
 
     def table(self) -> dict[Op, float]:
         """Cost of each compute op."""
@@ -181,7 +182,6 @@ def _timelines(
     clock = [0.0] * n if ready is None else [float(t) for t in ready]
     arrival: dict[tuple, float] = {}
     spans: list[list[Span]] = [[] for _ in range(n)]
-    cost = costs.table()
     messages = _messages(schedule)
     while any(pos[r] < len(schedule.ranks[r]) for r in range(n)):
         progress = False
@@ -195,7 +195,7 @@ def _timelines(
                     if any(k not in arrival for k in keys):
                         break  # its input is not sent yet: let the other ranks catch up
                     start = max([clock[rank], *(arrival[k] for k in keys)])
-                    clock[rank] = start + (cost[a.op] if durations is None else durations[rank][done[rank]])
+                    clock[rank] = start + (costs.of(a) if durations is None else durations[rank][done[rank]])
                     done[rank] += 1
                     spans[rank].append(Span(start, clock[rank], str(a), a.op.value))
                 pos[rank] += 1  # receives take no rank time in the async model

@@ -246,3 +246,20 @@ def test_png_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch,
         monkeypatch.setitem(sys.modules, name, None)  # makes the import fail as if not installed
     with pytest.raises(ImportError, match=r"pip install dualpipe-moe\[plot\]"):
         render_png(simulate(build_schedule("1f1b", 2, 2)), str(tmp_path / "x.png"))
+
+
+def test_a_deferred_pair_leaves_its_weight_gradient_to_a_w() -> None:
+    """ZB1P's steady pairs run their backward half as an I: the pair costs F&B - W, and the W it left costs W
+    later, so a rank's busy time is the same as with the pairs' halves run apart."""
+    from dualpipe.schedule import Op
+
+    costs = Costs(F=1.0, B=2.0, W=0.5, FB=2.5)
+    schedule = build_schedule("zb1p", 4, 8, extra_warmup=1)
+    last = schedule.ranks[-1]
+    pairs = [a for a in last if a.op is Op.FB]
+    assert pairs and all(a.deferred for a in pairs)
+    assert costs.of(pairs[0]) == 2.0
+    busy = sum(costs.of(a) for a in last if a.op.is_compute)
+    counts = {op: sum(a.op is op for a in last) for op in (Op.F, Op.I, Op.W, Op.FB)}
+    want = counts[Op.F] * 1.0 + counts[Op.I] * 1.5 + counts[Op.W] * 0.5 + counts[Op.FB] * 2.0
+    assert busy == want and simulate(schedule, costs).busy[-1] == want
