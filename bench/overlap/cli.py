@@ -136,10 +136,22 @@ def _parser() -> argparse.ArgumentParser:
 def _options(args: argparse.Namespace, run_dir: str) -> WorkerOptions:
     steps = 2 if args.calibrate else args.steps
     opts = WorkerOptions(
-        pp=args.pp, ep=args.ep, chunks=args.chunks, micro_batch=args.micro_batch, seq_len=args.seq_len,
-        hidden=args.hidden, layers=args.layers, experts=args.experts, moe_intermediate=args.moe_intermediate,
-        dtype=args.dtype, extra_warmup=args.extra_warmup, steps=steps, warmup=args.warmup,
-        modes=[CALIBRATION_MODE] if args.calibrate else list(args.modes), run_dir=run_dir, profile=args.profile,
+        pp=args.pp,
+        ep=args.ep,
+        chunks=args.chunks,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        hidden=args.hidden,
+        layers=args.layers,
+        experts=args.experts,
+        moe_intermediate=args.moe_intermediate,
+        dtype=args.dtype,
+        extra_warmup=args.extra_warmup,
+        steps=steps,
+        warmup=args.warmup,
+        modes=[CALIBRATION_MODE] if args.calibrate else list(args.modes),
+        run_dir=run_dir,
+        profile=args.profile,
     )  # fmt: skip (empty --modes: WorkerOptions picks every plain mode that runs)
     modes = opts.modes
     if args.fp8_dispatch and not args.calibrate:
