@@ -58,7 +58,16 @@ from moe.models.config import MoEConfig
 from moe.models.model import lm_loss
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout, with_schedule
 
-__all__ = ["CALIBRATION_MODE", "MODES", "TORCH_MODE", "TORCH_MODES", "WorkerOptions", "model_config", "worker_main"]
+__all__ = [
+    "CALIBRATION_MODE",
+    "MODES",
+    "TORCH_MODE",
+    "TORCH_MODES",
+    "WorkerOptions",
+    "extra_warmup_of",
+    "model_config",
+    "worker_main",
+]
 
 TORCH_MODE = "torch-dualpipev"
 """torch.distributed.pipelining's ScheduleDualPipeV on our DualPipeV's stage split: the baseline."""
@@ -83,6 +92,14 @@ def _modes() -> dict[str, tuple[str, bool]]:
 
 
 MODES: dict[str, tuple[str, bool]] = _modes()
+
+
+def extra_warmup_of(schedule: str, extra_warmup: int) -> int:
+    """The extra warm-up a mode of ``schedule`` runs when the run asks for ``extra_warmup``: that many where the
+    schedule has a warm-up rule (the 1F1B family), else 0."""
+    return extra_warmup if schedule_spec(schedule).warmup is not None else 0
+
+
 PLAIN_MODES: list[str] = [m for m in MODES if not m.endswith(FP8_SUFFIX)]
 """The modes without FP8 dispatch (``--modes``' default)."""
 
@@ -157,9 +174,8 @@ class WorkerOptions:
         return None
 
     def warmup_of(self, schedule: str) -> int:
-        """The extra warm-up a mode of ``schedule`` runs: :attr:`extra_warmup` where the schedule has a warm-up
-        rule, else 0."""
-        return self.extra_warmup if schedule_spec(schedule).warmup is not None else 0
+        """The extra warm-up a mode of ``schedule`` runs (:func:`extra_warmup_of`)."""
+        return extra_warmup_of(schedule, self.extra_warmup)
 
     @property
     def tokens_per_step(self) -> int:
