@@ -58,6 +58,8 @@ class Row:
     overlap: bool
     ranks: int
     chunks: int
+    extra_warmup: int = 0
+    """Warm-up forwards added on every rank (the 1F1B family's option; the table names the row ``NAME+wN``)."""
     pairs: int | None = None
     """Overlapped forward/backward pairs (``FB`` actions) per step, all ranks."""
     step_time: float | None = None
@@ -134,19 +136,23 @@ def compare(
     num_chunks: int | None = None,
     modules_per_rank: int | None = None,
     early_receives: bool = False,
+    extra_warmup: int = 0,
 ) -> list[tuple[Row, SimResult | None]]:
     """Two rows per registered schedule (with overlap, then without) at ``num_ranks`` and ``num_chunks``
     micro-batches (default :func:`common_chunks`), each with the simulation behind it (``None`` for a
-    schedule that refuses the shape: its row's ``note`` says why)."""
+    schedule that refuses the shape: its row's ``note`` says why). ``extra_warmup``: the warm-up forwards the
+    schedules with a warm-up rule (the 1F1B family) add on every rank; their rows are named ``NAME+wN``."""
     if a2a < 0:
         raise ValueError(f"a2a must be >= 0 (got {a2a})")
     chunks = common_chunks(num_ranks, modules_per_rank) if num_chunks is None else num_chunks
     out: list[tuple[Row, SimResult | None]] = []
-    for name in SCHEDULES:
+    for name, spec in SCHEDULES.items():
+        extra = extra_warmup if spec.warmup is not None else 0
         try:
-            schedule = build_schedule(name, num_ranks, chunks, early_receives, _modules(name, modules_per_rank))
+            modules = _modules(name, modules_per_rank)
+            schedule = build_schedule(name, num_ranks, chunks, early_receives, modules, extra)
         except ValueError as exc:
-            row = Row(name, True, num_ranks, chunks, note=f"refuses: {exc}")
+            row = Row(name, True, num_ranks, chunks, extra_warmup=extra, note=f"refuses: {exc}")
             out += [(row, None), (replace(row, overlap=False), None)]
             continue
         pairs = sum(a.op is Op.FB for actions in schedule.ranks for a in actions)
@@ -155,6 +161,7 @@ def compare(
             per_rank, total = exposed_a2a(schedule, stage, a2a, overlap)
             row = Row(
                 schedule=name,
+                extra_warmup=extra,
                 overlap=overlap,
                 ranks=num_ranks,
                 chunks=chunks,
@@ -175,10 +182,11 @@ _HEADER = ("schedule", "overlap", "pairs", "step", "bubble", "peak act", "copies
 
 
 def _cells(r: Row) -> list[str]:
+    name = f"{r.schedule}+w{r.extra_warmup}" if r.extra_warmup else r.schedule
     if r.step_time is None:
-        return [r.schedule, "yes" if r.overlap else "no", *["-"] * 7, r.note]
+        return [name, "yes" if r.overlap else "no", *["-"] * 7, r.note]
     return [
-        r.schedule,
+        name,
         "yes" if r.overlap else "no",
         str(r.pairs),
         f"{r.step_time:g}",

@@ -344,6 +344,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="model chunks per rank, for schedules that take any number (interleaved-1f1b's v; default 2)",
     )
+    p.add_argument(
+        "--extra-warmup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="warm-up forwards added on every rank by the schedules with a warm-up rule (1F1B, ZB1P, interleaved "
+        "1F1B; Kimi K2's extra micro-batches: 1F1B and ZB1P pair only with at least 1)",
+    )
     p.add_argument("--F", type=float, default=1.0, help="forward of one chunk")
     p.add_argument("--B", type=float, default=2.0, help="full backward of one chunk (input + weight grad)")
     p.add_argument("--W", type=float, default=1.0, help="weight-grad part of B")
@@ -387,7 +395,7 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
     try:
         results = cmp.compare(
             args.ranks, costs, a2a=args.a2a, num_chunks=args.chunks, modules_per_rank=args.modules_per_rank,
-            early_receives=args.early_receives,
+            early_receives=args.early_receives, extra_warmup=args.extra_warmup,
         )  # fmt: skip
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
@@ -416,7 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--a2a needs --compare (a single schedule's summary has no all-to-all)")
         name = args.schedule or DEFAULT_SCHEDULE
         chunks = 10 if args.chunks is None else args.chunks
-        schedule = build_schedule(name, args.ranks, chunks, args.early_receives, args.modules_per_rank)
+        schedule = build_schedule(
+            name, args.ranks, chunks, args.early_receives, args.modules_per_rank, args.extra_warmup
+        )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     result = simulate(schedule, costs)

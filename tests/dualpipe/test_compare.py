@@ -135,3 +135,19 @@ def test_cli_pngs_and_errors(tmp_path, capsys: pytest.CaptureFixture[str]) -> No
         main(["--compare", "--schedule", "1f1b"])
     with pytest.raises(SystemExit, match="a2a must be >= 0"):
         main(["--compare", "--a2a", "-1"])
+
+
+def test_an_extra_warm_up_pairs_the_1f1b_last_rank_and_names_the_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """With one extra warm-up forward, 1F1B's and ZB1P's last rank pairs every steady step (8 micro-batches - 1);
+    the schedules without a warm-up rule are as without it."""
+    stage = Costs(F=1, B=2, W=1)
+    plain = {(r.schedule, r.overlap): r for r, _ in compare(4, stage, a2a=0.5)}
+    warm = {(r.schedule, r.overlap): r for r, _ in compare(4, stage, a2a=0.5, extra_warmup=1)}
+    for name in ("1f1b", "zb1p"):
+        assert plain[(name, True)].pairs == 0 and warm[(name, True)].pairs == 7
+        assert warm[(name, True)].extra_warmup == 1
+        assert warm[(name, True)].exposed_a2a < warm[(name, False)].exposed_a2a
+    assert warm[("dualpipev", True)] == plain[("dualpipev", True)]
+    main(["--compare", "--ranks", "4", "--a2a", "0.5", "--extra-warmup", "1"])
+    out = capsys.readouterr().out
+    assert re.search(r"^1f1b\+w1 +yes +7 ", out, re.MULTILINE) and re.search(r"^dualpipev +yes", out, re.MULTILINE)
