@@ -65,6 +65,11 @@ COMPARE_V3 = (
     " --global-batch-size 15360 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --fp8-activations --recompute"
     " selective --compare-schedules --pp 16 --ep 64"
 )
+COMPARE_V3_INTERLEAVED = (
+    ".venv/bin/python -m moe.plan --model deepseek-v3 --gpu h800 --gpus 2048 --gpus-per-node 8 --seq-len 4096"
+    " --global-batch-size 16384 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --fp8-activations"
+    " --compare-schedules --pp 16 --ep 64 --recompute full --comm-sms 20"
+)
 COMPARE_QWEN3 = (
     ".venv/bin/python -m moe.plan --model qwen3-235b-a22b --gpu h100 --gpus 256 --gpus-per-node 8 --seq-len 4096"
     " --global-batch-size 1024 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --recompute full"
@@ -114,6 +119,7 @@ RUN: dict[str, Run] = {
         file_text='"exposed_a2a_fraction"',
     ),
     COMPARE_V3: Run(output="every schedule at pp=16 dp=128 ep=64 chunks=120 comm_sms=20 recompute=selective"),
+    COMPARE_V3_INTERLEAVED: Run(output="interleaved-1f1b+w1"),
     COMPARE_QWEN3: Run(output="every schedule at pp=8 dp=32 ep=32 chunks=32 comm_sms=20 recompute=full"),
     "bash bench/gpu_session.sh --dry-run": Run(output="dry run of the one-GPU check"),
     "bash bench/cluster_session.sh --dry-run": Run(output="the steps, none of them run"),

@@ -7,6 +7,8 @@ recompute granularity and one count of communication SMs) is fixed; each schedul
 forward, then its backward. Exposed all-to-all is the planner's (:mod:`moe.plan.pair`: what an action's
 duration leaves beyond its compute, over all all-to-all of the step). Memory is the fullest GPU's, as the
 search reports it; it is the same with and without overlap (the same action lists keep the same activations).
+The 1F1B family is shown again with one extra warm-up forward (``1f1b+w1``): what pairs 1F1B's and ZB1P's last
+rank and the rest of interleaved 1F1B's steady steps, at the memory of one more micro-batch in flight per rank.
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ def compare_schedules(
     *,
     measured: MeasuredCosts | None = None,
     options: MemoryOptions = TRAINER_DEFAULTS,
+    extra_warmup: Sequence[int] = (1,),
 ) -> list[dict[str, Any]]:
     """Two rows per registered schedule (overlap, then none) at ``layout``'s pp, dp, ep, micro-batches, recompute
-    and SMs; a schedule that does not run there gets one row with the reason in ``note``."""
+    and SMs; a schedule that does not run there gets one row with the reason in ``note``. A schedule with a
+    warm-up rule (the 1F1B family) has two more per extra warm-up of ``extra_warmup`` the batch holds (the
+    extra forwards that pair 1F1B's and ZB1P's last rank and the rest of interleaved 1F1B's steps)."""
     rows: list[dict[str, Any]] = []
     for name in SCHEDULES:
         c = dataclasses.replace(layout, schedule=name)
@@ -64,23 +69,46 @@ def compare_schedules(
             if spec.stage_layout(c.pp).num_stages > cfg.num_layers:
                 raise ValueError(f"{spec.stage_layout(c.pp).num_stages} stages for {cfg.num_layers} layers")
         except ValueError as exc:
-            rows.append({"schedule": name, "note": f"does not run here: {exc}"})
+            rows.append({"schedule": name, "label": name, "note": f"does not run here: {exc}"})
             continue
-        schedule = build_schedule(name, c.pp, c.num_chunks)
-        pairs = sum(a.op is Op.FB for actions in schedule.ranks for a in actions)
-        for overlap in (True, False):
-            p = evaluate(cfg, cluster, run, c, measured, options, overlap=overlap)
-            rows.append(
-                {
-                    **p.to_dict(),
-                    "overlap": overlap,
-                    "pairs": pairs if overlap else 0,
-                    "exposed_a2a_s_per_rank": p.exposed_a2a_fraction * p.a2a_per_rank,
-                    "memory_gib": p.memory.total / GIB,
-                    "parameter_copies": p.sim.parameter_copies,
-                    "note": "" if pairs else "no FB pairs: both rows the same",
-                }
-            )
+        rows += _rows(cfg, cluster, run, c, measured, options)
+        for e in extra_warmup if spec.warmup is not None else ():
+            try:
+                spec.validate(c.pp, c.num_chunks, extra_warmup=e)
+            except ValueError as exc:
+                label = dataclasses.replace(c, extra_warmup=e).label
+                rows.append({"schedule": name, "label": label, "extra_warmup": e, "note": f"does not run here: {exc}"})
+                continue
+            rows += _rows(cfg, cluster, run, dataclasses.replace(c, extra_warmup=e), measured, options)
+    return rows
+
+
+def _rows(
+    cfg: MoEConfig,
+    cluster: Cluster,
+    run: RunShape,
+    c: Candidate,
+    measured: MeasuredCosts | None,
+    options: MemoryOptions,
+) -> list[dict[str, Any]]:
+    """``c`` with its pairs overlapped, then without."""
+    schedule = build_schedule(c.schedule, c.pp, c.num_chunks, extra_warmup=c.extra_warmup)
+    pairs = sum(a.op is Op.FB for actions in schedule.ranks for a in actions)
+    rows = []
+    for overlap in (True, False):
+        p = evaluate(cfg, cluster, run, c, measured, options, overlap=overlap)
+        rows.append(
+            {
+                **p.to_dict(),
+                "label": c.label,
+                "overlap": overlap,
+                "pairs": pairs if overlap else 0,
+                "exposed_a2a_s_per_rank": p.exposed_a2a_fraction * p.a2a_per_rank,
+                "memory_gib": p.memory.total / GIB,
+                "parameter_copies": p.sim.parameter_copies,
+                "note": "" if pairs else "no FB pairs: both rows the same",
+            }
+        )
     return rows
 
 
@@ -90,9 +118,9 @@ _HEADER = ("schedule", "overlap", "pairs", "step", "tok/s/GPU", "bubble", "expos
 
 def _cells(r: dict[str, Any]) -> list[str]:
     if "step_time_s" not in r:
-        return [r["schedule"], *["-"] * (len(_HEADER) - 2), r["note"]]
+        return [r["label"], *["-"] * (len(_HEADER) - 2), r["note"]]
     return [
-        r["schedule"],
+        r["label"],
         "yes" if r["overlap"] else "no",
         str(r["pairs"]),
         seconds(r["step_time_s"]),

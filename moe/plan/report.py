@@ -227,7 +227,7 @@ def plan(
 def _row(p: Prediction) -> list[str]:
     c = p.candidate
     return [
-        c.schedule,
+        c.label,
         str(c.pp),
         str(c.dp),
         str(c.ep),

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from dualpipe.schedule import SCHEDULES
+from dualpipe.schedule import SCHEDULES, schedule_spec
 from moe.models.config import preset
 from moe.plan.cli import main
 from moe.plan.compare import layout_candidate
@@ -29,12 +29,16 @@ def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_every_schedule_with_and_without_overlap(doc: dict) -> None:
     assert doc["layout"] == {"schedule": "dualpipev", "pp": 2, "dp": 4, "ep": 2, "num_chunks": 8, "comm_sms": 20,
-                             "recompute": "none", "pipeline_layout": "auto"}  # fmt: skip
-    ran = [(r["schedule"], r["overlap"]) for r in doc["rows"] if "overlap" in r]
-    refused = [r["schedule"] for r in doc["rows"] if "overlap" not in r]
-    assert sorted({name for name, _ in ran} | set(refused)) == sorted(SCHEDULES)
-    assert ran == [(name, o) for name in SCHEDULES if name not in refused for o in (True, False)]
-    rows = {(r["schedule"], r["overlap"]): r for r in doc["rows"] if "overlap" in r}
+                             "recompute": "none", "pipeline_layout": "auto", "extra_warmup": 0}  # fmt: skip
+    ran = [(r["label"], r["overlap"]) for r in doc["rows"] if "overlap" in r]
+    refused = [r["label"] for r in doc["rows"] if "overlap" not in r]
+    # the 1F1B family again with one extra warm-up forward, right after its own rows (where it runs at all)
+    again = {s for s in SCHEDULES if schedule_spec(s).warmup is not None and s not in refused}
+    names = [n for s in SCHEDULES for n in (s, f"{s}+w1")[: 1 + (s in again)]]
+    assert again == {"1f1b", "zb1p", "interleaved-1f1b"}
+    assert sorted({name for name, _ in ran} | set(refused)) == sorted(names)
+    assert ran == [(name, o) for name in names if name not in refused for o in (True, False)]
+    rows = {(r["label"], r["overlap"]): r for r in doc["rows"] if "overlap" in r}
     assert {name: rows[name, True]["parameter_copies"] for name, _ in ran} == {
         name: 2 if name == "dualpipe" else 1 for name, _ in ran
     }
@@ -54,7 +58,7 @@ def test_rows_are_the_planners_evaluation(doc: dict) -> None:
     cluster = Cluster(gpu("h100"), 8, 4)
     run = RunShape(64, 64, 2)
     layout = layout_candidate(cfg, cluster, run, pp=2, ep=2, recompute="none", comm_sms=20)
-    rows = {(r["schedule"], r["overlap"]): r for r in doc["rows"] if "overlap" in r}
+    rows = {(r["label"], r["overlap"]): r for r in doc["rows"] if "overlap" in r}
     for overlap in (True, False):
         p = evaluate(cfg, cluster, run, dataclasses.replace(layout, schedule="dualpipe"), overlap=overlap)
         row = rows["dualpipe", overlap]
@@ -76,9 +80,9 @@ def test_the_text_matches_the_json(doc: dict, capsys: pytest.CaptureFixture[str]
         cells[c[0], c[1]] = c
     for r in doc["rows"]:
         if "overlap" not in r:
-            assert r["note"] in cells[r["schedule"], "-"][-1]
+            assert r["note"] in cells[r["label"], "-"][-1]
             continue
-        c = cells[r["schedule"], "yes" if r["overlap"] else "no"]
+        c = cells[r["label"], "yes" if r["overlap"] else "no"]
         assert c[2] == str(r["pairs"]) and c[5] == f"{r['bubble_fraction']:.1%}"
         assert c[8] == f"{r['memory_gib']:.1f}" and c[10] == f"{r['parameter_copies']:g}"
 
