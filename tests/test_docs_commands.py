@@ -60,11 +60,6 @@ PLAN_V3 = (
     " --global-batch-size 15360 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --fp8-activations --deepseek-v3"
     " --top 5 --json plan.json --png plan.png"
 )
-COMPARE_V3 = (
-    ".venv/bin/python -m moe.plan --model deepseek-v3 --gpu h800 --gpus 2048 --gpus-per-node 8 --seq-len 4096"
-    " --global-batch-size 15360 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --fp8-activations --recompute"
-    " selective --compare-schedules --pp 16 --ep 64"
-)
 COMPARE_V3_INTERLEAVED = (
     ".venv/bin/python -m moe.plan --model deepseek-v3 --gpu h800 --gpus 2048 --gpus-per-node 8 --seq-len 4096"
     " --global-batch-size 16384 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --fp8-activations"
@@ -112,13 +107,12 @@ RUN: dict[str, Run] = {
     ".venv/bin/python -m dualpipe.simulate --schedule dualpipev --ranks 4 --chunks 10 --F 1 --B 2 --W 1 --FB 2.5": Run(
         output="makespan 59, bubble fraction 0.0699"
     ),
-    ".venv/bin/python -m dualpipe.simulate --compare --ranks 4 --F 1 --B 2 --W 1 --a2a 0.5 --json compare.json"
-    " --png compare.png": Run(
+    ".venv/bin/python -m dualpipe.simulate --compare --ranks 4 --F 1 --B 2 --W 1 --a2a 0.5 --extra-warmup 1"
+    " --json compare.json --png compare.png": Run(
         output="4 ranks, 8 micro-batches; per full stage F=1 B=2 W=1 F&B=3 a2a=0.5",
         file="compare.json",
         file_text='"exposed_a2a_fraction"',
     ),
-    COMPARE_V3: Run(output="every schedule at pp=16 dp=128 ep=64 chunks=120 comm_sms=20 recompute=selective"),
     COMPARE_V3_INTERLEAVED: Run(output="interleaved-1f1b+w1"),
     COMPARE_QWEN3: Run(output="every schedule at pp=8 dp=32 ep=32 chunks=32 comm_sms=20 recompute=full"),
     "bash bench/gpu_session.sh --dry-run": Run(output="dry run of the one-GPU check"),
@@ -223,6 +217,11 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     ".venv/bin/python -m bench.overlap --cluster --nodes 2 --pp 1 --ep 2 --hidden 128 --moe-intermediate 128"
     " --rate 400mbit --chunks 24 --modes dualpipev-overlap dualpipev torch-dualpipev torch-dualpipev-overlap"
     " --steps 8 --keep-events": (ROOT_CLUSTER, "tests/bench/test_overlap.py::test_short_run_on_the_emulated_cluster"),
+    ".venv/bin/python -m bench.overlap --cluster --nodes 2 --rate 500mbit --modes dualpipev-overlap dualpipev"
+    " interleaved-1f1b-overlap interleaved-1f1b 1f1b-overlap 1f1b --extra-warmup 1 --steps 4": (
+        ROOT_CLUSTER,
+        "tests/bench/test_overlap_traffic.py::test_fp8_dispatch_adds_a_twin_of_each_of_our_modes",
+    ),
     ".venv/bin/python -m bench.overlap --cluster --nodes 2 --rate 500mbit --dtype bfloat16 --modes"
     " dualpipev-overlap dualpipev --fp8-dispatch --steps 5": (
         ROOT_CLUSTER,
