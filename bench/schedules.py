@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dualpipe.schedule import SCHEDULES, Schedule, build_schedule
-from dualpipe.simulate import Costs, SimResult, render_png, simulate
+from dualpipe.simulate import Costs, SimResult, render_png, simulate, stage_share
 
 __all__ = ["Row", "compare"]
 
@@ -46,7 +46,7 @@ def _costs(schedule: Schedule, f: float, b: float, w: float, overlap: float, com
     behind the other micro-batch's compute (DeepSeek-V3's premise), so only ``overlap x (F + B)`` remains.
     The weight-gradient part (``W``) has no all-to-all.
     """
-    scale = schedule.layout.num_ranks / schedule.layout.num_stages  # share of a full stage per module
+    scale = stage_share(schedule)
     f_, b_, w_ = f * scale, b * scale, w * scale
     return Costs(F=f_ * (1 + comm), B=w_ + (b_ - w_) * (1 + comm), W=w_, FB=overlap * (f_ + b_))
 

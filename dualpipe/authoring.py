@@ -64,10 +64,17 @@ class Emitter:
         self.actions.append(Action(Op.I if defer_weights else Op.B, m, self._b[m]))
         self._b[m] += 1
 
-    def forward_backward(self, m_f: int, m_b: int) -> None:
-        self.actions.append(Action(Op.FB, m_f, self._f[m_f], b_module=m_b, b_chunk=self._b[m_b]))
+    def forward_backward(self, m_f: int, m_b: int, defer_weights: bool = False) -> None:
+        self.actions.append(
+            Action(Op.FB, m_f, self._f[m_f], b_module=m_b, b_chunk=self._b[m_b], deferred=defer_weights)
+        )
         self._f[m_f] += 1
         self._b[m_b] += 1
+
+    def pairable(self, m_f: int, m_b: int) -> bool:
+        """The next forward of ``m_f`` and the next backward of ``m_b`` can run as one pair: they are of
+        different (module, micro-batch), so the backward does not start from that forward's loss."""
+        return m_f != m_b or self._f[m_f] != self._b[m_b]
 
     def weight(self) -> None:
         self.actions.append(Action(Op.W))
@@ -87,10 +94,10 @@ class Emitter:
         if send:
             self.send_backward(m)
 
-    def forward_backward_chunk(self, m_f: int, m_b: int, recv_f: bool = True) -> None:
+    def forward_backward_chunk(self, m_f: int, m_b: int, recv_f: bool = True, defer_weights: bool = False) -> None:
         if recv_f:
             self.recv_forward(m_f)
         self.recv_backward(m_b)
-        self.forward_backward(m_f, m_b)
+        self.forward_backward(m_f, m_b, defer_weights)
         self.send_forward(m_f)
         self.send_backward(m_b)

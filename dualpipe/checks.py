@@ -84,7 +84,7 @@ def needed_receives(schedule: Schedule, rank: int, a: Action) -> list[MessageKey
 
 def check_complete(schedule: Schedule) -> None:
     """Every micro-batch of every local module is forwarded once, then backwarded once, and every deferred
-    weight-gradient batch (one per ``I``) is popped by exactly one ``W`` after it was queued."""
+    weight-gradient batch (one per ``I`` or deferred ``FB``) is popped by exactly one ``W`` after it was queued."""
     layout = schedule.layout
     for rank, actions in enumerate(schedule.ranks):
         fwd: Counter[tuple[int, int]] = Counter()
@@ -105,7 +105,7 @@ def check_complete(schedule: Schedule) -> None:
                 prev = layout.prev(rank, a.module)
                 if prev is not None and prev[0] == rank and fwd[(prev[1], a.chunk)] != 1:
                     raise ScheduleError(f"rank {rank}: {a} runs before the local forward feeding it")
-            pending += a.op is Op.I
+            pending += a.defers_weights
             if a.op is Op.W:
                 pending -= 1
                 if pending < 0:

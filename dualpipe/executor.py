@@ -91,6 +91,8 @@ class Pipeline(nn.Module):
         schedule: the registered schedule to run (:data:`dualpipe.schedule.SCHEDULES`); the subclasses name
             theirs. Schedules that let the caller choose the modules per rank (interleaved 1F1B) take
             ``len(modules)``.
+        extra_warmup: warm-up forwards added on every rank, for the schedules with a warm-up rule (the 1F1B
+            family: :attr:`dualpipe.schedule.ScheduleSpec.warmup`), so more steady steps pair.
     """
 
     schedule_name: str = ""
@@ -106,6 +108,7 @@ class Pipeline(nn.Module):
         early_receives: bool | None = None,
         overlap: bool | None = None,
         schedule: str | None = None,
+        extra_warmup: int = 0,
     ) -> None:
         super().__init__()
         if schedule is not None:
@@ -124,10 +127,11 @@ class Pipeline(nn.Module):
         self.module = nn.ModuleList(modules)
         self.device = _common_device(modules)
         self.batch_dim = batch_dim
-        hook = len(modules) == 2 and has_overlap_hook(modules[0], modules[1])
+        hook = bool(modules) and all(has_overlap_hook(modules[0], m) for m in modules)
         if overlap and not hook:
-            raise ValueError("overlap=True needs both stage modules of one class defining overlapped_forward_backward")
+            raise ValueError("overlap=True needs every stage module of one class defining overlapped_forward_backward")
         self.overlap = hook if overlap is None else overlap
+        self.extra_warmup = extra_warmup
         self._observers: list[PipelineObserver] = []
 
         if rank_mapping is None:
@@ -209,7 +213,12 @@ class Pipeline(nn.Module):
     def schedule(self, num_chunks: int) -> Schedule:
         """The action lists this pipeline runs for ``num_chunks`` micro-batches (validated, cached)."""
         schedule = build_schedule(
-            self.schedule_name, self.num_ranks, num_chunks, self.early_receives, self.layout.modules_per_rank
+            self.schedule_name,
+            self.num_ranks,
+            num_chunks,
+            self.early_receives,
+            self.layout.modules_per_rank,
+            self.extra_warmup,
         )
         _check_once(schedule, self.comm_model)
         return schedule
@@ -502,7 +511,7 @@ class Pipeline(nn.Module):
     def _forward_backward(self, a: Action, st: _StepState) -> None:
         if st.forward_only or not self.overlap:
             self._compute(Action(Op.F, a.module, a.chunk), st)
-            self._compute(Action(Op.B, a.b_module, a.b_chunk), st)
+            self._compute(Action(a.b_op, a.b_module, a.b_chunk), st)
             return
         fkey, bkey = (a.module, a.chunk), (a.b_module, a.b_chunk)
         inputs0 = self._stage_inputs(st, fkey)
@@ -511,7 +520,9 @@ class Pipeline(nn.Module):
         labels0 = list(st.labels[a.module][a.chunk]) if is_last0 else []
         loss1, outputs1, grads1 = self._backward_sources(st, bkey)
         module0, module1 = self.module[a.module], self.module[a.b_module]
-        with self.grad_store.activate(enabled=False):
+        # A deferred pair (ZB1P's) runs the hook with the store enabled, as an I runs its backward: layers
+        # hand their weight gradients over in backward (the forward half never asks), one batch for the W.
+        with self.grad_store.activate(enabled=a.deferred):
             outputs0, loss0 = type(module0).overlapped_forward_backward(
                 module0,
                 self._with_labels(st, fkey, inputs0),
@@ -522,6 +533,8 @@ class Pipeline(nn.Module):
                 list(outputs1),
                 list(grads1),
             )
+        if a.deferred:
+            self.grad_store.flush()
         if is_last0 and loss0 is None:
             raise RuntimeError("overlapped_forward_backward returned no loss for a last stage with a criterion")
         self._check_delivered(type(module1), bkey, st)

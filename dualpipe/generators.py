@@ -104,22 +104,40 @@ def _dualpipev(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
     return e.actions
 
 
-def _one_f_one_b(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
-    """Classic 1F1B: N-1-r warm-up forwards, steady forward/backward pairs, cool-down backwards."""
+def _linear_warmup(num_ranks: int, modules_per_rank: int, rank: int) -> int:
+    """1F1B / ZB1P: N-1-r forwards before the first backward."""
+    return num_ranks - 1 - rank
+
+
+def _one_f_one_b(layout: Layout, rank: int, num_chunks: int, extra_warmup: int = 0) -> list[Action]:
+    """Classic 1F1B: N-1-r warm-up forwards (``extra_warmup`` more), steady forward/backward steps, cool-down
+    backwards.
+
+    Overlapped pairs: only the last rank's steady steps, and only with an extra warm-up (without one, each of
+    its steps is the forward and backward of one micro-batch, the backward starting from that forward's loss).
+    Another rank's pair would send its forward's output only when the pair ends, after the backward; the next
+    rank needs that output one step later for the step whose input gradient this rank's next backward waits
+    for, so each step would wait for the one before on the neighbour: the steady step would take two pairs'
+    time. Interleaved 1F1B's warm-up (two more forwards per rank upstream) leaves that step of slack.
+    """
     n = layout.num_ranks
     e = Emitter(layout, rank)
-    warmup = min(n - 1 - rank, num_chunks)
+    warmup = min(n - 1 - rank + extra_warmup, num_chunks)
+    last = layout.is_last(rank, 0)
     for _ in range(warmup):
         e.forward_chunk(0)
     for _ in range(num_chunks - warmup):
-        e.forward_chunk(0)
-        e.backward_chunk(0)
+        if last and e.pairable(0, 0):
+            e.forward_backward_chunk(0, 0)  # step (main): nF&B
+        else:
+            e.forward_chunk(0)
+            e.backward_chunk(0)
     for _ in range(warmup):
         e.backward_chunk(0)
     return e.actions
 
 
-def _zb1p(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
+def _zb1p(layout: Layout, rank: int, num_chunks: int, extra_warmup: int = 0) -> list[Action]:
     """ZB-H1 (zero bubble, 1F1B memory): backward split into I (input grad) and W (weight grad).
 
     Same F/I order as 1F1B, so the same activation memory. Rank r keeps r weight-gradient batches pending
@@ -128,17 +146,23 @@ def _zb1p(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
     the W it deferred: bubble (N-1)(F+B-2W) instead of 1F1B's (N-1)(F+B) when F = I = W (the
     zero-bubble paper's ZB-H1 costs; see dualpipe.simulate). Deferring on the *later* ranks is what
     works: rank 0 finishes its last I last, so it must not be left with more than one W after it.
+    Overlapped pairs as 1F1B's (the last rank's steady steps, given an extra warm-up); a pair's backward
+    half defers its weight gradients like the I it replaces.
     """
     n = layout.num_ranks
     e = Emitter(layout, rank)
-    warmup = min(n - 1 - rank, num_chunks)
+    warmup = min(n - 1 - rank + extra_warmup, num_chunks)
+    last = layout.is_last(rank, 0)
     lag = rank
     pending = 0
     for _ in range(warmup):
         e.forward_chunk(0)
     for _ in range(num_chunks - warmup):
-        e.forward_chunk(0)
-        e.backward_chunk(0, defer_weights=True)
+        if last and e.pairable(0, 0):
+            e.forward_backward_chunk(0, 0, defer_weights=True)  # step (main): nF&IW
+        else:
+            e.forward_chunk(0)
+            e.backward_chunk(0, defer_weights=True)
         pending += 1
         if pending > lag:
             e.weight()
@@ -160,15 +184,25 @@ def _interleaved_layout(num_ranks: int, modules_per_rank: int) -> Layout:
     return Layout("interleaved", n, v, (tuple((s % n, s // n) for s in range(n * v)),))
 
 
-def _interleaved_1f1b(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
+def _interleaved_warmup(num_ranks: int, modules_per_rank: int, rank: int) -> int:
+    """Megatron's interleaved warm-up: 2(N-1-r) + (v-1)N forwards."""
+    return 2 * (num_ranks - 1 - rank) + (modules_per_rank - 1) * num_ranks
+
+
+def _interleaved_1f1b(layout: Layout, rank: int, num_chunks: int, extra_warmup: int = 0) -> list[Action]:
     """Interleaved 1F1B (Megatron's virtual pipeline stages): ``v`` modules per rank, micro-batches in groups
     of N.
 
     The rank runs ``num_chunks * v`` module-chunks. The k-th forward goes to module ``(k // N) % v``, the k-th
     backward to module ``v - 1 - (k // N) % v``: N micro-batches pass through one module before the rank
-    turns to its next module. Warm-up is ``2(N-1-r) + (v-1)N`` forwards (all of them when that is more);
-    then one forward, one backward; then the remaining backwards. Bubble ``(N-1)(F+B)/v`` in full-stage
-    costs (see :mod:`dualpipe.simulate`).
+    turns to its next module. Warm-up is ``2(N-1-r) + (v-1)N`` forwards (``extra_warmup`` more; all of them
+    when that is more); then one forward, one backward; then the remaining backwards. Bubble
+    ``(N-1)(F+B)/v`` in full-stage costs (see :mod:`dualpipe.simulate`).
+
+    Every steady step is one overlapped pair (``FB``) but where its forward and backward are of the same
+    micro-batch through the last stage (the backward starts from that forward's loss): the last rank's first
+    N steps of every N*v without extra warm-up, none with one (Megatron-Core's combined 1F1B adds that one).
+    The step's sends leave after both halves either way, so pairing moves no message.
     """
     n, v = layout.num_ranks, layout.modules_per_rank
     total = num_chunks * v
@@ -180,7 +214,7 @@ def _interleaved_1f1b(layout: Layout, rank: int, num_chunks: int) -> list[Action
         return v - 1 - (k // n) % v
 
     e = Emitter(layout, rank)
-    warmup = min(2 * (n - 1 - rank) + (v - 1) * n, total)
+    warmup = min(_interleaved_warmup(n, v, rank) + extra_warmup, total)
     steady = total - warmup
     # Each step's sends and the next step's receives form one batch, as Megatron's combined send-and-receive
     # calls do: issued one by one, NCCL's in-order matching deadlocks (dualpipe.checks' "grouped" model).
@@ -191,9 +225,13 @@ def _interleaved_1f1b(layout: Layout, rank: int, num_chunks: int) -> list[Action
             e.recv_forward(f_module(k + 1))
     if steady:
         e.recv_backward(b_module(0))
-    for k in range(steady):  # nFB: steady 1F1B
-        e.forward(f_module(warmup + k))
-        e.backward(b_module(k))
+    for k in range(steady):  # nF&B: steady 1F1B
+        m_f, m_b = f_module(warmup + k), b_module(k)
+        if e.pairable(m_f, m_b):
+            e.forward_backward(m_f, m_b)
+        else:
+            e.forward(m_f)
+            e.backward(m_b)
         e.send_forward(f_module(warmup + k))
         e.send_backward(b_module(k))
         if warmup + k + 1 < total:
@@ -250,6 +288,8 @@ register_schedule(
         summary="classic 1F1B: stage r on rank r",
         generate=_one_f_one_b,
         layout=_fixed(Layout.linear),
+        overlaps=True,
+        warmup=_linear_warmup,
     )
 )
 register_schedule(
@@ -260,6 +300,8 @@ register_schedule(
         summary="ZB-H1: 1F1B order with weight gradients deferred into the cool-down bubbles",
         generate=_zb1p,
         layout=_fixed(Layout.linear),
+        overlaps=True,
+        warmup=_linear_warmup,
     )
 )
 register_schedule(
@@ -274,5 +316,7 @@ register_schedule(
         flexible_modules=True,
         chunks_multiple_of_ranks=True,
         chunk_hint="micro-batches go through each rank's modules in groups of ranks",
+        overlaps=True,
+        warmup=_interleaved_warmup,
     )
 )

@@ -16,7 +16,8 @@ Vocabulary
 
 Compute actions: ``F`` forward, ``B`` full backward, ``I`` backward whose weight gradients are deferred to
 the weight-grad store, ``W`` one deferred weight-gradient batch, ``FB`` an overlapped forward/backward pair
-(handed to ``overlapped_forward_backward`` when the stage class has it). Communication actions: ``SEND_F`` /
+(handed to ``overlapped_forward_backward`` when the stage class has it; its backward half defers its weight
+gradients like ``I`` when the pair is ``deferred``: ZB1P's steady pairs). Communication actions: ``SEND_F`` /
 ``RECV_F`` (activations, in path direction) and ``SEND_B`` / ``RECV_B`` (gradients, against it). A run of
 consecutive communication actions is one batch: the executor issues it as one group (one NCCL group on
 CUDA), which is what keeps NCCL's in-order matching free of deadlock.
@@ -76,8 +77,9 @@ class Action:
     """One step of one rank.
 
     ``module``/``chunk`` name the local module and micro-batch (for ``FB`` they are the forward half and
-    ``b_module``/``b_chunk`` the backward half). ``peer`` is the pipeline rank of the other side of a
-    communication action. ``W`` carries no operands: it pops the oldest deferred batch (FIFO).
+    ``b_module``/``b_chunk`` the backward half; ``deferred``: that backward half is an ``I``, its weight
+    gradients one deferred batch). ``peer`` is the pipeline rank of the other side of a communication action.
+    ``W`` carries no operands: it pops the oldest deferred batch (FIFO).
     """
 
     op: Op
@@ -86,12 +88,23 @@ class Action:
     b_module: int = -1
     b_chunk: int = -1
     peer: int = -1
+    deferred: bool = False
+
+    @property
+    def b_op(self) -> Op:
+        """What the backward half of an ``FB`` runs as: ``I`` when ``deferred``, else ``B``."""
+        return Op.I if self.deferred else Op.B
+
+    @property
+    def defers_weights(self) -> bool:
+        """The action queues one deferred weight-gradient batch (``I``, or a ``deferred`` ``FB``)."""
+        return self.op is Op.I or (self.op is Op.FB and self.deferred)
 
     def __str__(self) -> str:
         if self.op is Op.W:
             return "W"
         if self.op is Op.FB:
-            return f"(F{self.module}.{self.chunk}&B{self.b_module}.{self.b_chunk})"
+            return f"(F{self.module}.{self.chunk}&{self.b_op.value}{self.b_module}.{self.b_chunk})"
         if self.op.is_comm:
             arrow = ">" if self.op.name.startswith("SEND") else "<"
             return f"{self.op.value}{self.module}.{self.chunk}{arrow}{self.peer}"
@@ -214,6 +227,8 @@ class Schedule:
     num_chunks: int
     chunks_per_path: int
     ranks: tuple[tuple[Action, ...], ...]
+    extra_warmup: int = 0
+    """Warm-up forwards added on every rank (:attr:`ScheduleSpec.warmup`)."""
 
     def __post_init__(self) -> None:
         if len(self.ranks) != self.layout.num_ranks:
@@ -224,8 +239,9 @@ class Schedule:
 # The registry: one spec per schedule carries everything the rest of the code asks about it.
 # ---------------------------------------------------------------------------------------------------
 
-Generator = Callable[[Layout, int, int], list[Action]]
-"""``generate(layout, rank, num_chunks) -> actions``: one rank's action list."""
+Generator = Callable[..., list[Action]]
+"""``generate(layout, rank, num_chunks) -> actions``: one rank's action list (schedules with a ``warmup`` rule
+also take ``extra_warmup=``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -264,6 +280,11 @@ class ScheduleSpec:
     chunk_hint: str = ""
     overlaps: bool = False
     """The schedule emits overlapped forward/backward pairs (``FB``) for ``overlapped_forward_backward``."""
+    warmup: Callable[[int, int, int], int] | None = None
+    """``warmup(num_ranks, modules_per_rank, rank)``: forwards a rank runs before its first backward (before
+    the batch bounds them). Set for the 1F1B family, whose generators then take ``extra_warmup=k``: ``k``
+    more warm-up forwards on every rank (Kimi K2's extra warm-up micro-batches, Megatron-Core's one extra
+    for its combined 1F1B), so that a steady step's forward and backward are of different micro-batches."""
 
     def resolve_modules(self, modules_per_rank: int | None = None) -> int:
         """Local modules per rank: ``modules_per_rank`` if this schedule lets the caller choose, else its own."""
@@ -302,11 +323,14 @@ class ScheduleSpec:
             and not (self.chunks_multiple_of_ranks and num_chunks % num_ranks)
         )
 
-    def validate(self, num_ranks: int, num_chunks: int, modules_per_rank: int | None = None) -> None:
+    def validate(
+        self, num_ranks: int, num_chunks: int, modules_per_rank: int | None = None, extra_warmup: int = 0
+    ) -> None:
         """Raise ``ValueError`` (saying what to change) unless this schedule runs on these numbers."""
         self.check_ranks(num_ranks)
-        self.resolve_modules(modules_per_rank)
+        modules = self.resolve_modules(modules_per_rank)
         if self._chunks_ok(num_ranks, num_chunks):
+            self._check_extra_warmup(num_ranks, num_chunks, modules, extra_warmup)
             return
         if not self.chunks_per_rank and not self.even_chunks and not self.chunks_multiple_of_ranks:
             raise ValueError(f"num_chunks must be >= 1 (got {num_chunks})")
@@ -318,6 +342,27 @@ class ScheduleSpec:
             bounds.append(f"a multiple of ranks = {num_ranks}")
         hint = f"; {self.chunk_hint}" if self.chunk_hint else ""
         raise ValueError(f"{self.title} needs {rule} {' and '.join(bounds)} (got {num_chunks}){hint}")
+
+    def _check_extra_warmup(self, num_ranks: int, num_chunks: int, modules: int, extra: int) -> None:
+        """The extra warm-up must leave rank 0 (the longest warm-up) at least one steady forward/backward step."""
+        if extra == 0:
+            return
+        if extra < 0:
+            raise ValueError(f"extra_warmup must be >= 0 (got {extra})")
+        if self.warmup is None:
+            takes = [s.name for s in SCHEDULES.values() if s.warmup is not None]
+            raise ValueError(f"{self.title} takes no extra warm-up (extra_warmup applies to {', '.join(takes)})")
+        forwards = self.warmup(num_ranks, modules, 0) + extra
+        if forwards < num_chunks * modules:
+            return
+        enough = num_chunks + 1
+        while forwards >= enough * modules or not self._chunks_ok(num_ranks, enough):
+            enough += 1
+        raise ValueError(
+            f"extra_warmup={extra}: {self.title}'s rank 0 would run all {num_chunks * modules} of its forwards in "
+            f"the warm-up ({forwards}), leaving no steady step to pair; use num_chunks >= {enough} or a smaller "
+            "extra_warmup"
+        )
 
     def stage_layout(self, num_ranks: int, modules_per_rank: int | None = None) -> Layout:
         """Where the stages live at ``num_ranks`` pipeline ranks (validated)."""
@@ -351,24 +396,31 @@ def schedule_spec(name: str) -> ScheduleSpec:
 
 @functools.lru_cache(maxsize=256)
 def build_schedule(
-    name: str, num_ranks: int, num_chunks: int, early_receives: bool = False, modules_per_rank: int | None = None
+    name: str,
+    num_ranks: int,
+    num_chunks: int,
+    early_receives: bool = False,
+    modules_per_rank: int | None = None,
+    extra_warmup: int = 0,
 ) -> Schedule:
     """Per-rank action lists of schedule ``name`` for ``num_ranks`` pipeline ranks and ``num_chunks``
-    micro-batches in total (``modules_per_rank`` only for schedules that let the caller choose it).
+    micro-batches in total (``modules_per_rank`` only for schedules that let the caller choose it,
+    ``extra_warmup`` only for those with a warm-up rule: :attr:`ScheduleSpec.warmup`).
 
     With ``early_receives`` every receive is moved in front of the compute action that precedes its
     consumer (see :func:`post_receives_early`), so the transfer overlaps that compute.
     """
     spec = schedule_spec(name)
-    spec.validate(num_ranks, num_chunks, modules_per_rank)  # ranks and modules included
+    spec.validate(num_ranks, num_chunks, modules_per_rank, extra_warmup)  # ranks and modules included
     layout = spec.layout(num_ranks, spec.resolve_modules(modules_per_rank))
+    extra = {"extra_warmup": extra_warmup} if extra_warmup else {}
     ranks = []
     for rank in range(num_ranks):
-        actions = spec.generate(layout, rank, num_chunks)
+        actions = spec.generate(layout, rank, num_chunks, **extra)
         if early_receives:
             actions = post_receives_early(actions)
         ranks.append(tuple(actions))
-    return Schedule(name, layout, num_chunks, num_chunks // len(layout.paths), tuple(ranks))
+    return Schedule(name, layout, num_chunks, num_chunks // len(layout.paths), tuple(ranks), extra_warmup)
 
 
 def post_receives_early(actions: Sequence[Action]) -> list[Action]:

@@ -54,7 +54,8 @@ Sends are timed where the schedule issues them, right after the compute before t
 compute everywhere except at the turn (DualPipe's middle ranks, DualPipeV's last rank), where the reference
 holds a send back by one compute; on these schedules that never moves the makespan.
 
-Run ``python -m dualpipe.simulate --help`` for the command line.
+Run ``python -m dualpipe.simulate --help`` for the command line; ``--compare`` times every registered schedule
+with and without overlap side by side (:mod:`dualpipe.compare`).
 """
 
 from __future__ import annotations
@@ -65,12 +66,13 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 from dualpipe.checks import DeadlockError, MessageKey, message_key, needed_receives
 from dualpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, Action, Op, Schedule, build_schedule
 
-__all__ = ["Costs", "SimResult", "Span", "main", "render_png", "simulate"]
+__all__ = ["Costs", "SimResult", "Span", "main", "render_png", "simulate", "stage_share"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,8 +101,9 @@ class Costs:
             raise ValueError(f"W (weight-grad part) must not exceed the full backward B (got W={self.W}, B={self.B})")
 
     def of(self, action: Action) -> float:
-        """Cost of one compute action."""
-        return self.table()[action.op]
+        """Cost of one compute action (a ``deferred`` ``FB`` leaves its backward half's ``W`` for later)."""
+        cost = self.table()[action.op]
+        return cost - self.W if action.op is Op.FB and action.deferred else cost
 
     def table(self) -> dict[Op, float]:
         """Cost of each compute op."""
@@ -146,7 +149,7 @@ class SimResult:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
-def _stage_fraction(schedule: Schedule) -> float:
+def stage_share(schedule: Schedule) -> float:
     """Share of a 1F1B stage held by one module: ranks over stages per path (DualPipeV: 1/2)."""
     return schedule.layout.num_ranks / len(schedule.layout.paths[0])
 
@@ -179,7 +182,6 @@ def _timelines(
     clock = [0.0] * n if ready is None else [float(t) for t in ready]
     arrival: dict[tuple, float] = {}
     spans: list[list[Span]] = [[] for _ in range(n)]
-    cost = costs.table()
     messages = _messages(schedule)
     while any(pos[r] < len(schedule.ranks[r]) for r in range(n)):
         progress = False
@@ -193,7 +195,7 @@ def _timelines(
                     if any(k not in arrival for k in keys):
                         break  # its input is not sent yet: let the other ranks catch up
                     start = max([clock[rank], *(arrival[k] for k in keys)])
-                    clock[rank] = start + (cost[a.op] if durations is None else durations[rank][done[rank]])
+                    clock[rank] = start + (costs.of(a) if durations is None else durations[rank][done[rank]])
                     done[rank] += 1
                     spans[rank].append(Span(start, clock[rank], str(a), a.op.value))
                 pos[rank] += 1  # receives take no rank time in the async model
@@ -252,7 +254,7 @@ def simulate(
     busy = tuple(sum(x.end - x.start for x in s) for s in spans)
     idle = tuple(makespan - b for b in busy)
     peaks = tuple(_peak_activations(actions) for actions in schedule.ranks)
-    fraction = _stage_fraction(schedule)
+    fraction = stage_share(schedule)
     return SimResult(
         schedule=schedule.name,
         num_ranks=len(schedule.ranks),
@@ -327,40 +329,113 @@ def _summary(result: SimResult) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dualpipe.simulate", description=__doc__.split("\n")[0])
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default=DEFAULT_SCHEDULE)
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), help=f"the schedule to time (default {DEFAULT_SCHEDULE})")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="every registered schedule side by side, with and without overlap (dualpipe.compare): costs per full "
+        "stage, --chunks default the fewest every schedule accepts",
+    )
     p.add_argument("--ranks", type=int, default=4, help="pipeline ranks")
-    p.add_argument("--chunks", type=int, default=10, help="micro-batches in total")
+    p.add_argument("--chunks", type=int, default=None, help="micro-batches in total (default 10)")
     p.add_argument(
         "--modules-per-rank",
         type=int,
         default=None,
         help="model chunks per rank, for schedules that take any number (interleaved-1f1b's v; default 2)",
     )
+    p.add_argument(
+        "--extra-warmup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="warm-up forwards added on every rank by the schedules with a warm-up rule (1F1B, ZB1P, interleaved "
+        "1F1B; Kimi K2's extra micro-batches: 1F1B and ZB1P pair only with at least 1)",
+    )
     p.add_argument("--F", type=float, default=1.0, help="forward of one chunk")
     p.add_argument("--B", type=float, default=2.0, help="full backward of one chunk (input + weight grad)")
     p.add_argument("--W", type=float, default=1.0, help="weight-grad part of B")
     p.add_argument("--FB", type=float, default=None, help="overlapped forward+backward pair (default F+B)")
+    p.add_argument(
+        "--a2a",
+        type=float,
+        default=0.0,
+        help="with --compare: all-to-all time of one forward (and one backward) chunk, on top of its compute",
+    )
     p.add_argument("--latency", type=float, default=0.0, help="point-to-point latency")
     p.add_argument("--early-receives", action="store_true", help="post receives one compute earlier")
-    p.add_argument("--json", action="store_true", help="print a JSON object instead of a summary")
-    p.add_argument("--png", metavar="PATH", help="draw the timeline into a PNG (needs matplotlib)")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="FILE",
+        help="write a JSON object (--compare: the table's rows) into FILE; alone: print it instead of the summary",
+    )
+    p.add_argument(
+        "--png",
+        metavar="PATH",
+        help="draw the timeline into a PNG (needs matplotlib); with --compare two, PATH's name ending in the "
+        "schedule: the fastest overlapped 1F1B-family row and DualPipeV",
+    )
     return p
+
+
+def _draw(result: SimResult, path: str) -> None:
+    try:
+        render_png(result, path)
+    except ImportError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+
+
+def _compare(args: argparse.Namespace, costs: Costs) -> int:
+    from dualpipe import compare as cmp  # it builds on this module
+
+    if args.schedule is not None:
+        raise SystemExit("error: --compare runs every registered schedule: drop --schedule")
+    try:
+        results = cmp.compare(
+            args.ranks, costs, a2a=args.a2a, num_chunks=args.chunks, modules_per_rank=args.modules_per_rank,
+            early_receives=args.early_receives, extra_warmup=args.extra_warmup,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    rows = [row for row, _ in results]
+    if args.json != "-":
+        print(cmp.compare_table(rows, costs, args.a2a))
+    if args.json:
+        cmp.write_json(args.json, rows, costs, args.a2a)
+    if args.png:
+        path = Path(args.png)
+        for result in cmp.pictured(results, args.modules_per_rank):
+            out = path.with_name(f"{path.stem}-{result.schedule}{path.suffix or '.png'}")
+            _draw(result, str(out))
+            if args.json != "-":
+                print(f"wrote {out}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        schedule = build_schedule(args.schedule, args.ranks, args.chunks, args.early_receives, args.modules_per_rank)
         costs = Costs(F=args.F, B=args.B, W=args.W, FB=args.FB, latency=args.latency)
+        if args.compare:
+            return _compare(args, costs)
+        if args.a2a:
+            raise ValueError("--a2a needs --compare (a single schedule's summary has no all-to-all)")
+        name = args.schedule or DEFAULT_SCHEDULE
+        chunks = 10 if args.chunks is None else args.chunks
+        schedule = build_schedule(
+            name, args.ranks, chunks, args.early_receives, args.modules_per_rank, args.extra_warmup
+        )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     result = simulate(schedule, costs)
-    print(json.dumps(result.to_dict()) if args.json else _summary(result))
+    text = json.dumps(result.to_dict())
+    if args.json and args.json != "-":
+        Path(args.json).write_text(text + "\n")
+    print(text if args.json == "-" else _summary(result))
     if args.png:
-        try:
-            render_png(result, args.png)
-        except ImportError as exc:
-            raise SystemExit(f"error: {exc}") from exc
+        _draw(result, args.png)
     return 0
 
 

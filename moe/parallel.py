@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, schedule_spec
+from dualpipe.schedule import DEFAULT_SCHEDULE, Layout, Op, ScheduleSpec, build_schedule, schedule_spec
 from kernels.fp8 import FP8Recipe
 from moe.dispatch import DEFAULT_COMM_SMS, DISPATCHERS, DispatchOptions, make_dispatcher
 from moe.groups import group_timeout, new_groups, with_timeout
@@ -113,9 +113,16 @@ class ParallelConfig:
     num_chunks: int | None = None
     """Micro-batches per pipeline step; ``None`` takes the fewest the schedule accepts that is at least
     ``2 x pp`` (resolved in ``__post_init__``, checked against the schedule's rules)."""
-    overlap: bool = True
-    """Run paired forward/backward chunks through ``overlapped_forward_backward`` (DualPipe family); resolved
-    to False for schedules that pair nothing."""
+    overlap: bool | None = None
+    """Run the schedule's paired forward/backward chunks through ``overlapped_forward_backward``: DualPipe(V)'s,
+    the V family's, interleaved 1F1B's steady steps, 1F1B's and ZB1P's on the last rank given an extra warm-up
+    (docs/pipeline.md). Unset: wherever the schedule pairs, at this pp and micro-batch count; ``--overlap``
+    where it pairs nothing is an error; ``--no-overlap`` runs each pair's halves one after the other."""
+    extra_warmup: int = 0
+    """Warm-up forwards added on every pipeline rank of the 1F1B family (``1f1b``, ``zb1p``,
+    ``interleaved-1f1b``; Kimi K2's extra warm-up micro-batches): with one, each steady step's forward and
+    backward are of different micro-batches, so the last rank's steps pair too (Megatron-Core's combined 1F1B
+    adds one). Costs that many micro-batches' activations per rank; rank 0 must keep a steady step."""
     pipeline_layout: str = AUTO
     """What each stage holds, in Megatron-Core's syntax (:mod:`moe.pipeline_layout`): ``E`` embedding, ``t``
     a layer, ``m`` an MTP module, ``L`` the head, ``|`` between stages, ``*n`` repeats, e.g. ``Et|ttt|tt|tL``;
@@ -138,8 +145,8 @@ class ParallelConfig:
         self.modules_per_rank = spec.resolve_modules(self.modules_per_rank)
         if self.num_chunks is None:
             self.num_chunks = spec.default_chunks(self.pp)
-        spec.validate(self.pp, self.num_chunks, self.modules_per_rank)
-        self.overlap = self.overlap and spec.overlaps
+        spec.validate(self.pp, self.num_chunks, self.modules_per_rank, self.extra_warmup)
+        self.overlap = self._resolve_overlap(spec)
         order = _full_order(tuple(self.rank_order))
         if sorted(order) != sorted(MESH_DIMS):
             raise ValueError(f"rank_order must order the dimensions {MESH_DIMS}, got {self.rank_order}")
@@ -147,6 +154,24 @@ class ParallelConfig:
         if self.comm_sms < 0:
             raise ValueError(f"comm_sms must be >= 0, got {self.comm_sms}")
         self.recompute = recompute_granularity(self.recompute)
+
+    def _resolve_overlap(self, spec: ScheduleSpec) -> bool:
+        """``overlap`` as a bool: unset is whether the schedule pairs anything at these numbers; asked for where
+        no rank pairs, a ``ValueError`` saying what would pair."""
+        schedule = build_schedule(
+            self.schedule, self.pp, self.num_chunks, False, self.modules_per_rank, self.extra_warmup
+        )
+        pairs = any(a.op is Op.FB for actions in schedule.ranks for a in actions)
+        if self.overlap is None or not self.overlap or pairs:
+            return bool(self.overlap if self.overlap is not None else pairs)
+        if spec.warmup is not None and not self.extra_warmup:
+            hint = "; pass --extra-warmup 1 (its last rank then pairs) or --no-overlap"
+        else:
+            hint = "; use --no-overlap, or a schedule that pairs (dualpipev, interleaved-1f1b)"
+        raise ValueError(
+            f"overlap: {spec.title} at pp={self.pp} with {self.num_chunks} micro-batches and extra_warmup="
+            f"{self.extra_warmup} pairs no forward with a backward{hint}"
+        )
 
     @property
     def edp(self) -> int:
@@ -400,7 +425,9 @@ def with_schedule(base: ParallelLayout, schedule: str) -> ParallelLayout:
     """``base``'s groups configured for another schedule (one set of groups, several pipelines: the overlap
     benchmark). Creates the mirror and embedding groups if the new schedule needs them: collective, like
     :func:`init_layout`."""
-    config = dataclasses.replace(base.config, schedule=schedule, modules_per_rank=None, num_chunks=None, overlap=True)
+    config = dataclasses.replace(
+        base.config, schedule=schedule, modules_per_rank=None, num_chunks=None, overlap=None, extra_warmup=0
+    )
     mirror_group = None
     if config.stage_layout.mirrored:
         mirror_group = base.mirror_group or _mirror_group(

@@ -64,6 +64,16 @@ PLAN_V3 = (
     " --global-batch-size 15360 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --fp8-activations --deepseek-v3"
     " --top 5 --json plan.json --png plan.png"
 )
+COMPARE_V3_INTERLEAVED = (
+    ".venv/bin/python -m moe.plan --model deepseek-v3 --gpu h800 --gpus 2048 --gpus-per-node 8 --seq-len 4096"
+    " --global-batch-size 16384 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --fp8-activations"
+    " --compare-schedules --pp 16 --ep 64 --recompute full --comm-sms 20"
+)
+COMPARE_QWEN3 = (
+    ".venv/bin/python -m moe.plan --model qwen3-235b-a22b --gpu h100 --gpus 256 --gpus-per-node 8 --seq-len 4096"
+    " --global-batch-size 1024 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --recompute full"
+    " --compare-schedules --pp 8 --ep 32"
+)
 MAIN_JOB = ".venv/bin/torchrun --standalone --nproc-per-node 4 examples/train.py --config examples/configs/tiny.toml"
 FIRST_DAY = "tests/e2e/test_first_day.py::test_the_readme_first_day_runs_as_written"
 FIRST_DAY_COMMANDS = (
@@ -102,6 +112,14 @@ RUN: dict[str, Run] = {
         output="makespan 59, bubble fraction 0.0699"
     ),
     PAIRS_V: Run(output="[[9, 32, 107], [6, 18, 52], [5, 0, 24]]"),
+    ".venv/bin/python -m dualpipe.simulate --compare --ranks 4 --F 1 --B 2 --W 1 --a2a 0.5 --extra-warmup 1"
+    " --json compare.json --png compare.png": Run(
+        output="4 ranks, 8 micro-batches; per full stage F=1 B=2 W=1 F&B=3 a2a=0.5",
+        file="compare.json",
+        file_text='"exposed_a2a_fraction"',
+    ),
+    COMPARE_V3_INTERLEAVED: Run(output="interleaved-1f1b+w1"),
+    COMPARE_QWEN3: Run(output="every schedule at pp=8 dp=32 ep=32 chunks=32 comm_sms=20 recompute=full"),
     "bash bench/gpu_session.sh --dry-run": Run(output="dry run of the one-GPU check"),
     "bash bench/cluster_session.sh --dry-run": Run(output="the steps, none of them run"),
 }
@@ -204,6 +222,11 @@ EXCLUDED: dict[str, tuple[str, str]] = {
     ".venv/bin/python -m bench.overlap --cluster --nodes 2 --pp 1 --ep 2 --hidden 128 --moe-intermediate 128"
     " --rate 400mbit --chunks 24 --modes dualpipev-overlap dualpipev torch-dualpipev torch-dualpipev-overlap"
     " --steps 8 --keep-events": (ROOT_CLUSTER, "tests/bench/test_overlap.py::test_short_run_on_the_emulated_cluster"),
+    ".venv/bin/python -m bench.overlap --cluster --nodes 2 --rate 500mbit --modes dualpipev-overlap dualpipev"
+    " interleaved-1f1b-overlap interleaved-1f1b 1f1b-overlap 1f1b --extra-warmup 1 --steps 4": (
+        ROOT_CLUSTER,
+        "tests/bench/test_overlap_traffic.py::test_fp8_dispatch_adds_a_twin_of_each_of_our_modes",
+    ),
     ".venv/bin/python -m bench.overlap --cluster --nodes 2 --rate 500mbit --dtype bfloat16 --modes"
     " dualpipev-overlap dualpipev --fp8-dispatch --steps 5": (
         ROOT_CLUSTER,

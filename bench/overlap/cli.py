@@ -50,6 +50,7 @@ report gives the bytes per all-to-all. ``--fp8-dispatch`` also runs each of our 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -65,7 +66,7 @@ import torch
 from bench import process_tree
 from bench.overlap.costs import calibration_costs
 from bench.overlap.report import breakdown, collect, cpu_floor, loss_check, rows_json, summarise, table, targets
-from bench.overlap.run import CALIBRATION_MODE, MODES, PLAIN_MODES, WorkerOptions
+from bench.overlap.run import CALIBRATION_MODE, MODES, WorkerOptions
 from bench.overlap.traffic import FP8_SUFFIX, fp8_comparison, fp8_table, traffic, traffic_table
 
 __all__ = ["main"]
@@ -81,7 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", default="500mbit", help="tbf rate of each node link, each direction")
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per mode before them")
-    p.add_argument("--modes", nargs="+", default=list(PLAIN_MODES), choices=list(MODES))
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=[],
+        choices=list(MODES),
+        help="default: every mode without FP8 dispatch that runs at --pp, --chunks and --extra-warmup",
+    )
     p.add_argument(
         "--fp8-dispatch",
         action="store_true",
@@ -98,6 +105,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--moe-intermediate", type=int, default=256)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameters and activations")
+    p.add_argument(
+        "--extra-warmup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="warm-up forwards added on every rank for 1F1B, ZB1P and interleaved 1F1B (1F1B and ZB1P pair only "
+        "with at least 1)",
+    )
     p.add_argument(
         "--calibrate",
         action="store_true",
@@ -119,19 +134,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace, run_dir: str) -> WorkerOptions:
-    modes = [CALIBRATION_MODE] if args.calibrate else list(args.modes)
+    steps = 2 if args.calibrate else args.steps
+    opts = WorkerOptions(
+        pp=args.pp,
+        ep=args.ep,
+        chunks=args.chunks,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        hidden=args.hidden,
+        layers=args.layers,
+        experts=args.experts,
+        moe_intermediate=args.moe_intermediate,
+        dtype=args.dtype,
+        extra_warmup=args.extra_warmup,
+        steps=steps,
+        warmup=args.warmup,
+        modes=[CALIBRATION_MODE] if args.calibrate else list(args.modes),
+        run_dir=run_dir,
+        profile=args.profile,
+    )  # fmt: skip (empty --modes: WorkerOptions picks every plain mode that runs)
+    modes = opts.modes
     if args.fp8_dispatch and not args.calibrate:
         twins = [f"{m}{FP8_SUFFIX}" for m in modes]  # torch's schedule has none
-        modes += [t for t in twins if t in MODES and t not in modes]
+        modes = modes + [t for t in twins if t in MODES and t not in modes]
     if args.costs_out and CALIBRATION_MODE not in modes:
         raise ValueError(f"--costs-out needs the {CALIBRATION_MODE} mode (no overlap) among --modes")
-    steps = 2 if args.calibrate else args.steps
-    return WorkerOptions(
-        pp=args.pp, ep=args.ep, chunks=args.chunks, micro_batch=args.micro_batch, seq_len=args.seq_len,
-        hidden=args.hidden, layers=args.layers, experts=args.experts, moe_intermediate=args.moe_intermediate,
-        dtype=args.dtype,
-        steps=steps, warmup=args.warmup, modes=modes, run_dir=run_dir, profile=args.profile,
-    )  # fmt: skip
+    return dataclasses.replace(opts, modes=modes)
 
 
 def device_name(args: argparse.Namespace) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from bench.overlap.run import MODES, TORCH_MODE, TORCH_MODES
+from bench.overlap.run import MODES, TORCH_MODE, TORCH_MODES, extra_warmup_of
 from bench.overlap.stats import (
     COMM_KINDS,
     PeerSkew,
@@ -264,6 +264,7 @@ def _row(
 ) -> ModeRow:
     schedule, overlap = MODES[mode]
     num_ranks = opts["pp"]
+    extra = extra_warmup_of(schedule, opts.get("extra_warmup", 0))  # results from before the option: none
     per_step = []
     where: list[dict[str, float]] = []
     all_ranks: list[RankSteps] = []
@@ -271,10 +272,12 @@ def _row(
         t0, t1 = step_window(list(ranks.values()))
         in_flight, exposed, hidden = comm_totals(list(ranks.values()))
         costs = measured_costs(list(ranks.values()))
-        mean_predicted = predicted_bubble(schedule, num_ranks, opts["chunks"], costs)
+        mean_predicted = predicted_bubble(schedule, num_ranks, opts["chunks"], costs, extra)
         pipelines = _pipelines(ranks, num_ranks)
         # torch runs its own action order, which our schedule's replay does not describe
-        replayed = math.nan if mode in TORCH_MODES else replayed_bubble(schedule, pipelines, opts["chunks"])
+        replayed = math.nan
+        if mode not in TORCH_MODES:
+            replayed = replayed_bubble(schedule, pipelines, opts["chunks"], extra_warmup=extra)
         paired = comm_totals(list(ranks.values()), within="FB")[2]
         total, busiest, threads = cpu.get((mode, step), (math.nan, math.nan, math.nan))
         use, rank_use = total / (cores * (t1 - t0)), busiest / (t1 - t0)

@@ -58,7 +58,16 @@ from moe.models.config import MoEConfig
 from moe.models.model import lm_loss
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout, with_schedule
 
-__all__ = ["CALIBRATION_MODE", "MODES", "TORCH_MODE", "TORCH_MODES", "WorkerOptions", "model_config", "worker_main"]
+__all__ = [
+    "CALIBRATION_MODE",
+    "MODES",
+    "TORCH_MODE",
+    "TORCH_MODES",
+    "WorkerOptions",
+    "extra_warmup_of",
+    "model_config",
+    "worker_main",
+]
 
 TORCH_MODE = "torch-dualpipev"
 """torch.distributed.pipelining's ScheduleDualPipeV on our DualPipeV's stage split: the baseline."""
@@ -83,6 +92,14 @@ def _modes() -> dict[str, tuple[str, bool]]:
 
 
 MODES: dict[str, tuple[str, bool]] = _modes()
+
+
+def extra_warmup_of(schedule: str, extra_warmup: int) -> int:
+    """The extra warm-up a mode of ``schedule`` runs when the run asks for ``extra_warmup``: that many where the
+    schedule has a warm-up rule (the 1F1B family), else 0."""
+    return extra_warmup if schedule_spec(schedule).warmup is not None else 0
+
+
 PLAIN_MODES: list[str] = [m for m in MODES if not m.endswith(FP8_SUFFIX)]
 """The modes without FP8 dispatch (``--modes``' default)."""
 
@@ -109,11 +126,16 @@ class WorkerOptions:
     heads: int = 4
     dtype: str = "float32"
     """Parameters and activations: float32 or bfloat16 (the dtype FP8 dispatch halves)."""
+    extra_warmup: int = 0
+    """Warm-up forwards added on every rank for the modes whose schedule has a warm-up rule (1F1B, ZB1P,
+    interleaved 1F1B: Kimi K2's extra micro-batches; 1F1B and ZB1P pair only with at least 1)."""
     steps: int = 3
     """Timed steps per mode."""
     warmup: int = 1
     """Untimed steps per mode before them (connections, allocator, torch's shape inference)."""
-    modes: list[str] = field(default_factory=lambda: list(PLAIN_MODES))
+    modes: list[str] = field(default_factory=list)
+    """The modes to run, interleaved step by step (empty: every mode without FP8 dispatch that runs at these
+    numbers)."""
     seed: int = 0
     run_dir: str = "."
     profile: bool = False
@@ -123,12 +145,13 @@ class WorkerOptions:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown:
             raise ValueError(f"unknown modes {unknown}; choose from {list(MODES)}")
-        for mode in self.modes:  # every mode's schedule takes these numbers, with its own message
+        if not self.modes:  # every plain mode that runs at these numbers
+            self.modes = [m for m in PLAIN_MODES if self.refusal(m) is None]
+        for mode in self.modes:  # every mode's schedule takes these numbers (and pairs if it overlaps)
+            refusal = self.refusal(mode)
+            if refusal is not None:
+                raise ValueError(f"mode {mode} at pp={self.pp}, chunks={self.chunks}: {refusal}")
             spec = schedule_spec(MODES[mode][0])
-            try:
-                spec.validate(self.pp, self.chunks)
-            except ValueError as exc:
-                raise ValueError(f"mode {mode} at pp={self.pp}, chunks={self.chunks}: {exc}") from None
             stages = spec.stage_layout(self.pp).num_stages
             if self.layers < stages:
                 raise ValueError(f"layers={self.layers} cannot fill the {stages} stages of mode {mode}")
@@ -136,6 +159,23 @@ class WorkerOptions:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError("steps must be >= 1 and warmup >= 0")
+
+    def refusal(self, mode: str) -> str | None:
+        """Why ``mode`` cannot run at these numbers (its schedule refuses them, or it overlaps and nothing
+        pairs), as :class:`moe.parallel.ParallelConfig` says it; None: it runs."""
+        schedule, overlap = MODES[mode]
+        try:
+            ParallelConfig(
+                pp=self.pp, dp=self.ep, ep=self.ep, schedule=schedule, num_chunks=self.chunks, overlap=overlap,
+                extra_warmup=self.warmup_of(schedule),
+            )  # fmt: skip
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def warmup_of(self, schedule: str) -> int:
+        """The extra warm-up a mode of ``schedule`` runs (:func:`extra_warmup_of`)."""
+        return extra_warmup_of(schedule, self.extra_warmup)
 
     @property
     def tokens_per_step(self) -> int:
@@ -238,7 +278,9 @@ def _build_ours(name: str, o: WorkerOptions, cfg: MoEConfig, layout: ParallelLay
     for s in stages:
         s.recorder = recorder
         s.aux_loss_scale = 1.0 / o.chunks
-    pipe = PIPELINES[schedule](list(stages), process_group=layout.pp_group, overlap=overlap, timeout=600)
+    pipe = PIPELINES[schedule](
+        list(stages), process_group=layout.pp_group, overlap=overlap, timeout=600, extra_warmup=o.warmup_of(schedule)
+    )
     # declared boundary shapes: receives are posted ahead (no header round trip inside the consuming action)
     pipe.set_p2p_tensor_shapes([(o.micro_batch, o.seq_len, o.hidden)])
     pipe.set_p2p_tensor_dtype(next(stages[0].parameters()).dtype)

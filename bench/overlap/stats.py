@@ -368,9 +368,10 @@ def measured_costs(ranks: Sequence[RankSteps]) -> Costs:
     return Costs(F=f, B=b, W=min(w, b), FB=f + b if fb is None else fb)
 
 
-def predicted_bubble(schedule: str, num_ranks: int, chunks: int, costs: Costs) -> float:
+def predicted_bubble(schedule: str, num_ranks: int, chunks: int, costs: Costs, extra_warmup: int = 0) -> float:
     """The simulator's bubble fraction for ``schedule`` under ``costs`` (one cost per action kind)."""
-    return simulate(build_schedule(schedule, num_ranks, chunks), costs).bubble_fraction
+    built = build_schedule(schedule, num_ranks, chunks, extra_warmup=extra_warmup)
+    return simulate(built, costs).bubble_fraction
 
 
 def action_durations(schedule: Schedule, ranks: Sequence[RankSteps]) -> list[list[float]]:
@@ -394,7 +395,7 @@ def action_durations(schedule: Schedule, ranks: Sequence[RankSteps]) -> list[lis
 
 
 def replayed_bubble(
-    schedule: str, pipelines: Sequence[Sequence[RankSteps]], chunks: int, latency: float = 0.0
+    schedule: str, pipelines: Sequence[Sequence[RankSteps]], chunks: int, latency: float = 0.0, extra_warmup: int = 0
 ) -> float:
     """The simulator's bubble fraction for ``schedule`` when every compute action costs what it took in the
     measured step (:func:`action_durations`) and every rank starts at its measured step begin.
@@ -404,7 +405,7 @@ def replayed_bubble(
     t0 = min((r.begin for ranks in pipelines for r in ranks), default=math.nan)
     results = []
     for ranks in pipelines:
-        sched = build_schedule(schedule, len(ranks), chunks)
+        sched = build_schedule(schedule, len(ranks), chunks, extra_warmup=extra_warmup)
         durations = action_durations(sched, ranks)
         results.append(
             simulate(sched, Costs(latency=latency), durations=durations, ready=[r.begin - t0 for r in ranks])

@@ -13,7 +13,9 @@ GPU by kind and the memory options it uses), and a table of the top ``--top`` wi
 GEMMs and dispatch), each figure beside the report's (in the JSON as ``deepseek_v3``), its memory with the
 stages balanced by cost (``auto``) and at :data:`moe.plan.report.V3_LAYOUT`. ``--pipeline-layout`` places the
 stages' contents as the trainer's flag does; ``--fp8``, ``--fp8-dispatch`` and ``--fp8-activations`` are the
-trainer's flags of the same names (:class:`moe.plan.costs.Precision`).
+trainer's flags of the same names (:class:`moe.plan.costs.Precision`). ``--compare-schedules --pp P --ep E``
+prints, instead of the search, every registered schedule at that one layout with and without overlap
+(:mod:`moe.plan.compare`).
 """
 
 from __future__ import annotations
@@ -85,9 +87,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--recompute",
         choices=sorted(_RECOMPUTE_FLAG),
-        default="all",
         help="granularities to try: none, selective, full, all of them (default); on = full, off = none, "
-        "both = none and full",
+        "both = none and full; --compare-schedules takes one",
     )
     p.add_argument(
         "--state-dtype", choices=STATE_DTYPES, default="float32", help="optimizer moments' dtype (bfloat16: V3's)"
@@ -133,6 +134,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "experts and all-to-alls set the group's pace. The per-expert max over mean the trainer logs as "
         "'imbalance' bounds it from above",
     )
+    p.add_argument(
+        "--compare-schedules",
+        action="store_true",
+        help="instead of the search: every registered schedule at --pp x --ep, with and without overlap "
+        "(moe.plan.compare)",
+    )
+    p.add_argument("--pp", type=int, help="with --compare-schedules: pipeline ranks (dp = gpus / pp)")
+    p.add_argument("--ep", type=int, default=1, help="with --compare-schedules: expert-parallel ranks (default 1)")
     p.add_argument("--costs", metavar="FILE", help="measured sub-stage costs (bench.overlap --calibrate)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--deepseek-v3", action="store_true", help="also set the V3 report's layout beside its figures")
@@ -146,6 +155,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
     if args.fp8_activations and not args.fp8:
         p.error("--fp8-activations needs --fp8 (the FP8 experts keep their inputs in FP8)")
+    if args.compare_schedules:
+        if args.pp is None:
+            p.error("--compare-schedules needs --pp (and --ep: the layout every schedule runs at)")
+        if len(_RECOMPUTE_FLAG[args.recompute or "all"]) > 1 or len(args.comm_sms) > 1:
+            p.error(
+                "--compare-schedules takes one --recompute granularity (none, selective or full) and one --comm-sms"
+            )
+        if args.deepseek_v3 or args.png:
+            p.error("--compare-schedules prints its own table: drop --deepseek-v3 and --png")
+    elif args.pp is not None:
+        p.error("--pp is --compare-schedules's layout (the search tries every pp)")
+    for name in ("pp", "ep"):
+        if (getattr(args, name) or 1) < 1:
+            p.error(f"--{name} must be positive")
     if not args.expert_imbalance >= 1.0:
         p.error(f"--expert-imbalance {args.expert_imbalance}: the busiest rank over the mean is at least 1")
     return args
@@ -205,6 +228,30 @@ def _cluster(args: argparse.Namespace, measured) -> Cluster:
     return Cluster(device, args.gpus, min(args.gpus_per_node, args.gpus))
 
 
+def _compare(args: argparse.Namespace, cfg: MoEConfig, cluster: Cluster, run: RunShape, measured, options) -> int:
+    """``--compare-schedules``: the table of :mod:`moe.plan.compare`, and its rows with ``--json``."""
+    from moe.plan.compare import compare_schedules, compare_schedules_table, layout_candidate
+
+    try:
+        (recompute,) = _RECOMPUTE_FLAG[args.recompute]
+        layout = layout_candidate(
+            cfg, cluster, run, pp=args.pp, ep=args.ep, recompute=recompute, comm_sms=args.comm_sms[0]
+        )
+        rows = compare_schedules(cfg, cluster, run, layout, measured=measured, options=options)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.json != "-":
+        print(compare_schedules_table(rows, layout, cluster))
+    if args.json:
+        doc = {"schema": JSON_SCHEMA_VERSION, "layout": dataclasses.asdict(layout), "rows": rows}
+        out = json.dumps(doc, indent=1)
+        if args.json == "-":
+            print(out)
+        else:
+            Path(args.json).write_text(out + "\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -218,10 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = MemoryOptions(
         state_dtype=args.state_dtype, fp8_activations=args.fp8_activations, mtp_shared=not args.mtp_own_copies
     )
+    if args.compare_schedules:
+        return _compare(args, cfg, cluster, run, measured, options)
     try:
         result = plan(
             cfg, cluster, run, schedules=args.schedules, comm_sms=args.comm_sms,
-            recompute=_RECOMPUTE_FLAG[args.recompute], measured=measured, top=args.top, options=options,
+            recompute=_RECOMPUTE_FLAG[args.recompute or "all"], measured=measured, top=args.top, options=options,
             pipeline_layout=args.pipeline_layout,
         )  # fmt: skip
         v3 = v3_side_by_side(cfg, cluster, run, measured) if args.deepseek_v3 else None

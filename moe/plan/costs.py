@@ -109,6 +109,9 @@ class Parallelism:
     pipeline_layout: str = AUTO
     """What each stage holds, the trainer's ``parallel.pipeline_layout`` (:mod:`moe.pipeline_layout`);
     ``auto``: stages balanced by cost."""
+    extra_warmup: int = 0
+    """Warm-up forwards added on every rank, the trainer's ``parallel.extra_warmup`` (each rank keeps as many
+    more micro-batches in flight)."""
 
     def __post_init__(self) -> None:
         if min(self.pp, self.dp, self.ep) < 1:

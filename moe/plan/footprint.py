@@ -452,12 +452,12 @@ class Footprint:
 
 @functools.lru_cache(maxsize=256)
 def _live_counts(
-    schedule: str, pp: int, chunks: int, modules_per_rank: int | None
+    schedule: str, pp: int, chunks: int, modules_per_rank: int | None, extra_warmup: int = 0
 ) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Per rank, every distinct count of live micro-batches per local module after a compute action (``F``
     adds one, ``B``/``I`` free one, ``FB`` both, as :func:`dualpipe.simulate.simulate` counts; cached: a
     search asks for the same schedule shape once per candidate)."""
-    built = build_schedule(schedule, pp, chunks, modules_per_rank=modules_per_rank)
+    built = build_schedule(schedule, pp, chunks, modules_per_rank=modules_per_rank, extra_warmup=extra_warmup)
     out = []
     for actions in built.ranks:
         live = [0] * built.layout.modules_per_rank
@@ -494,7 +494,7 @@ def footprint(
     options (recompute granularity, optimizer-state dtype, MTP sharing, FP8 caching) are ``work``'s."""
     spec = schedule_spec(par.schedule)
     chunks = num_chunks if num_chunks is not None else spec.default_chunks(par.pp)
-    counts = _live_counts(par.schedule, par.pp, chunks, par.modules_per_rank)
+    counts = _live_counts(par.schedule, par.pp, chunks, par.modules_per_rank, par.extra_warmup)
     t, b = work.tokens, work.act_bytes
     if pp_rank is not None and not 0 <= pp_rank < par.pp:
         raise ValueError(f"footprint: pp_rank={pp_rank} is not a rank of pp={par.pp}")

@@ -68,7 +68,14 @@ class LayerCostModel:
     @property
     def parallelism(self) -> Parallelism:
         c = self.candidate
-        return Parallelism(pp=c.pp, dp=c.dp, ep=c.ep, schedule=c.schedule, pipeline_layout=c.pipeline_layout)
+        return Parallelism(
+            pp=c.pp,
+            dp=c.dp,
+            ep=c.ep,
+            schedule=c.schedule,
+            pipeline_layout=c.pipeline_layout,
+            extra_warmup=c.extra_warmup,
+        )
 
     @property
     def workload(self) -> Workload:

@@ -124,8 +124,8 @@ def _sizer(
     return model
 
 
-def _predict(model: LayerCostModel) -> Prediction:
-    """Time and size ``model``'s candidate on its cluster."""
+def _predict(model: LayerCostModel, overlap: bool = True) -> Prediction:
+    """Time and size ``model``'s candidate on its cluster (``overlap``: :func:`moe.plan.search.predict`'s)."""
     return predict(
         model.candidate,
         model,
@@ -135,6 +135,7 @@ def _predict(model: LayerCostModel) -> Prediction:
         tokens_per_step=model.tokens_per_step,
         num_gpus=model.cluster.num_gpus,
         peak_flops=model.cluster.gpu.bf16_flops,
+        overlap=overlap,
     )
 
 
@@ -145,9 +146,11 @@ def evaluate(
     candidate: Candidate,
     measured: MeasuredCosts | None = None,
     options: MemoryOptions = TRAINER_DEFAULTS,
+    *,
+    overlap: bool = True,
 ) -> Prediction:
-    """Time and size one candidate."""
-    return _predict(_model(cfg, cluster, run, candidate, measured, options))
+    """Time and size one candidate (without ``overlap``: each pair as its forward, then its backward)."""
+    return _predict(_model(cfg, cluster, run, candidate, measured, options), overlap)
 
 
 DESCENTS = 3
@@ -224,7 +227,7 @@ def plan(
 def _row(p: Prediction) -> list[str]:
     c = p.candidate
     return [
-        c.schedule,
+        c.label,
         str(c.pp),
         str(c.dp),
         str(c.ep),

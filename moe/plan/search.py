@@ -21,13 +21,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dualpipe.schedule import SCHEDULES, Op, Schedule, build_schedule, schedule_spec
+from dualpipe.schedule import SCHEDULES, Op, Schedule, ScheduleSpec, build_schedule, schedule_spec
 from dualpipe.simulate import Costs, SimResult, simulate
 from moe.pipeline_layout import AUTO, StagePlan, expand
 from moe.plan.costs import RECOMPUTE, recompute_granularity
 from moe.plan.pair import BlockTimes, ChunkTimes, chunk_times
 
 __all__ = [
+    "EXTRA_WARMUP",
     "Candidate",
     "CostModel",
     "Prediction",
@@ -55,6 +56,9 @@ class Candidate:
     """A granularity of :data:`moe.plan.costs.RECOMPUTE` (a bool reads as ``full`` / ``none``)."""
     pipeline_layout: str = AUTO
     """What each stage holds (:mod:`moe.pipeline_layout`); ``auto``: stages balanced by cost."""
+    extra_warmup: int = 0
+    """Warm-up forwards added on every rank (schedules with a warm-up rule, :attr:`dualpipe.schedule.ScheduleSpec.
+    warmup`): what pairs the 1F1B family's remaining steady steps (Kimi K2's extra warm-up micro-batches)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_granularity(self.recompute))
@@ -63,12 +67,18 @@ class Candidate:
     def edp(self) -> int:
         return self.dp // self.ep
 
+    @property
+    def label(self) -> str:
+        """The schedule's name, ``+wK`` with ``K`` extra warm-up forwards (``1f1b+w1``)."""
+        return f"{self.schedule}+w{self.extra_warmup}" if self.extra_warmup else self.schedule
+
     def describe(self) -> str:
         rc = "" if self.recompute == "none" else f" recompute={self.recompute}"
         lay = "" if self.pipeline_layout == AUTO else f" layout={self.pipeline_layout}"
+        warm = f" extra_warmup={self.extra_warmup}" if self.extra_warmup else ""
         return (
             f"{self.schedule} pp={self.pp} dp={self.dp} ep={self.ep} chunks={self.num_chunks} "
-            f"comm_sms={self.comm_sms}{rc}{lay}"
+            f"comm_sms={self.comm_sms}{rc}{lay}{warm}"
         )
 
 
@@ -134,6 +144,7 @@ class Prediction:
             "comm_sms": c.comm_sms,
             "recompute": c.recompute,
             "pipeline_layout": c.pipeline_layout,
+            "extra_warmup": c.extra_warmup,
             "memory_options": dict(getattr(self.memory, "options", {}) or {"recompute": c.recompute}),
             "step_time_s": self.step_time,
             "pipeline_time_s": self.pipeline_time,
@@ -148,6 +159,11 @@ class Prediction:
 
 
 _MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "all_to_all_buffers", "total")
+
+
+EXTRA_WARMUP = (0, 1)
+"""Extra warm-up forwards :func:`candidates` tries for the 1F1B family: one pairs every steady step of interleaved
+1F1B and the last rank's of 1F1B and ZB1P (Megatron-Core's combined 1F1B adds one); more only add memory."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -166,11 +182,14 @@ def candidates(
     recompute: Sequence[str | bool] = RECOMPUTE,
     max_pp: int | None = None,
     pipeline_layout: str = AUTO,
+    extra_warmup: Sequence[int] = EXTRA_WARMUP,
 ) -> Iterator[Candidate]:
     """Every valid candidate: the schedule accepts the ranks and micro-batches, the stages fit the layers,
     ep divides dp and the experts, the global batch splits evenly. At ep == 1 no SMs are reserved. A
     ``pipeline_layout`` other than ``auto`` keeps the candidates whose schedule has as many stages as it
-    lists (the others are not generated); each candidate carries it."""
+    lists (the others are not generated); each candidate carries it. A schedule with a warm-up rule (the 1F1B
+    family) is tried with each of ``extra_warmup`` extra warm-up forwards the batch holds, where ep > 1 (the
+    pairs they add hide all-to-all; at ep == 1 there is none, and they would only cost memory)."""
     layout_stages = None if pipeline_layout == AUTO else len(expand(pipeline_layout).split("|"))
     for name in schedules or sorted(SCHEDULES):
         spec = schedule_spec(name)
@@ -188,12 +207,23 @@ def candidates(
             num_stages = spec.stage_layout(pp).num_stages
             if num_stages > num_layers or layout_stages not in (None, num_stages):
                 continue
+            warmups = [0] if spec.warmup is None else [e for e in extra_warmup if _holds(spec, pp, chunks, e)]
             for ep in _divisors(dp):
                 if num_experts % ep:
                     continue
-                for sms in sorted({0} if ep == 1 else set(comm_sms)):
-                    for rc in recompute:
-                        yield Candidate(name, pp, dp, ep, chunks, sms, rc, pipeline_layout)
+                for e in [0] if ep == 1 else warmups:
+                    for sms in sorted({0} if ep == 1 else set(comm_sms)):
+                        for rc in recompute:
+                            yield Candidate(name, pp, dp, ep, chunks, sms, rc, pipeline_layout, e)
+
+
+def _holds(spec: ScheduleSpec, pp: int, chunks: int, extra_warmup: int) -> bool:
+    """The batch holds ``extra_warmup`` more warm-up forwards (:meth:`dualpipe.schedule.ScheduleSpec.validate`)."""
+    try:
+        spec.validate(pp, chunks, extra_warmup=extra_warmup)
+    except ValueError:
+        return False
+    return True
 
 
 class StageTimes:
@@ -226,8 +256,11 @@ class StageTimes:
         return self.pair(stage, stage)
 
 
-def _durations(schedule: Schedule, times: StageTimes) -> tuple[list[list[float]], float, float]:
-    """Per rank, the duration of each compute action; and the step's exposed and total all-to-all seconds."""
+def _durations(schedule: Schedule, times: StageTimes, overlap: bool = True) -> tuple[list[list[float]], float, float]:
+    """Per rank, the duration of each compute action; and the step's exposed and total all-to-all seconds.
+    Without ``overlap`` a pair runs as a lone forward, then a lone backward (``overlap=False`` in the executor).
+    A ``deferred`` pair (ZB1P's) costs the pair less its backward stage's ``W`` and queues that ``W`` as an
+    ``I`` does; its backward half's all-to-all counts as exposed, as an ``I``'s does (at most all of the pair's)."""
     layout = schedule.layout
     out: list[list[float]] = []
     exposed = total = 0.0
@@ -252,11 +285,20 @@ def _durations(schedule: Schedule, times: StageTimes) -> tuple[list[list[float]]
                 total += t.comm_f
             elif a.op is Op.W:
                 mine.append(times.alone(deferred.pop(0)).W)
-            else:  # FB
-                t = times.pair(stage, layout.stage_of(rank, a.b_module))
-                mine.append(t.FB)
-                exposed += t.exposed_fb
-                total += t.comm_f + times.alone(layout.stage_of(rank, a.b_module)).comm_f
+            else:  # FB; a deferred one's backward half is an I: its W comes later, its transfers count as an I's
+                b_stage = layout.stage_of(rank, a.b_module)
+                f, b = times.alone(stage), times.alone(b_stage)
+                w = b.W if a.deferred else 0.0
+                if a.deferred:
+                    deferred.append(b_stage)
+                if overlap:
+                    t = times.pair(stage, b_stage)
+                    mine.append(t.FB - w)
+                    exposed += min(t.exposed_fb + b.comm_f, f.comm_f + b.comm_f) if a.deferred else t.exposed_fb
+                else:
+                    mine.append(f.F + b.B - w)
+                    exposed += f.exposed_f + (b.comm_f if a.deferred else b.exposed_b)
+                total += f.comm_f + b.comm_f
         out.append(mine)
     return out, exposed, total
 
@@ -269,12 +311,16 @@ def predict(
     tokens_per_step: int,
     num_gpus: int,
     peak_flops: float,
+    overlap: bool = True,
 ) -> Prediction:
     """Time and size ``candidate`` with ``model`` (see the module docstring), its stages as ``plans`` say
-    (:func:`moe.plan.params.stage_plans` of its ``pipeline_layout``)."""
-    schedule = build_schedule(candidate.schedule, candidate.pp, candidate.num_chunks)
+    (:func:`moe.plan.params.stage_plans` of its ``pipeline_layout``); without ``overlap`` each pair runs as
+    its forward, then its backward."""
+    schedule = build_schedule(
+        candidate.schedule, candidate.pp, candidate.num_chunks, extra_warmup=candidate.extra_warmup
+    )
     times = StageTimes(model, plans)
-    durations, exposed, total = _durations(schedule, times)
+    durations, exposed, total = _durations(schedule, times, overlap)
     sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
     reduce = model.dp_reduce()
     step = sim.makespan + reduce
@@ -343,6 +389,8 @@ def _losses(p: Prediction, best: Prediction) -> list[tuple[float, str, str]]:
         why.append(f"{p.exposed_a2a_fraction:.0%} vs {best.exposed_a2a_fraction:.0%} exposed")
     if p.candidate.recompute != best.candidate.recompute:
         why.append(f"recompute {p.candidate.recompute} vs {best.candidate.recompute}")
+    if p.candidate.schedule == best.candidate.schedule and p.candidate.extra_warmup != best.candidate.extra_warmup:
+        why.append(f"extra warm-up {p.candidate.extra_warmup} vs {best.candidate.extra_warmup}")
     add(busy, "comm", f"busy time per rank +{seconds(busy)} ({', '.join(why)})")
     return sorted(reasons, reverse=True)
 

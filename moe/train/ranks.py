@@ -71,7 +71,9 @@ def make_pipeline(
 ) -> Pipeline:
     """The schedule's pipeline (``layout.config.schedule``) over this rank's stages."""
     pc = layout.config
-    pipe = PIPELINES[pc.schedule](list(stages), process_group=layout.pp_group, timeout=timeout_s, overlap=pc.overlap)
+    pipe = PIPELINES[pc.schedule](
+        list(stages), process_group=layout.pp_group, timeout=timeout_s, overlap=pc.overlap, extra_warmup=pc.extra_warmup
+    )
     # Every stage boundary carries one hidden-state tensor per micro-batch: declaring it lets receives be
     # posted ahead of the compute that consumes them (no per-message shape header to wait for).
     pipe.set_p2p_tensor_shapes([(micro_batch, seq_len, stages[0].cfg.hidden_size)])

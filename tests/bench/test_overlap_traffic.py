@@ -47,6 +47,13 @@ def test_fp8_dispatch_adds_a_twin_of_each_of_our_modes() -> None:
     args = cli._parser().parse_args(["--modes", "dualpipev", "torch-dualpipev", "--fp8-dispatch"])
     opts = cli._options(args, "/nonexistent")
     assert opts.modes == ["dualpipev", "torch-dualpipev", "dualpipev+fp8"]
-    assert cli._options(cli._parser().parse_args([]), "/nonexistent").modes == PLAIN_MODES
+    # the default: every plain mode that runs at these numbers (1F1B and ZB1P pair only with an extra warm-up)
+    default = cli._options(cli._parser().parse_args([]), "/nonexistent").modes
+    assert "dualpipev-overlap" in default and "interleaved-1f1b-overlap" in default and "1f1b-overlap" not in default
+    assert default == [m for m in PLAIN_MODES if WorkerOptions().refusal(m) is None]
+    warm = cli._options(cli._parser().parse_args(["--extra-warmup", "1"]), "/nonexistent").modes
+    assert "1f1b-overlap" in warm and "zb1p-overlap" in warm
+    with pytest.raises(ValueError, match=r"mode 1f1b-overlap at pp=2, chunks=16: overlap: 1F1B .* --extra-warmup 1"):
+        WorkerOptions(modes=["1f1b-overlap"])
     with pytest.raises(ValueError, match="dtype must be float32 or bfloat16"):
         WorkerOptions(dtype="float16")

@@ -42,11 +42,13 @@ class Case:
     seq: int = SEQ
     early_receives: bool | None = None  # None: the backend's default (on for gloo)
     modules: int | None = None  # modules per rank, for schedules that take any number (None: theirs)
+    extra_warmup: int = 0  # the 1F1B family's extra warm-up forwards
 
     def __str__(self) -> str:
         return (
             f"{self.schedule} chunks={self.chunks} overlap={self.overlap} declared={self.declared} "
-            f"{self.reduction} seq={self.seq} early_receives={self.early_receives} modules={self.modules}"
+            f"{self.reduction} seq={self.seq} early_receives={self.early_receives} modules={self.modules} "
+            f"extra_warmup={self.extra_warmup}"
         )
 
 
@@ -85,7 +87,9 @@ def _run_case(rank: int, world: int, case: Case) -> dict:
     local = make_stages(len(ids), HIDDEN, seed=99, cls=cls)
     for mod, i in zip(local, ids):
         mod.load_state_dict(full[i].state_dict())
-    pipe = PIPELINES[case.schedule](local, timeout=60, early_receives=case.early_receives)
+    pipe = PIPELINES[case.schedule](
+        local, timeout=60, early_receives=case.early_receives, extra_warmup=case.extra_warmup
+    )
     set_p2p_tensor_shapes(None)
     if case.declared == "instance":
         pipe.set_p2p_tensor_shapes([(MICRO_BATCH, case.seq, HIDDEN)])
@@ -176,6 +180,12 @@ def _cases(world: int) -> list[Case]:
     cases.append(Case("interleaved-1f1b", 2 * world, modules=2))
     cases.append(Case("interleaved-1f1b", 3 * world, reduction="mean", declared="instance", modules=2))
     cases.append(Case("interleaved-1f1b", world, modules=3, early_receives=False))
+    # The 1F1B family's steady pairs, overlapped (ZB1P's defer their weight gradients) and run half after half
+    for sched in ("1f1b", "zb1p"):
+        cases.append(Case(sched, world + 2, overlap=True, extra_warmup=1))
+        cases.append(Case(sched, world + 2, extra_warmup=1, reduction="mean"))
+    cases.append(Case("interleaved-1f1b", 2 * world, overlap=True, modules=2))
+    cases.append(Case("interleaved-1f1b", 2 * world, overlap=True, modules=2, extra_warmup=1, early_receives=False))
     # The zero-bubble V family (deferred weight gradients; pairs only where they cost no time), also with the
     # reference's receive placement
     for name in ("zbv", "v-half", "v-min"):
@@ -199,9 +209,11 @@ def test_schedules_match_single_process(world: int) -> None:
     # The hook ran once per pair the schedule made (no pair, no call), and never without overlap.
     for case, per_rank in zip(cases, zip(*results)):
         calls = sum(r["overlapped_calls"] for r in per_rank)
-        schedule = build_schedule(case.schedule, world, case.chunks, False, case.modules)
+        schedule = build_schedule(case.schedule, world, case.chunks, False, case.modules, case.extra_warmup)
         pairs = sum(a.op is Op.FB for actions in schedule.ranks for a in actions)
         assert calls == (pairs if case.overlap else 0), f"{case}: {calls} hook calls for {pairs} pairs"
+        if case.extra_warmup:  # the 1F1B family pairs on every rank that can (tests/dualpipe/test_schedule.py)
+            assert pairs > 0, f"{case}: no overlapped pair"
         # DualPipe(V) pair from 2 x world + 1 chunks; zbv, which pairs only where it costs no time, by 4 x world + 2
         dual = case.schedule in ("dualpipe", "dualpipev") and case.chunks > 2 * world
         if case.overlap and (dual or (case.schedule == "zbv" and case.chunks >= 4 * world + 2)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -57,13 +58,18 @@ def _chunk_counts(name: str, ranks: int) -> list[int]:
     return list(range(1, 4 * ranks + 3))
 
 
+EXTRA_WARMUP_RANKS = (2, 4, 8)
+"""Pipeline sizes the 1F1B family is also checked at with extra warm-up forwards (1 and 3)."""
+
+
 def _all_cases(max_ranks: int = 8):
     for name, spec in SCHEDULES.items():  # every registered schedule (and more than one v where it takes any)
         for modules in (None, 3) if spec.flexible_modules else (None,):
             for ranks in range(1, max_ranks + 1):
-                for chunks in _chunk_counts(name, ranks):
+                extras = (0, 1, 3) if spec.warmup is not None and ranks in EXTRA_WARMUP_RANKS else (0,)
+                for chunks, extra in itertools.product(_chunk_counts(name, ranks), extras):
                     try:
-                        yield build_schedule(name, ranks, chunks, False, modules)
+                        yield build_schedule(name, ranks, chunks, False, modules, extra)
                     except ValueError:
                         continue
 
@@ -77,6 +83,55 @@ def test_every_schedule_passes_static_checks_under_both_models() -> None:
         names.add(schedule.name)
     assert count > 400  # all schedules over many (ranks, chunks) were really checked
     assert names == set(SCHEDULES)
+    assert {(s.name, s.extra_warmup) for s in _all_cases()} >= {(n, 3) for n, sp in SCHEDULES.items() if sp.warmup}
+
+
+def _expected_pairs(name: str, n: int, m: int, v: int, extra: int, rank: int) -> int:
+    """Overlapped pairs per step on ``rank`` (``m`` micro-batches, ``v`` modules per rank), by formula.
+
+    1F1B and ZB1P: only the last rank pairs (another rank's pair would hold its forward's output back from
+    the next rank for a step), and only with an extra warm-up: then every steady step, m - extra.
+    Interleaved 1F1B: every steady step, T - w_r with T = m v module passes and w_r = 2(N-1-r) + (v-1)N + extra
+    warm-up forwards (at most T), but on the last rank without extra warm-up, where the first N steps of every
+    N v are the last stage's forward and its own backward: m of them, leaving (m - N)(v - 1).
+    """
+    last = rank == n - 1
+    if name in ("1f1b", "zb1p"):
+        return m - extra if last and extra else 0
+    total = m * v
+    steady = total - min(2 * (n - 1 - rank) + (v - 1) * n + extra, total)
+    return (m - n) * (v - 1) if last and not extra else steady
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb1p", "interleaved-1f1b"])
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_pairs_per_rank_follow_the_formula(name: str, ranks: int) -> None:
+    checked = 0
+    for modules, extra, chunks in itertools.product((None, 3), (0, 1, 2), range(1, 4 * ranks + 1)):
+        try:
+            s = build_schedule(name, ranks, chunks, False, modules, extra)
+        except ValueError:
+            continue
+        v = s.layout.modules_per_rank
+        pairs = [sum(a.op is Op.FB for a in actions) for actions in s.ranks]
+        assert pairs == [_expected_pairs(name, ranks, chunks, v, extra, r) for r in range(ranks)], (modules, extra)
+        # ZB1P's pairs defer their weight gradients as the I they replace; the others' run a full B
+        deferred = {a.deferred for actions in s.ranks for a in actions if a.op is Op.FB}
+        assert deferred <= {name == "zb1p"}
+        checked += 1
+    assert checked > 2 * ranks
+
+
+def test_extra_warmup_the_batch_cannot_hold_is_refused() -> None:
+    build_schedule("1f1b", 4, 5, extra_warmup=1)  # rank 0: 3 + 1 warm-up forwards, one steady step
+    with pytest.raises(ValueError, match=r"extra_warmup=2: 1F1B's rank 0 would run all 5 .* num_chunks >= 6"):
+        build_schedule("1f1b", 4, 5, extra_warmup=2)
+    with pytest.raises(ValueError, match=r"interleaved 1F1B's rank 0 would run all 8 .* num_chunks >= 6"):
+        build_schedule("interleaved-1f1b", 2, 4, extra_warmup=4)  # 2 + 2 warm-up forwards of 8, then 4 more
+    with pytest.raises(ValueError, match="DualPipeV takes no extra warm-up"):
+        build_schedule("dualpipev", 2, 4, extra_warmup=1)
+    with pytest.raises(ValueError, match="extra_warmup must be >= 0"):
+        build_schedule("zb1p", 2, 4, extra_warmup=-1)
 
 
 def test_early_receives_are_safe_for_gloo_but_not_for_in_order_nccl() -> None:
@@ -185,10 +240,15 @@ def test_bad_schedule_arguments(name: str, ranks: int, chunks: int, message: str
 def test_interleaved_1f1b_runs_megatrons_order() -> None:
     # 2 ranks, v = 2 (stage s on rank s % 2), 4 micro-batches: rank 0 warms up with 2(N-1-r) + (v-1)N = 4
     # forwards, N micro-batches through one module before the next; backwards visit the modules in reverse.
+    # A steady step is one pair, but where the last stage's backward starts from the same step's forward.
     s = build_schedule("interleaved-1f1b", 2, 4)
-    rank0 = "F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 B1.2 B1.3 B0.2 B0.3"
-    rank1 = "F0.0 F0.1 F1.0 B1.0 F1.1 B1.1 F0.2 B0.0 F0.3 B0.1 F1.2 B1.2 F1.3 B1.3 B0.2 B0.3"
+    rank0 = "F0.0 F0.1 F1.0 F1.1 (F0.2&B1.0) (F0.3&B1.1) (F1.2&B0.0) (F1.3&B0.1) B1.2 B1.3 B0.2 B0.3"
+    rank1 = "F0.0 F0.1 F1.0 B1.0 F1.1 B1.1 (F0.2&B0.0) (F0.3&B0.1) F1.2 B1.2 F1.3 B1.3 B0.2 B0.3"
     assert [" ".join(compute_order(actions)) for actions in s.ranks] == [rank0, rank1]
+    # Megatron-Core's combined 1F1B adds one warm-up forward: then every steady step pairs.
+    s = build_schedule("interleaved-1f1b", 2, 4, extra_warmup=1)
+    rank1 = "F0.0 F0.1 F1.0 (F1.1&B1.0) (F0.2&B1.1) (F0.3&B0.0) (F1.2&B0.1) (F1.3&B1.2) B1.3 B0.2 B0.3"
+    assert " ".join(compute_order(s.ranks[1])) == rank1
     assert s.layout.paths == (((0, 0), (1, 0), (0, 1), (1, 1)),)
     assert build_schedule("interleaved-1f1b", 2, 4, False, 3).layout.modules_per_rank == 3
 

@@ -117,15 +117,17 @@ def test_interleaved_1f1b_bubble_is_pp_minus_1_times_f_plus_b_over_v(ranks: int,
         r = simulate(build_schedule("interleaved-1f1b", ranks, chunks, False, v), Costs(F=F / v, B=B / v, W=0.0))
         assert r.idle == pytest.approx([(ranks - 1) * (F + B) / v] * ranks)
         assert r.parameter_copies == 1
-        if chunks >= 2 * ranks:  # Megatron's interleaved activations: PP + (PP-1)/v stages on rank 0
-            assert r.peak_activation_stages[0] == pytest.approx(ranks + (ranks - 1) / v)
+        if chunks >= 2 * ranks:
+            # Megatron's interleaved activations, PP + (PP-1)/v stages on rank 0, less the module a steady
+            # F-then-B holds between its halves: a pair swaps one module for the other (FB adds one, frees one)
+            assert r.peak_activation_stages[0] == pytest.approx(ranks + (ranks - 2) / v)
 
 
 def test_cli_takes_modules_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--schedule", "interleaved-1f1b", "--ranks", "4", "--chunks", "8", "--modules-per-rank", "4", "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["peak_activation_stages"][0] == 4 + 3 / 4
+    assert out["peak_activation_stages"][0] == 4 + 2 / 4  # PP + (PP-1)/v, less the pair's swap (see above)
 
 
 def test_one_rank_has_no_bubble() -> None:
@@ -244,3 +246,20 @@ def test_png_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch,
         monkeypatch.setitem(sys.modules, name, None)  # makes the import fail as if not installed
     with pytest.raises(ImportError, match=r"pip install dualpipe-moe\[plot\]"):
         render_png(simulate(build_schedule("1f1b", 2, 2)), str(tmp_path / "x.png"))
+
+
+def test_a_deferred_pair_leaves_its_weight_gradient_to_a_w() -> None:
+    """ZB1P's steady pairs run their backward half as an I: the pair costs F&B - W, and the W it left costs W
+    later, so a rank's busy time is the same as with the pairs' halves run apart."""
+    from dualpipe.schedule import Op
+
+    costs = Costs(F=1.0, B=2.0, W=0.5, FB=2.5)
+    schedule = build_schedule("zb1p", 4, 8, extra_warmup=1)
+    last = schedule.ranks[-1]
+    pairs = [a for a in last if a.op is Op.FB]
+    assert pairs and all(a.deferred for a in pairs)
+    assert costs.of(pairs[0]) == 2.0
+    busy = sum(costs.of(a) for a in last if a.op.is_compute)
+    counts = {op: sum(a.op is op for a in last) for op in (Op.F, Op.I, Op.W, Op.FB)}
+    want = counts[Op.F] * 1.0 + counts[Op.I] * 1.5 + counts[Op.W] * 0.5 + counts[Op.FB] * 2.0
+    assert busy == want and simulate(schedule, costs).busy[-1] == want

@@ -20,7 +20,8 @@ SMALL = ["--preset", "tiny", "--gpus", "8", "--gpus-per-node", "4", "--gpu", "h1
 SMALL += ["--global-batch-size", "64", "--micro-batch-size", "2"]
 
 ROW_KEYS = {
-    "schedule", "pp", "dp", "ep", "edp", "num_chunks", "comm_sms", "recompute", "pipeline_layout", "memory_options",
+    "schedule", "pp", "dp", "ep", "edp", "num_chunks", "comm_sms", "recompute", "pipeline_layout", "extra_warmup",
+    "memory_options",
     "step_time_s",
     "pipeline_time_s",
     "dp_reduce_time_s", "tokens_per_s_per_gpu", "mfu", "bubble_fraction", "exposed_a2a_fraction", "memory_bytes",

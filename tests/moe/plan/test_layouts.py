@@ -142,7 +142,7 @@ def test_a_bad_layout_is_one_line(layout: str, message: str) -> None:
 
 
 def test_a_layout_keeps_the_candidates_with_its_stage_count(capsys: pytest.CaptureFixture[str]) -> None:
-    main([*SMALL, "--top", "100", "--pipeline-layout", "Ettt|tL", "--json", "-"])
+    main([*SMALL, "--top", "200", "--pipeline-layout", "Ettt|tL", "--json", "-"])
     doc = json.loads(capsys.readouterr().out)
     assert doc["inputs"]["pipeline_layout"] == "Ettt|tL" and doc["num_candidates"] == len(doc["top"])
     shapes = {(row["schedule"], row["pp"]) for row in doc["top"]}

@@ -350,3 +350,36 @@ def test_a_name_outside_its_registry_names_the_nearest(argv: list[str], message:
         config_from_args(argv, world=2)
     assert message in str(exc.value.code)
     assert str(exc.value.code).endswith("?)")
+
+
+@pytest.mark.parametrize(
+    ("argv", "overlap", "message"),
+    [
+        # Unset, overlap goes wherever the schedule pairs: 1F1B's last rank needs an extra warm-up to pair.
+        (["--schedule", "1f1b", "--pp", "2"], False, None),
+        (["--schedule", "1f1b", "--pp", "2", "--extra-warmup", "1"], True, None),
+        (["--schedule", "interleaved-1f1b", "--pp", "2"], True, None),
+        (["--schedule", "zb1p", "--pp", "2", "--overlap", "--extra-warmup", "1"], True, None),
+        (["--schedule", "1f1b", "--pp", "2", "--no-overlap", "--extra-warmup", "1"], False, None),
+        (
+            ["--schedule", "1f1b", "--pp", "2", "--overlap"],
+            None,
+            "pairs no forward with a backward; pass --extra-warmup 1",
+        ),
+        (["--schedule", "1f1b", "--pp", "1", "--overlap", "--extra-warmup", "1"], True, None),
+        (["--schedule", "1f1b", "--pp", "2", "--extra-warmup", "3"], None, "would run all 4 of its forwards"),
+        (["--schedule", "dualpipev", "--pp", "2", "--extra-warmup", "1"], None, "DualPipeV takes no extra warm-up"),
+    ],
+)
+def test_overlap_and_extra_warmup_resolve_or_fail_in_one_line(
+    argv: list[str], overlap: bool | None, message: str | None
+) -> None:
+    world = int(argv[argv.index("--pp") + 1])
+    if message is None:
+        config, _ = config_from_args(argv, world=world)
+        assert config.parallel.overlap is overlap
+        return
+    with pytest.raises(SystemExit) as exc:
+        config_from_args(argv, world=world)
+    text = str(exc.value.code)
+    assert text.startswith("error: ") and message in text and "\n" not in text, text

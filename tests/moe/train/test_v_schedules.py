@@ -8,7 +8,7 @@ process's losses. The deferred weight gradients (I and W) run in every one; the 
 pair the schedule made, per pipeline and step.
 
 The same spawns also train every other registered schedule for test_schedules_do_not_change_the_math (the
-``schedule_runs`` fixture runs them once).
+``schedule_runs`` fixture runs them once), the 1F1B family with its steady pairs overlapped.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ BASE = [*COMMON, "--layers", "8", "--seq-len", "16", "--steps", str(STEPS)]  # a
 # micro-batches x 2 ep ranks: the global batch of one process running 8), against dualpipev with overlap
 OTHERS = sorted(set(SCHEDULES) - {"dualpipev", *V_FAMILY})
 OTHERS_LAYOUT = [*COMMON, "--pp", "2", "--ep", "2", "--steps", str(STEPS), "--num-chunks", "4"]
+OTHERS_EXTRA_WARMUP = {"1f1b": 1, "zb1p": 1}  # their last rank pairs given one extra warm-up forward
 
 
 def _train_all(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dict[str, tuple[list[float], int]]:
@@ -57,8 +58,15 @@ def _train_all(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dict
     return out
 
 
-def _pairs(schedule: str, pp: int, chunks: int) -> int:
-    return sum(a.op is Op.FB for actions in build_schedule(schedule, pp, chunks).ranks for a in actions)
+def _pairs(schedule: str, pp: int, chunks: int, extra_warmup: int = 0) -> int:
+    built = build_schedule(schedule, pp, chunks, extra_warmup=extra_warmup)
+    return sum(a.op is Op.FB for actions in built.ranks for a in actions)
+
+
+def _others_flags(name: str) -> list[str]:
+    """The other schedules train with --overlap where they pair (the 1F1B family's with its extra warm-up)."""
+    extra = OTHERS_EXTRA_WARMUP.get(name, 0)
+    return ["--overlap", "--extra-warmup", str(extra)] if _pairs(name, 2, 4, extra) else []
 
 
 def v_runs() -> list[tuple[str, list[str]]]:
@@ -66,8 +74,8 @@ def v_runs() -> list[tuple[str, list[str]]]:
     runs = []
     for schedule in V_FAMILY:
         for layout, (pp, ep, chunks, recompute) in LAYOUTS.items():
-            # without a pair (v-half at these shapes, v-min at pp=2) overlap on runs the very same actions as off
-            for overlap in ("--overlap", "--no-overlap") if _pairs(schedule, int(pp), chunks) else ("--overlap",):
+            # without a pair (v-half at these shapes, v-min at pp=2) --overlap is an error: the run is --no-overlap
+            for overlap in ("--overlap", "--no-overlap") if _pairs(schedule, int(pp), chunks) else ("--no-overlap",):
                 flags = ["--schedule", schedule, "--pp", pp, "--ep", ep, "--num-chunks", str(chunks), overlap]
                 runs.append((f"{schedule} {layout} {overlap}", [*BASE, *flags, "--recompute", recompute]))
     return runs
@@ -78,7 +86,7 @@ def train_every_schedule(tmp: Path) -> dict[str, tuple[list[float], list[int]]]:
     shapes; "one-others", at the other schedules') in one spawn of 1: per run, rank 0's losses and each rank's
     overlapped pairs."""
     runs = [*v_runs(), ("dualpipev", [*OTHERS_LAYOUT, "--schedule", "dualpipev", "--overlap"])]
-    runs += [(name, [*OTHERS_LAYOUT, "--schedule", name]) for name in OTHERS]
+    runs += [(name, [*OTHERS_LAYOUT, "--schedule", name, *_others_flags(name)]) for name in OTHERS]
     one = [("one", [*BASE, "--schedule", "1f1b", "--pp", "1", "--ep", "1", "--num-chunks", "12"])]
     one += [("one-others", [*OTHERS_LAYOUT, "--schedule", "1f1b", "--pp", "1", "--ep", "1", "--num-chunks", "8"])]
     with_metrics = [
@@ -123,6 +131,10 @@ def test_schedules_do_not_change_the_math(schedule_runs: dict[str, tuple[list[fl
     v = schedule_runs["dualpipev"][0]
     assert len(v) == STEPS == 2 and len(OTHERS) >= 3
     for name in OTHERS:
-        assert schedule_runs[name][0] == pytest.approx(v, rel=2e-5), name
+        losses, calls = schedule_runs[name]
+        assert losses == pytest.approx(v, rel=2e-5), name
+        # the hook ran once per pair, on both data-parallel pipelines, every step
+        assert sum(calls) == _pairs(name, 2, 4, OTHERS_EXTRA_WARMUP.get(name, 0)) * 2 * STEPS, name
+    assert all(_others_flags(name) for name in ("1f1b", "zb1p", "interleaved-1f1b"))
     assert schedule_runs["one-others"][0] == pytest.approx(v, rel=2e-5)
     assert v[-1] < v[0]
