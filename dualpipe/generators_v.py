@@ -237,6 +237,10 @@ def _queue_peaks(plan: Plan) -> list[int]:
     return peaks
 
 
+_NEVER = 1 << 30  # the end (and start) of a pass not yet run
+_W = Action(Op.W)
+
+
 def _slots(a: Action) -> int:
     """Unit slots a compute action takes: a pair is ``F + I + W`` (its backward is a full ``B``)."""
     return 3 if a.op is Op.FB else 1
@@ -246,96 +250,172 @@ class _Squeeze:
     """Run per-rank orders of ``F``, ``I`` and ``FB`` in unit slots, each as early as its inputs allow, with
     the ``W`` s filling the waits: a rank runs a ``W`` when its next pass cannot start yet, or first once
     ``backlog[r]`` are queued (so the weight-gradient inputs a rank holds never exceed the unpaired plan's).
+    Passes are numbered (``ids``, shared by a run and its trials) so the clocks are lists, not dicts.
     """
 
-    def __init__(self, n: int, orders: list[list[Action]], backlog: list[int] | None) -> None:
+    def __init__(
+        self, n: int, orders: list[list[Action]], backlog: list[int] | None, ids: dict[Pass, int] | None = None
+    ) -> None:
         self.n, self.orders, self.backlog = n, orders, backlog
-        self.passes = [[_passes(n, r, a) for a in order] for r, order in enumerate(orders)]
-        # the slots each rank still has to run from order index i on: its passes and one W per I
-        self.work = [[0] * (len(order) + 1) for order in orders]
-        for r, order in enumerate(orders):
-            for i in range(len(order) - 1, -1, -1):
-                self.work[r][i] = self.work[r][i + 1] + _slots(order[i]) + (order[i].op is Op.I and backlog is not None)
-        self.pos, self.queued, self.free = [0] * n, [0] * n, [0] * n
-        self.end: dict[Pass, int] = {}  # pass -> the slot after it
-        self.began: dict[Pass, int] = {}
-        self.t = 0
+        self.ids = {} if ids is None else ids
+        self.info = [[self.describe(r, a) for a in order] for r, order in enumerate(orders)]
+        self.work = [self.remaining(row) for row in self.info]
+        self.reset()
+
+    def describe(self, r: int, a: Action) -> tuple[tuple[int, ...], tuple[int, ...], int, bool]:
+        """An action's pass ids, the ids of the inputs it waits for, its slots and whether it is an ``I``."""
+        mine = _passes(self.n, r, a)
+        needs = [x for x in (_input_of(*p, self.n) for p in mine) if x is not None and x not in mine]
+        number = self.ids.setdefault
+        own = tuple(number(p, len(self.ids)) for p in mine)
+        return own, tuple(number(x, len(self.ids)) for x in needs), _slots(a), a.op is Op.I
+
+    def remaining(self, row: list[tuple]) -> list[int]:
+        """The slots a rank still has to run from each order index on: its passes and one ``W`` per ``I``."""
+        work = [0] * (len(row) + 1)
+        for i in range(len(row) - 1, -1, -1):
+            work[i] = work[i + 1] + row[i][2] + (row[i][3] and self.backlog is not None)
+        return work
+
+    def reset(self) -> None:
+        n = self.n
+        self.pos, self.queued, self.free, self.last = [0] * n, [0] * n, [0] * n, [0] * n
+        self.end = [_NEVER] * len(self.ids)  # pass id -> the slot after it
+        self.began = [_NEVER] * len(self.end)
+        self.t, self.left = 0, sum(map(len, self.orders))  # the order actions not started yet
         self.plan: list[list[Action]] = [[] for _ in range(n)]
         self.starts: list[list[int]] = [[] for _ in range(n)]
 
-    def state(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(self.pos), tuple(self.queued), tuple(self.free)
+    def variant(self, r: int, order: list[Action], pair: Action, keep: list[int]) -> _Squeeze:
+        """A run of the same orders but rank ``r``'s, ``order`` (``keep``: the index of each of its actions in
+        the old order, -1 for ``pair``), not yet started."""
+        new = object.__new__(_Squeeze)
+        new.n, new.backlog, new.ids = self.n, self.backlog, self.ids
+        new.orders = [*self.orders[:r], order, *self.orders[r + 1 :]]
+        row = [self.describe(r, pair) if o < 0 else self.info[r][o] for o in keep]
+        new.info = [*self.info[:r], row, *self.info[r + 1 :]]
+        new.work = [*self.work[:r], new.remaining(row), *self.work[r + 1 :]]
+        return new
+
+    def resume(self, base: _Squeeze, state: tuple, t0: int) -> None:
+        """Start at slot ``t0`` with everything before it as ``base`` ran it (``state``: base's at ``t0``)."""
+        n = self.n
+        self.pos, self.queued, self.free, self.last = (list(state[k * n : (k + 1) * n]) for k in range(4))
+        self.t, self.left = t0, sum(map(len, self.orders)) - sum(self.pos)
+        self.end = [e if b < t0 else _NEVER for e, b in zip(base.end, base.began, strict=True)]
+        self.began = [b if b < t0 else _NEVER for b in base.began]
+        cut = [bisect.bisect_left(s, t0) for s in base.starts]
+        self.plan = [p[:c] for p, c in zip(base.plan, cut, strict=True)]
+        self.starts = [s[:c] for s, c in zip(base.starts, cut, strict=True)]
+
+    def adopt(self, base: _Squeeze, t: int, r: int, shift: int) -> None:
+        """Finish as ``base`` does from slot ``t`` on (the state is the same there; rank ``r``'s order is
+        ``shift`` actions shorter)."""
+        for q in range(self.n):
+            c = bisect.bisect_left(base.starts[q], t)
+            self.plan[q] += base.plan[q][c:]
+            self.starts[q] += base.starts[q][c:]
+        self.end = [e if b >= t else mine for e, b, mine in zip(base.end, base.began, self.end, strict=True)]
+        self.began = [b if b >= t else mine for b, mine in zip(base.began, self.began, strict=True)]
+        self.pos = [len(o) for o in self.orders]
+        self.queued, self.free, self.last, self.t, self.left = [0] * self.n, list(base.free), list(base.last), base.t, 0
+        self.states += [(*s[:r], s[r] - shift, *s[r + 1 :]) for s in base.states[t:]]
+        self.final = base.final
+        self.result = (tuple(map(tuple, self.plan)), self.starts, base.result[2])
+
+    def state(self) -> tuple[int, ...]:
+        """What decides the rest of the run at slot ``t``, flat: every rank's position, then its queued ``W`` s,
+        the slot it is free at and the end of its last pass if after ``t`` (the passes before it have ended)."""
+        t = self.t
+        return (*self.pos, *self.queued, *self.free, *(e if e > t else t for e in self.last))
 
     def done(self) -> bool:
-        return all(p == len(o) for p, o in zip(self.pos, self.orders, strict=True))
+        return not self.left
 
     def bound(self) -> int:
         """No rank can end before this slot (its own remaining work, back to back)."""
-        return max(max(self.t, f) + w[p] + q for f, w, p, q in zip(self.free, self.work, self.pos, self.queued))
-
-    def step(self) -> list[Pass]:
-        """Run slot ``t``; returns the passes started in it. A slot where no rank is busy and none starts
-        anything is a deadlock (the orders wait on each other): ``AssertionError``."""
-        started: list[Pass] = []
         t = self.t
-        for r, order in enumerate(self.orders):
-            if self.free[r] > t:
+        return max((f if f > t else t) + w[p] + q for f, w, p, q in zip(self.free, self.work, self.pos, self.queued))
+
+    def step(self) -> None:
+        """Run slot ``t``. A slot where no rank is busy and none starts anything is a deadlock (the orders
+        wait on each other): ``AssertionError``."""
+        t, end, began, backlog = self.t, self.end, self.began, self.backlog
+        free, pos, queued, last = self.free, self.pos, self.queued, self.last
+        started = busy = False
+        for r, row in enumerate(self.info):
+            if free[r] > t:
+                busy = True
                 continue
-            i = self.pos[r]
-            ready = i < len(order) and all(
-                self.end.get(x, t + 1) <= t
-                for x in (_input_of(*p, self.n) for p in self.passes[r][i])
-                if x is not None and x not in self.passes[r][i]
-            )
-            if self.backlog is not None and self.queued[r] and (self.queued[r] >= self.backlog[r] or not ready):
-                a = Action(Op.W)
-                self.queued[r] -= 1
+            i = pos[r]
+            ready = i < len(row)
+            if ready:
+                for x in row[i][1]:
+                    if end[x] > t:
+                        ready = False
+            q = queued[r]
+            if backlog is not None and q and (q >= backlog[r] or not ready):
+                a, slots = _W, 1
+                queued[r] = q - 1
             elif ready:
-                a = order[i]
-                self.queued[r] += a.op is Op.I and self.backlog is not None
-                self.pos[r] += 1
-                self.end.update((p, t + _slots(a)) for p in self.passes[r][i])
-                self.began.update((p, t) for p in self.passes[r][i])
-                started += self.passes[r][i]
+                own, _, slots, is_i = row[i]
+                a = self.orders[r][i]
+                if is_i and backlog is not None:
+                    queued[r] = q + 1
+                pos[r] = i + 1
+                self.left -= 1
+                for p in own:
+                    end[p] = t + slots
+                    began[p] = t
+                last[r] = t + slots
+                started = True
             else:
                 continue
+            busy = True
             self.plan[r].append(a)
             self.starts[r].append(t)
-            self.free[r] = t + _slots(a)
-        if not started and all(f <= t for f in self.free) and not self.done():
+            free[r] = t + slots
+        if not started and not busy and self.left:
             raise AssertionError(f"V plan stuck at slot {t}")
-        self.t += 1
-        return started
+        self.t = t + 1
 
     def run(self) -> tuple[Plan, list[list[int]], int, list[tuple]]:
         """Run to the end: the plan (``W`` s placed), every action's start, the makespan, the state per slot."""
-        states = []
-        while not self.done():
-            states.append(self.state())
+        self.states = []
+        while self.left:
+            self.states.append(self.state())
             self.step()
-        for r in range(self.n):  # the W s still queued run at the end
-            self.plan[r] += [Action(Op.W)] * self.queued[r]
+        self.final = self.bound()
+        self.result = self.finish()
+        return (*self.result, self.states)
+
+    def finish(self) -> tuple[Plan, list[list[int]], int]:
+        """The ``W`` s still queued run at the end; the plan, every action's start and the makespan."""
+        for r in range(self.n):
+            self.plan[r] += [_W] * self.queued[r]
             self.starts[r] += range(self.free[r], self.free[r] + self.queued[r])
+            self.free[r] += self.queued[r]
+            self.queued[r] = 0
         makespan = max(s[-1] + 1 if s else 0 for s in self.starts)
-        return tuple(map(tuple, self.plan)), self.starts, max(makespan, *self.free), states
+        return tuple(map(tuple, self.plan)), self.starts, max(makespan, *self.free)
 
 
-def _fold(order: list[Action], x: Action, fill: bool) -> tuple[list[Action], Action] | None:
-    """``order`` with ``x`` and the next pass after it (``W`` s skipped) as one pair, and the pair; None where
-    they are not a forward and an input gradient of two micro-batches. Without ``fill`` the ``W`` that would
-    have popped the input gradient's weight gradient goes too (the pair's full backward computes it)."""
-    i = order.index(x)
+def _fold(order: list[Action], i: int, fill: bool) -> tuple[list[Action], Action, list[int]] | None:
+    """``order`` with ``order[i]`` and the next pass after it (``W`` s skipped) as one pair, the pair, and the
+    index in ``order`` of each action kept (-1: the pair); None where they are not a forward and an input
+    gradient of two micro-batches. Without ``fill`` the ``W`` that would have popped the input gradient's
+    weight gradient goes too (the pair's full backward computes it)."""
+    x = order[i]
     j = next((k for k in range(i + 1, len(order)) if order[k].op is not Op.W), None)
     if j is None or {x.op, order[j].op} != {Op.F, Op.I} or x.chunk == order[j].chunk:
         return None
     f, b = (x, order[j]) if x.op is Op.F else (order[j], x)
     pair = Action(Op.FB, f.module, f.chunk, b_module=b.module, b_chunk=b.chunk)
-    out = [*order[:i], pair, *order[i + 1 : j], *order[j + 1 :]]
+    keep = [*range(i), -1, *range(i + 1, j), *range(j + 1, len(order))]
     if not fill:  # FIFO: the k-th I is popped by the k-th W
-        k = sum(a.op is Op.I for a in order[: order.index(b)])
-        w = [n for n, a in enumerate(out) if a.op is Op.W][k]
-        del out[w]
-    return out, pair
+        k = sum(a.op is Op.I for a in order[: i if b is x else j])
+        del keep[[n for n, o in enumerate(keep) if o >= 0 and order[o].op is Op.W][k]]
+    return [pair if o < 0 else order[o] for o in keep], pair, keep
 
 
 def _pair(n: int, plan: Plan) -> tuple[Plan, list[list[int]]]:
@@ -367,53 +447,64 @@ def _pair_orders(n: int, plan: Plan, fill: bool, limit: int | None) -> tuple[Pla
     run = base.run()
     limit = run[2] if limit is None else limit
     candidates = sorted(  # every forward and input gradient, in the order the unpaired plan starts them
-        (base.began[_passes(n, r, a)[0]], r, k)
-        for r, order in enumerate(orders)
-        for k, a in enumerate(order)
-        if a.op is not Op.W
+        (base.began[row[k][0][0]], r, k) for r, row in enumerate(base.info) for k in range(len(row)) if row[k][0]
     )
     unpaired = orders
+    at = [{id(a): i for i, a in enumerate(order)} for order in orders]  # action -> its index, while unfolded
     for _, r, k in candidates:
-        x = unpaired[r][k]
-        if x not in orders[r]:
+        i = at[r].get(id(unpaired[r][k]))
+        if i is None:
             continue  # already folded into a pair
-        folded = _fold(orders[r], x, fill)
-        if folded is None or not _ready(n, r, folded[1], x, base):
+        t0 = base.began[base.info[r][i][0][0]]
+        folded = _fold(base.orders[r], i, fill)
+        if folded is None or not _ready(base, r, base.describe(r, folded[1]), t0):
             continue
-        trial = [*orders[:r], folded[0], *orders[r + 1 :]]
-        if _fits(n, trial, base, run[3], limit, r, x):
-            orders = trial
-            base = _Squeeze(n, orders, backlog)
-            run = base.run()
+        trial = base.variant(r, *folded)
+        if _fits(trial, base, run, t0, limit, r):
+            base, run = trial, (*trial.result, trial.states)
+            at[r] = {id(a): i for i, a in enumerate(base.orders[r]) if a.op is not Op.FB}
     return run[0], run[1], run[2]
 
 
-def _ready(n: int, r: int, pair: Action, x: Action, base: _Squeeze) -> bool:
-    """Whether both halves of ``pair`` (folded at ``x`` on rank ``r``) had their inputs when ``x`` started in
-    ``base``: a pair that would wait for one only delays both."""
-    t0 = base.began[_passes(n, r, x)[0]]
-    return all(base.end.get(i, t0 + 1) <= t0 for p in _passes(n, r, pair) if (i := _input_of(*p, n)) is not None)
+def _ready(base: _Squeeze, r: int, pair: tuple, t0: int) -> bool:
+    """Whether both halves of ``pair`` (described, folded at the pass ``base`` starts at ``t0`` on rank ``r``)
+    had their inputs then: a pair that would wait for one only delays both."""
+    return all(base.end[x] <= t0 for x in pair[1])
 
 
-def _fits(
-    n: int, orders: list[list[Action]], base: _Squeeze, states: list[tuple], limit: int, r: int, x: Action
-) -> bool:
-    """Whether ``orders`` (``base.orders`` with one more pair, at ``x`` on rank ``r``) still end by ``limit``:
-    run from the slot ``x`` started in ``base``, everything before it as there."""
-    t0 = base.began[_passes(n, r, x)[0]]
-    trial = _Squeeze(n, orders, base.backlog)
-    pos, queued, free = states[t0]
-    trial.pos, trial.queued, trial.free, trial.t = list(pos), list(queued), list(free), t0
-    trial.end = {p: e for p, e in base.end.items() if base.began[p] < t0}
-    trial.began = {p: s for p, s in base.began.items() if s < t0}
-    while not trial.done():
-        if trial.bound() > limit:
+def _fits(trial: _Squeeze, base: _Squeeze, run: tuple, t0: int, limit: int, r: int) -> bool:
+    """Whether ``trial`` (``base`` with one more pair, at the pass ``base`` starts at ``t0`` on rank ``r``)
+    still ends by ``limit``: run from ``t0``, everything before it as in ``base``, until it ends or its state
+    is ``base``'s at the same slot again (the rest is then ``base``'s). On success ``trial`` holds its run."""
+    states = run[3]
+    trial.resume(base, states[t0], t0)
+    order, old = trial.orders[r], base.orders[r]
+    shift = len(old) - len(order)
+    same = 0  # the trial's order ends as the old one does for this many actions
+    while same < len(order) and order[-1 - same] is old[-1 - same]:
+        same += 1
+    tail = len(order) - same
+    trial.states = states[:t0]
+    while trial.left:
+        t = trial.t
+        state = trial.state()
+        if trial.pos[r] > tail and t < len(states) and (*state[:r], state[r] + shift, *state[r + 1 :]) == states[t]:
+            if base.final > limit:  # rejoined: the rest is base's
+                return False
+            trial.adopt(base, t, r, shift)
+            return True
+        trial.states.append(state)
+        if (t - t0) % 8 == 7 and trial.bound() > limit:  # the bound never falls: checked now and then
             return False
         try:
             trial.step()
         except AssertionError:
             return False
-    return trial.bound() <= limit
+    trial.final = trial.bound()
+    if trial.final > limit:
+        return False
+    trial.result = trial.finish()
+    return True
 
 
 # -- emission ---------------------------------------------------------------------------------------------
