@@ -560,7 +560,7 @@ def _emit(layout: Layout, plan: Plan, starts: list[list[int]]) -> Plan:
 # -- the registry entries ---------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _actions(name: str, n: int, m: int) -> Plan:
     """Every rank's action list for ``name`` (planned once per shape for all ranks: the plan is global)."""
     return _emit(Layout.v_shape(n), *_pair(n, _plan(name, n, m)))
