@@ -74,7 +74,7 @@ def v_runs() -> list[tuple[str, list[str]]]:
     runs = []
     for schedule in V_FAMILY:
         for layout, (pp, ep, chunks, recompute) in LAYOUTS.items():
-            # without a pair (v-half at these shapes, v-min at pp=2) --overlap is an error: the run is --no-overlap
+            # without a pair (v-min at pp=2: its order leaves no slack) --overlap is an error: the run is --no-overlap
             for overlap in ("--overlap", "--no-overlap") if _pairs(schedule, int(pp), chunks) else ("--no-overlap",):
                 flags = ["--schedule", schedule, "--pp", pp, "--ep", ep, "--num-chunks", str(chunks), overlap]
                 runs.append((f"{schedule} {layout} {overlap}", [*BASE, *flags, "--recompute", recompute]))
