@@ -120,12 +120,6 @@ class HFSource:
         return cls(meta["hf_config"], files)
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)  # read it by setting it: POSIX has no getter (os.umask is process-wide, set back now)
-    os.umask(mask)
-    return mask
-
-
 @dataclass(frozen=True, slots=True)
 class Piece:
     """Hub tensors made together from one of our tensors: a dense tensor, or a view of one (``view``: size,
@@ -258,7 +252,6 @@ def write_hf_dir(
         raise HFExportError(f"max_shard_bytes = {max_shard_bytes}: must be positive")
     rank = dist.get_rank(group) if group is not None else 0
     partial = path.parent / f".{path.name}.partial"
-    mode = 0o666 & ~_umask()  # safetensors writes 0600 whatever the umask; the other files follow it
     error = None
     if rank == 0:
         try:
@@ -270,6 +263,9 @@ def write_hf_dir(
     plans = _gather((error, names), group)
     try:
         _raise_if_failed([e for e, _ in plans], f"exporting to {path}")
+        # safetensors writes 0600 whatever the umask; the shards take the mode the umask gives a new file, read
+        # off the directory rank 0 just made (0777 & ~umask) without setting the process-wide umask
+        mode = partial.stat().st_mode & 0o666
         # The lowest rank that holds a tensor writes it (within a rank, its first piece); every rank derives every
         # rank's shards from the plans, so the global numbering needs no further exchange.
         seen: set[str] = set()
