@@ -100,8 +100,7 @@ class HFSource:
     @classmethod
     def read(cls, path: str | Path) -> HFSource:
         path = Path(path)
-        files = {name: (path / name).read_bytes() for name in SOURCE_FILES if (path / name).is_file()}
-        return cls(json.loads((path / "config.json").read_text()), files)
+        return cls(json.loads((path / "config.json").read_text()), _source_files(path))
 
     def into_checkpoint(self, meta: dict[str, Any]) -> dict[str, bytes]:
         """Record the source in a checkpoint's ``meta`` (its config.json under ``hf_config``); returns the files
@@ -115,9 +114,12 @@ class HFSource:
         started from no Hugging Face directory (a preset), or a checkpoint written before sources were kept."""
         if meta.get("hf_config") is None:
             return None
-        folder = Path(step) / _CHECKPOINT_DIR
-        files = {name: (folder / name).read_bytes() for name in SOURCE_FILES if (folder / name).is_file()}
-        return cls(meta["hf_config"], files)
+        return cls(meta["hf_config"], _source_files(Path(step) / _CHECKPOINT_DIR))
+
+
+def _source_files(folder: Path) -> dict[str, bytes]:
+    """The :data:`SOURCE_FILES` ``folder`` has, by name."""
+    return {name: (folder / name).read_bytes() for name in SOURCE_FILES if (folder / name).is_file()}
 
 
 @dataclass(frozen=True, slots=True)
