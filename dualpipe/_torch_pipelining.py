@@ -305,6 +305,14 @@ def local_stages(schedule: Any) -> dict[int, Any]:
     return {s.stage_index: s for s in schedule._stages}
 
 
+def pair_count(schedule: Any) -> int:
+    """The ``OVERLAP_F_B`` actions of this rank's order (``pipeline_order``, or the order with communication a
+    schedule loaded from a file holds): what the bridge would run through the hook each step."""
+    order = getattr(schedule, "pipeline_order", None) or getattr(schedule, "pipeline_order_with_comms", None) or {}
+    rank = schedule.rank if hasattr(schedule, "rank") else next(iter(order), None)
+    return sum(a is not None and a.computation_type == _schedules.OVERLAP_F_B for a in order.get(rank, ()))
+
+
 def register_overlap(schedule: Any, fn: Callable[[Any, Any], None]) -> None:
     schedule.register_custom_function(_schedules.OVERLAP_F_B, fn)
 

@@ -122,7 +122,7 @@ def _one_f_one_b(layout: Layout, rank: int, num_chunks: int, extra_warmup: int =
     """
     n = layout.num_ranks
     e = Emitter(layout, rank)
-    warmup = min(n - 1 - rank + extra_warmup, num_chunks)
+    warmup = min(_linear_warmup(n, 1, rank) + extra_warmup, num_chunks)
     last = layout.is_last(rank, 0)
     for _ in range(warmup):
         e.forward_chunk(0)
@@ -151,7 +151,7 @@ def _zb1p(layout: Layout, rank: int, num_chunks: int, extra_warmup: int = 0) -> 
     """
     n = layout.num_ranks
     e = Emitter(layout, rank)
-    warmup = min(n - 1 - rank + extra_warmup, num_chunks)
+    warmup = min(_linear_warmup(n, 1, rank) + extra_warmup, num_chunks)
     last = layout.is_last(rank, 0)
     lag = rank
     pending = 0

@@ -222,6 +222,12 @@ def overlap_torch_schedule(
             "overlap_torch_schedule takes a torch.distributed.pipelining ScheduleDualPipeV (a "
             f"_PipelineScheduleRuntime, the schedules that run OVERLAP_F_B actions), got {type(schedule).__name__}"
         )
+    if not tp.pair_count(schedule):
+        raise ValueError(
+            f"overlap_torch_schedule: torch's {type(schedule).__name__} runs no OVERLAP_F_B action on this rank, so "
+            "no pair would reach the hook (of torch's schedules only ScheduleDualPipeV pairs; for overlap in the "
+            "1F1B family use our interleaved-1f1b: docs/pipeline.md)"
+        )
     tp.check_schedule(schedule)
     if getattr(schedule.step, "_dualpipe_overlapped_pairs", None) is not None:
         raise ValueError("overlap_torch_schedule: this schedule already runs its pairs through the hook")

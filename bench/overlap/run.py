@@ -145,12 +145,12 @@ class WorkerOptions:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown:
             raise ValueError(f"unknown modes {unknown}; choose from {list(MODES)}")
+        refusals = {m: self.refusal(m) for m in self.modes or PLAIN_MODES}
         if not self.modes:  # every plain mode that runs at these numbers
-            self.modes = [m for m in PLAIN_MODES if self.refusal(m) is None]
+            self.modes = [m for m, refusal in refusals.items() if refusal is None]
         for mode in self.modes:  # every mode's schedule takes these numbers (and pairs if it overlaps)
-            refusal = self.refusal(mode)
-            if refusal is not None:
-                raise ValueError(f"mode {mode} at pp={self.pp}, chunks={self.chunks}: {refusal}")
+            if refusals[mode] is not None:
+                raise ValueError(f"mode {mode} at pp={self.pp}, chunks={self.chunks}: {refusals[mode]}")
             spec = schedule_spec(MODES[mode][0])
             stages = spec.stage_layout(self.pp).num_stages
             if self.layers < stages:

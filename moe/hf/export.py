@@ -100,8 +100,7 @@ class HFSource:
     @classmethod
     def read(cls, path: str | Path) -> HFSource:
         path = Path(path)
-        files = {name: (path / name).read_bytes() for name in SOURCE_FILES if (path / name).is_file()}
-        return cls(json.loads((path / "config.json").read_text()), files)
+        return cls(json.loads((path / "config.json").read_text()), _source_files(path))
 
     def into_checkpoint(self, meta: dict[str, Any]) -> dict[str, bytes]:
         """Record the source in a checkpoint's ``meta`` (its config.json under ``hf_config``); returns the files
@@ -115,15 +114,12 @@ class HFSource:
         started from no Hugging Face directory (a preset), or a checkpoint written before sources were kept."""
         if meta.get("hf_config") is None:
             return None
-        folder = Path(step) / _CHECKPOINT_DIR
-        files = {name: (folder / name).read_bytes() for name in SOURCE_FILES if (folder / name).is_file()}
-        return cls(meta["hf_config"], files)
+        return cls(meta["hf_config"], _source_files(Path(step) / _CHECKPOINT_DIR))
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)  # read it by setting it: POSIX has no getter (os.umask is process-wide, set back now)
-    os.umask(mask)
-    return mask
+def _source_files(folder: Path) -> dict[str, bytes]:
+    """The :data:`SOURCE_FILES` ``folder`` has, by name."""
+    return {name: (folder / name).read_bytes() for name in SOURCE_FILES if (folder / name).is_file()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +254,6 @@ def write_hf_dir(
         raise HFExportError(f"max_shard_bytes = {max_shard_bytes}: must be positive")
     rank = dist.get_rank(group) if group is not None else 0
     partial = path.parent / f".{path.name}.partial"
-    mode = 0o666 & ~_umask()  # safetensors writes 0600 whatever the umask; the other files follow it
     error = None
     if rank == 0:
         try:
@@ -270,6 +265,9 @@ def write_hf_dir(
     plans = _gather((error, names), group)
     try:
         _raise_if_failed([e for e, _ in plans], f"exporting to {path}")
+        # safetensors writes 0600 whatever the umask; the shards take the mode the umask gives a new file, read
+        # off the directory rank 0 just made (0777 & ~umask) without setting the process-wide umask
+        mode = partial.stat().st_mode & 0o666
         # The lowest rank that holds a tensor writes it (within a rank, its first piece); every rank derives every
         # rank's shards from the plans, so the global numbering needs no further exchange.
         seen: set[str] = set()

@@ -3,7 +3,7 @@
 The layout (``pp``, ``ep``; ``dp = gpus / pp``, micro-batches ``global batch / (dp x micro-batch)``, one
 recompute granularity and one count of communication SMs) is fixed; each schedule of
 :data:`dualpipe.schedule.SCHEDULES` is timed and sized there by the planner's own evaluation of one candidate
-(:func:`moe.plan.report.evaluate`), once with its ``FB`` pairs overlapped and once with each pair run as its
+(:func:`moe.plan.report.evaluate_both`), once with its ``FB`` pairs overlapped and once with each pair run as its
 forward, then its backward. Exposed all-to-all is the planner's (:mod:`moe.plan.pair`: what an action's
 duration leaves beyond its compute, over all all-to-all of the step). Memory is the fullest GPU's, as the
 search reports it; it is the same with and without overlap (the same action lists keep the same activations).
@@ -22,7 +22,7 @@ from moe.models.config import MoEConfig
 from moe.plan.costs import TRAINER_DEFAULTS, MemoryOptions
 from moe.plan.hardware import Cluster
 from moe.plan.measured import MeasuredCosts
-from moe.plan.report import GIB, RunShape, evaluate
+from moe.plan.report import GIB, RunShape, evaluate_both
 from moe.plan.search import Candidate, seconds
 
 __all__ = ["compare_schedules", "compare_schedules_table", "layout_candidate"]
@@ -95,8 +95,7 @@ def _rows(
     schedule = build_schedule(c.schedule, c.pp, c.num_chunks, extra_warmup=c.extra_warmup)
     pairs = sum(a.op is Op.FB for actions in schedule.ranks for a in actions)
     rows = []
-    for overlap in (True, False):
-        p = evaluate(cfg, cluster, run, c, measured, options, overlap=overlap)
+    for overlap, p in zip((True, False), evaluate_both(cfg, cluster, run, c, measured, options), strict=True):
         rows.append(
             {
                 **p.to_dict(),

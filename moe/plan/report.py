@@ -41,6 +41,8 @@ __all__ = [
     "Plan",
     "RunShape",
     "describe_precision",
+    "evaluate",
+    "evaluate_both",
     "plan",
     "plan_table",
     "v3_comparison",
@@ -151,6 +153,20 @@ def evaluate(
 ) -> Prediction:
     """Time and size one candidate (without ``overlap``: each pair as its forward, then its backward)."""
     return _predict(_model(cfg, cluster, run, candidate, measured, options), overlap)
+
+
+def evaluate_both(
+    cfg: MoEConfig,
+    cluster: Cluster,
+    run: RunShape,
+    candidate: Candidate,
+    measured: MeasuredCosts | None = None,
+    options: MemoryOptions = TRAINER_DEFAULTS,
+) -> tuple[Prediction, Prediction]:
+    """:func:`evaluate` with overlap and without, on one cost model: the sub-stage costs and the footprint, the
+    same for both, are computed once."""
+    model = _model(cfg, cluster, run, candidate, measured, options)
+    return _predict(model, True), _predict(model, False)
 
 
 DESCENTS = 3

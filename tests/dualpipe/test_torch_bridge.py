@@ -248,6 +248,16 @@ def test_an_untested_torch_version_is_named(monkeypatch):
 def test_a_schedule_that_runs_no_overlapped_pairs_is_refused():
     with pytest.raises(TypeError, match=r"ScheduleDualPipeV .*got object"):
         overlap_torch_schedule(object())
+    # a runtime schedule whose order has separate F and B actions (torch's ScheduleInterleaved1F1B's kind)
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
+
+    unpaired = object.__new__(_PipelineScheduleRuntime)
+    unpaired.rank = 0
+    unpaired.pipeline_order = {
+        0: [_Action(0, _ComputationType.FORWARD, 0), _Action(0, _ComputationType.FULL_BACKWARD, 0)]
+    }
+    with pytest.raises(ValueError, match="runs no OVERLAP_F_B action on this rank"):
+        overlap_torch_schedule(unpaired)
 
 
 # ------------------------------------------------------------------------------------------------ recording
