@@ -32,14 +32,18 @@ Overlapped pairs (``FB``, for ``overlapped_forward_backward``; :func:`_pair`). T
 forward and the input gradient next to it in the rank's order (``W`` s between them skipped), of two
 micro-batches, become one pair whenever both inputs are there when the first starts and the whole step, run
 in unit slots with the pair costing ``F + B`` (its backward is a full ``B``: one ``W`` fewer) and its sends
-leaving only when it ends, still ends by the unpaired plan's last slot. Every such pair is made, greedily, in
+leaving only when it ends, still ends by the unpaired plan's last slot (and is back on the unpaired run's
+track within ``_REJOIN`` slots a rank, which bounds the planning time). Every such pair is made, greedily, in
 the order the unpaired plan starts them. The slack that pays for them is the ``W`` s': a consumer the pair
 delays runs weight gradients meanwhile, so the plan is timed twice, with the ``W`` s where the planner put
 them and with the ``W`` s filling each rank's waits (a ``W`` first once the rank queues as many as the
 unpaired plan's peak, so the weight-gradient inputs held never grow), and the one with more pairs is kept.
 So at ``F&B = F + B`` the step takes as long as unpaired, the peak activation count cannot grow (a pair adds
-one module and frees one) and every pair with ``F&B < F + B`` can only shorten it. ``pairs_per_step`` counts
-them (docs/pipeline.md has the table and its command).
+one module and frees one) and every pair with ``F&B < F + B`` can only shorten it (at unit costs: where the
+input gradient costs more than the forward or the ``W``, a pair can still end the step a little later,
+docs/schedules.md). ``pairs_per_step`` counts them (docs/pipeline.md has the table and its command). The
+pairs exist only to be overlapped: built without overlap (``pairs=False``), a schedule runs its plan
+unpaired.
 
 Communication is placed by :func:`_emit`, not by :class:`dualpipe.authoring.Emitter` (which sends right
 after the producing compute): a plan decides when each message is needed, and the sends follow that.
@@ -238,6 +242,11 @@ def _queue_peaks(plan: Plan) -> list[int]:
 
 
 _NEVER = 1 << 30  # the end (and start) of a pass not yet run
+_REJOIN = 4
+"""A trial pair must put the run back on the track of the run without it (the same state at the same slot),
+or end the step, within this many slots per rank. Refusing the others costs pairs, never time; being greedy,
+the search even finds more at p=16 with 128 micro-batches (zbv 743 -> 932, v-half 278 -> 282), in a third of
+the time (v-half 13 -> 5 s)."""
 _W = Action(Op.W)
 
 
@@ -418,6 +427,11 @@ def _fold(order: list[Action], i: int, fill: bool) -> tuple[list[Action], Action
     return [pair if o < 0 else order[o] for o in keep], pair, keep
 
 
+def _unpaired(n: int, plan: Plan) -> tuple[Plan, list[list[int]]]:
+    """``plan`` as it is and every action's start slot, each as early as its inputs allow."""
+    return _Squeeze(n, [list(order) for order in plan], None).run()[:2]
+
+
 def _pair(n: int, plan: Plan) -> tuple[Plan, list[list[int]]]:
     """Fold adjacent forwards and input gradients of two micro-batches on a rank into overlapped pairs where
     the step still ends by the unpaired plan's last slot (see the module docstring), with the ``W`` s where
@@ -475,7 +489,8 @@ def _ready(base: _Squeeze, r: int, pair: tuple, t0: int) -> bool:
 def _fits(trial: _Squeeze, base: _Squeeze, run: tuple, t0: int, limit: int, r: int) -> bool:
     """Whether ``trial`` (``base`` with one more pair, at the pass ``base`` starts at ``t0`` on rank ``r``)
     still ends by ``limit``: run from ``t0``, everything before it as in ``base``, until it ends or its state
-    is ``base``'s at the same slot again (the rest is then ``base``'s). On success ``trial`` holds its run."""
+    is ``base``'s at the same slot again (the rest is then ``base``'s), within ``_REJOIN`` slots a rank. On
+    success ``trial`` holds its run."""
     states = run[3]
     trial.resume(base, states[t0], t0)
     order, old = trial.orders[r], base.orders[r]
@@ -494,6 +509,8 @@ def _fits(trial: _Squeeze, base: _Squeeze, run: tuple, t0: int, limit: int, r: i
             trial.adopt(base, t, r, shift)
             return True
         trial.states.append(state)
+        if t - t0 > _REJOIN * trial.n:  # not back on the base run's track: refused, as if it ended late
+            return False
         if (t - t0) % 8 == 7 and trial.bound() > limit:  # the bound never falls: checked now and then
             return False
         try:
@@ -561,9 +578,11 @@ def _emit(layout: Layout, plan: Plan, starts: list[list[int]]) -> Plan:
 
 
 @functools.lru_cache(maxsize=256)
-def _actions(name: str, n: int, m: int) -> Plan:
-    """Every rank's action list for ``name`` (planned once per shape for all ranks: the plan is global)."""
-    return _emit(Layout.v_shape(n), *_pair(n, _plan(name, n, m)))
+def _actions(name: str, n: int, m: int, pairs: bool) -> Plan:
+    """Every rank's action list for ``name`` (planned once per shape for all ranks: the plan is global), with
+    its overlapped pairs or without (its unpaired plan, run as early as inputs allow)."""
+    plan = _plan(name, n, m)
+    return _emit(Layout.v_shape(n), *(_pair(n, plan) if pairs else _unpaired(n, plan)))
 
 
 def _plan(name: str, n: int, m: int) -> Plan:
@@ -573,9 +592,9 @@ def _plan(name: str, n: int, m: int) -> Plan:
     return _block_schedule(n, m, "half" if name == "v-half" else "min")
 
 
-def _generator(name: str) -> Callable[[Layout, int, int], list[Action]]:
-    def generate(layout: Layout, rank: int, num_chunks: int) -> list[Action]:
-        return list(_actions(name, layout.num_ranks, num_chunks)[rank])
+def _generator(name: str) -> Callable[..., list[Action]]:
+    def generate(layout: Layout, rank: int, num_chunks: int, pairs: bool = True) -> list[Action]:
+        return list(_actions(name, layout.num_ranks, num_chunks, pairs)[rank])
 
     generate.__name__ = generate.__qualname__ = f"_{name.replace('-', '_')}"
     return generate
@@ -596,6 +615,7 @@ def _register(name: str, title: str, class_name: str, summary: str) -> None:
             layout=_v_layout,
             modules_per_rank=2,
             overlaps=True,
+            pairs_for_overlap=True,
         )
     )
 
