@@ -157,6 +157,8 @@ def compare(
             continue
         pairs = sum(a.op is Op.FB for actions in schedule.ranks for a in actions)
         for overlap in (True, False):
+            if not overlap:  # as run without overlap (the V family then leaves its passes unpaired)
+                schedule = build_schedule(name, num_ranks, chunks, early_receives, modules, extra, overlap=False)
             result = simulate(schedule, step_costs(schedule, stage, a2a, overlap))
             per_rank, total = exposed_a2a(schedule, stage, a2a, overlap)
             row = Row(

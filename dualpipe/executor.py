@@ -219,6 +219,7 @@ class Pipeline(nn.Module):
             self.early_receives,
             self.layout.modules_per_rank,
             self.extra_warmup,
+            self.overlap,
         )
         _check_once(schedule, self.comm_model)
         return schedule

@@ -241,7 +241,7 @@ class Schedule:
 
 Generator = Callable[..., list[Action]]
 """``generate(layout, rank, num_chunks) -> actions``: one rank's action list (schedules with a ``warmup`` rule
-also take ``extra_warmup=``)."""
+also take ``extra_warmup=``, those with ``pairs_for_overlap`` ``pairs=``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -280,6 +280,11 @@ class ScheduleSpec:
     chunk_hint: str = ""
     overlaps: bool = False
     """The schedule emits overlapped forward/backward pairs (``FB``) for ``overlapped_forward_backward``."""
+    pairs_for_overlap: bool = False
+    """Its pairs are made only to be overlapped, and its generator takes ``pairs=False`` (what
+    :func:`build_schedule` passes without overlap): its order without them, where run one half after the other
+    they would only hold sends back (the V family, whose pairs fold passes its plan keeps apart; DualPipe's and
+    the 1F1B family's pairs are their order)."""
     warmup: Callable[[int, int, int], int] | None = None
     """``warmup(num_ranks, modules_per_rank, rank)``: forwards a rank runs before its first backward (before
     the batch bounds them). Set for the 1F1B family, whose generators then take ``extra_warmup=k``: ``k``
@@ -402,10 +407,14 @@ def build_schedule(
     early_receives: bool = False,
     modules_per_rank: int | None = None,
     extra_warmup: int = 0,
+    overlap: bool = True,
 ) -> Schedule:
     """Per-rank action lists of schedule ``name`` for ``num_ranks`` pipeline ranks and ``num_chunks``
     micro-batches in total (``modules_per_rank`` only for schedules that let the caller choose it,
-    ``extra_warmup`` only for those with a warm-up rule: :attr:`ScheduleSpec.warmup`).
+    ``extra_warmup`` only for those with a warm-up rule: :attr:`ScheduleSpec.warmup`), as run with or
+    without ``overlap``: without, a schedule whose pairs exist only to be overlapped
+    (:attr:`ScheduleSpec.pairs_for_overlap`) leaves its passes unpaired; the others' pairs stay, run one half
+    after the other.
 
     With ``early_receives`` every receive is moved in front of the compute action that precedes its
     consumer (see :func:`post_receives_early`), so the transfer overlaps that compute.
@@ -413,7 +422,9 @@ def build_schedule(
     spec = schedule_spec(name)
     spec.validate(num_ranks, num_chunks, modules_per_rank, extra_warmup)  # ranks and modules included
     layout = spec.layout(num_ranks, spec.resolve_modules(modules_per_rank))
-    extra = {"extra_warmup": extra_warmup} if extra_warmup else {}
+    extra: dict[str, int | bool] = {"extra_warmup": extra_warmup} if extra_warmup else {}
+    if spec.pairs_for_overlap and not overlap:
+        extra["pairs"] = False
     ranks = []
     for rank in range(num_ranks):
         actions = spec.generate(layout, rank, num_chunks, **extra)

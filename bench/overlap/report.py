@@ -272,12 +272,12 @@ def _row(
         t0, t1 = step_window(list(ranks.values()))
         in_flight, exposed, hidden = comm_totals(list(ranks.values()))
         costs = measured_costs(list(ranks.values()))
-        mean_predicted = predicted_bubble(schedule, num_ranks, opts["chunks"], costs, extra)
+        mean_predicted = predicted_bubble(schedule, num_ranks, opts["chunks"], costs, extra, overlap)
         pipelines = _pipelines(ranks, num_ranks)
         # torch runs its own action order, which our schedule's replay does not describe
         replayed = math.nan
         if mode not in TORCH_MODES:
-            replayed = replayed_bubble(schedule, pipelines, opts["chunks"], extra_warmup=extra)
+            replayed = replayed_bubble(schedule, pipelines, opts["chunks"], extra_warmup=extra, overlap=overlap)
         paired = comm_totals(list(ranks.values()), within="FB")[2]
         total, busiest, threads = cpu.get((mode, step), (math.nan, math.nan, math.nan))
         use, rank_use = total / (cores * (t1 - t0)), busiest / (t1 - t0)

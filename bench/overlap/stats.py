@@ -368,9 +368,12 @@ def measured_costs(ranks: Sequence[RankSteps]) -> Costs:
     return Costs(F=f, B=b, W=min(w, b), FB=f + b if fb is None else fb)
 
 
-def predicted_bubble(schedule: str, num_ranks: int, chunks: int, costs: Costs, extra_warmup: int = 0) -> float:
-    """The simulator's bubble fraction for ``schedule`` under ``costs`` (one cost per action kind)."""
-    built = build_schedule(schedule, num_ranks, chunks, extra_warmup=extra_warmup)
+def predicted_bubble(
+    schedule: str, num_ranks: int, chunks: int, costs: Costs, extra_warmup: int = 0, overlap: bool = True
+) -> float:
+    """The simulator's bubble fraction for ``schedule`` under ``costs`` (one cost per action kind), as run with
+    or without ``overlap``."""
+    built = build_schedule(schedule, num_ranks, chunks, extra_warmup=extra_warmup, overlap=overlap)
     return simulate(built, costs).bubble_fraction
 
 
@@ -395,17 +398,23 @@ def action_durations(schedule: Schedule, ranks: Sequence[RankSteps]) -> list[lis
 
 
 def replayed_bubble(
-    schedule: str, pipelines: Sequence[Sequence[RankSteps]], chunks: int, latency: float = 0.0, extra_warmup: int = 0
+    schedule: str,
+    pipelines: Sequence[Sequence[RankSteps]],
+    chunks: int,
+    latency: float = 0.0,
+    extra_warmup: int = 0,
+    overlap: bool = True,
 ) -> float:
-    """The simulator's bubble fraction for ``schedule`` when every compute action costs what it took in the
-    measured step (:func:`action_durations`) and every rank starts at its measured step begin.
+    """The simulator's bubble fraction for ``schedule`` (as run with or without ``overlap``) when every compute
+    action costs what it took in the measured step (:func:`action_durations`) and every rank starts at its
+    measured step begin.
     ``pipelines`` holds each pipeline's ranks in pipeline-rank order (one pipeline per expert-parallel
     rank); as in :func:`measured_bubble`, every rank's idle time counts within one window, from the first
     begin to the end of the slowest pipeline."""
     t0 = min((r.begin for ranks in pipelines for r in ranks), default=math.nan)
     results = []
     for ranks in pipelines:
-        sched = build_schedule(schedule, len(ranks), chunks, extra_warmup=extra_warmup)
+        sched = build_schedule(schedule, len(ranks), chunks, extra_warmup=extra_warmup, overlap=overlap)
         durations = action_durations(sched, ranks)
         results.append(
             simulate(sched, Costs(latency=latency), durations=durations, ready=[r.begin - t0 for r in ranks])

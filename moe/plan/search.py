@@ -317,7 +317,7 @@ def predict(
     (:func:`moe.plan.params.stage_plans` of its ``pipeline_layout``); without ``overlap`` each pair runs as
     its forward, then its backward."""
     schedule = build_schedule(
-        candidate.schedule, candidate.pp, candidate.num_chunks, extra_warmup=candidate.extra_warmup
+        candidate.schedule, candidate.pp, candidate.num_chunks, extra_warmup=candidate.extra_warmup, overlap=overlap
     )
     times = StageTimes(model, plans)
     durations, exposed, total = _durations(schedule, times, overlap)

@@ -126,6 +126,11 @@ def _run_case(rank: int, world: int, case: Case) -> dict:
     overlapped_calls = ToyStageOverlap.calls
     assert spans.open == [] and spans.recv_outside_actions == 0
     assert spans.top_actions == compute_order(pipe.schedule(case.chunks).ranks[rank])
+    # as run with or without overlap: the V family's pairs only with it
+    built = build_schedule(
+        case.schedule, world, case.chunks, pipe.early_receives, case.modules, case.extra_warmup, case.overlap
+    )
+    assert pipe.schedule(case.chunks) == built
     if world > 1:
         assert spans.kinds["recv"] > 0 and spans.kinds["post"] > 0 and spans.kinds["drain"] == 1
     sum_mirrored_grads(pipe)
@@ -186,8 +191,8 @@ def _cases(world: int) -> list[Case]:
         cases.append(Case(sched, world + 2, extra_warmup=1, reduction="mean"))
     cases.append(Case("interleaved-1f1b", 2 * world, overlap=True, modules=2))
     cases.append(Case("interleaved-1f1b", 2 * world, overlap=True, modules=2, extra_warmup=1, early_receives=False))
-    # The zero-bubble V family (deferred weight gradients; pairs only where they cost no time), also with the
-    # reference's receive placement
+    # The zero-bubble V family (deferred weight gradients; with overlap, pairs where the step ends no later; without,
+    # its plan unpaired), also with the reference's receive placement
     for name in ("zbv", "v-half", "v-min"):
         cases.append(Case(name, 4 * world + 2, overlap=True))
         cases.append(Case(name, 2 * world + 1, reduction="mean", declared="instance", early_receives=False))
@@ -214,8 +219,8 @@ def test_schedules_match_single_process(world: int) -> None:
         assert calls == (pairs if case.overlap else 0), f"{case}: {calls} hook calls for {pairs} pairs"
         if case.extra_warmup:  # the 1F1B family pairs on every rank that can (tests/dualpipe/test_schedule.py)
             assert pairs > 0, f"{case}: no overlapped pair"
-        # DualPipe(V) pair from 2 x world + 1 chunks; zbv, which pairs only where it costs no time, by 4 x world + 2
-        # (its deferred weight gradients pay for its pairs: tests/dualpipe/test_v_family.py counts them)
+        # DualPipe(V) pair from 2 x world + 1 chunks; zbv, which pairs only where the step ends no later, by
+        # 4 x world + 2 (its deferred weight gradients pay for its pairs: tests/dualpipe/test_v_family.py counts them)
         dual = case.schedule in ("dualpipe", "dualpipev") and case.chunks > 2 * world
         if case.overlap and (dual or (case.schedule == "zbv" and case.chunks >= 4 * world + 2)):
             assert pairs > 0, f"{case}: no overlapped pair"
