@@ -111,7 +111,7 @@ RUN: dict[str, Run] = {
     ".venv/bin/python -m dualpipe.simulate --schedule dualpipev --ranks 4 --chunks 10 --F 1 --B 2 --W 1 --FB 2.5": Run(
         output="makespan 59, bubble fraction 0.0699"
     ),
-    PAIRS_V: Run(output="[[9, 32, 107], [6, 18, 52], [5, 0, 24]]"),
+    PAIRS_V: Run(output="[[9, 33, 107], [7, 20, 50], [5, 0, 24]]"),
     ".venv/bin/python -m dualpipe.simulate --compare --ranks 4 --F 1 --B 2 --W 1 --a2a 0.5 --extra-warmup 1"
     " --json compare.json --png compare.png": Run(
         output="4 ranks, 8 micro-batches; per full stage F=1 B=2 W=1 F&B=3 a2a=0.5",
