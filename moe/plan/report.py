@@ -126,7 +126,7 @@ def _sizer(
     return model
 
 
-def _predict(model: LayerCostModel, overlap: bool = True) -> Prediction:
+def _predict(model: LayerCostModel, overlap: bool | None = None) -> Prediction:
     """Time and size ``model``'s candidate on its cluster (``overlap``: :func:`moe.plan.search.predict`'s)."""
     return predict(
         model.candidate,
@@ -149,9 +149,10 @@ def evaluate(
     measured: MeasuredCosts | None = None,
     options: MemoryOptions = TRAINER_DEFAULTS,
     *,
-    overlap: bool = True,
+    overlap: bool | None = None,
 ) -> Prediction:
-    """Time and size one candidate (without ``overlap``: each pair as its forward, then its backward)."""
+    """Time and size one candidate (without ``overlap``, default the candidate's: each pair as its forward,
+    then its backward, the V family unpaired)."""
     return _predict(_model(cfg, cluster, run, candidate, measured, options), overlap)
 
 

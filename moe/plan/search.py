@@ -17,6 +17,7 @@ turns one into a :class:`Prediction`:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -59,6 +60,10 @@ class Candidate:
     extra_warmup: int = 0
     """Warm-up forwards added on every rank (schedules with a warm-up rule, :attr:`dualpipe.schedule.ScheduleSpec.
     warmup`): what pairs the 1F1B family's remaining steady steps (Kimi K2's extra warm-up micro-batches)."""
+    overlap: bool = True
+    """Run its pairs overlapped (the trainer's ``--overlap``). Off, a schedule whose pairs exist only to be
+    overlapped (:attr:`dualpipe.schedule.ScheduleSpec.pairs_for_overlap`, the V family) runs its plan unpaired,
+    which can be the faster of the two (``--no-overlap``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_granularity(self.recompute))
@@ -69,16 +74,19 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """The schedule's name, ``+wK`` with ``K`` extra warm-up forwards (``1f1b+w1``)."""
-        return f"{self.schedule}+w{self.extra_warmup}" if self.extra_warmup else self.schedule
+        """The schedule's name, ``+wK`` with ``K`` extra warm-up forwards (``1f1b+w1``), `` --no-overlap`` where
+        it runs without overlap."""
+        name = f"{self.schedule}+w{self.extra_warmup}" if self.extra_warmup else self.schedule
+        return name if self.overlap else f"{name} --no-overlap"
 
     def describe(self) -> str:
         rc = "" if self.recompute == "none" else f" recompute={self.recompute}"
         lay = "" if self.pipeline_layout == AUTO else f" layout={self.pipeline_layout}"
         warm = f" extra_warmup={self.extra_warmup}" if self.extra_warmup else ""
+        off = "" if self.overlap else " overlap=off"
         return (
             f"{self.schedule} pp={self.pp} dp={self.dp} ep={self.ep} chunks={self.num_chunks} "
-            f"comm_sms={self.comm_sms}{rc}{lay}{warm}"
+            f"comm_sms={self.comm_sms}{rc}{lay}{warm}{off}"
         )
 
 
@@ -145,6 +153,7 @@ class Prediction:
             "recompute": c.recompute,
             "pipeline_layout": c.pipeline_layout,
             "extra_warmup": c.extra_warmup,
+            "overlap": c.overlap,
             "memory_options": dict(getattr(self.memory, "options", {}) or {"recompute": c.recompute}),
             "step_time_s": self.step_time,
             "pipeline_time_s": self.pipeline_time,
@@ -189,7 +198,9 @@ def candidates(
     ``pipeline_layout`` other than ``auto`` keeps the candidates whose schedule has as many stages as it
     lists (the others are not generated); each candidate carries it. A schedule with a warm-up rule (the 1F1B
     family) is tried with each of ``extra_warmup`` extra warm-up forwards the batch holds, where ep > 1 (the
-    pairs they add hide all-to-all; at ep == 1 there is none, and they would only cost memory)."""
+    pairs they add hide all-to-all; at ep == 1 there is none, and they would only cost memory). A schedule whose
+    pairs exist only to be overlapped (the V family) is tried with overlap and without (its plan unpaired) where
+    ep > 1, and only without at ep == 1 (no all-to-all to hide: its pairs would only hold sends back)."""
     layout_stages = None if pipeline_layout == AUTO else len(expand(pipeline_layout).split("|"))
     for name in schedules or sorted(SCHEDULES):
         spec = schedule_spec(name)
@@ -211,10 +222,11 @@ def candidates(
             for ep in _divisors(dp):
                 if num_experts % ep:
                     continue
+                overlaps = ((False,) if ep == 1 else (True, False)) if spec.pairs_for_overlap else (True,)
                 for e in [0] if ep == 1 else warmups:
                     for sms in sorted({0} if ep == 1 else set(comm_sms)):
-                        for rc in recompute:
-                            yield Candidate(name, pp, dp, ep, chunks, sms, rc, pipeline_layout, e)
+                        for rc, overlap in itertools.product(recompute, overlaps):
+                            yield Candidate(name, pp, dp, ep, chunks, sms, rc, pipeline_layout, e, overlap)
 
 
 def _holds(spec: ScheduleSpec, pp: int, chunks: int, extra_warmup: int) -> bool:
@@ -311,11 +323,12 @@ def predict(
     tokens_per_step: int,
     num_gpus: int,
     peak_flops: float,
-    overlap: bool = True,
+    overlap: bool | None = None,
 ) -> Prediction:
     """Time and size ``candidate`` with ``model`` (see the module docstring), its stages as ``plans`` say
-    (:func:`moe.plan.params.stage_plans` of its ``pipeline_layout``); without ``overlap`` each pair runs as
-    its forward, then its backward."""
+    (:func:`moe.plan.params.stage_plans` of its ``pipeline_layout``); without ``overlap`` (default: the
+    candidate's) each pair runs as its forward, then its backward, and the V family runs its plan unpaired."""
+    overlap = candidate.overlap if overlap is None else overlap
     schedule = build_schedule(
         candidate.schedule, candidate.pp, candidate.num_chunks, extra_warmup=candidate.extra_warmup, overlap=overlap
     )
@@ -391,6 +404,8 @@ def _losses(p: Prediction, best: Prediction) -> list[tuple[float, str, str]]:
         why.append(f"recompute {p.candidate.recompute} vs {best.candidate.recompute}")
     if p.candidate.schedule == best.candidate.schedule and p.candidate.extra_warmup != best.candidate.extra_warmup:
         why.append(f"extra warm-up {p.candidate.extra_warmup} vs {best.candidate.extra_warmup}")
+    if p.candidate.schedule == best.candidate.schedule and p.candidate.overlap != best.candidate.overlap:
+        why.append(f"overlap {'on' if p.candidate.overlap else 'off'} vs {'on' if best.candidate.overlap else 'off'}")
     add(busy, "comm", f"busy time per rank +{seconds(busy)} ({', '.join(why)})")
     return sorted(reasons, reverse=True)
 

@@ -21,7 +21,7 @@ SMALL += ["--global-batch-size", "64", "--micro-batch-size", "2"]
 
 ROW_KEYS = {
     "schedule", "pp", "dp", "ep", "edp", "num_chunks", "comm_sms", "recompute", "pipeline_layout", "extra_warmup",
-    "memory_options",
+    "overlap", "memory_options",
     "step_time_s",
     "pipeline_time_s",
     "dp_reduce_time_s", "tokens_per_s_per_gpu", "mfu", "bubble_fraction", "exposed_a2a_fraction", "memory_bytes",
@@ -121,7 +121,10 @@ def test_the_batch_flags_share_the_trainers_names_and_keep_the_old_ones(tmp_path
 
 
 def _key(row: dict) -> tuple:
-    return tuple(str(row[k]) for k in ("schedule", "pp", "dp", "ep", "num_chunks", "comm_sms", "recompute"))
+    return tuple(
+        str(row[k])
+        for k in ("schedule", "pp", "dp", "ep", "num_chunks", "comm_sms", "recompute", "extra_warmup", "overlap")
+    )
 
 
 def test_measured_costs_describe_the_machine_they_came_from(tmp_path: Path) -> None:

@@ -87,3 +87,20 @@ def test_memory_grows_with_the_extra_warmup(schedule: str, pp: int) -> None:
     ]
     assert sized[1].peak_modules == sized[0].peak_modules + 1  # rank 0 keeps one more micro-batch in flight
     assert sized[1].activations > sized[0].activations and sized[1].params == sized[0].params
+
+
+def test_the_search_tries_the_v_family_with_and_without_its_pairs() -> None:
+    result = plan(
+        preset("tiny"), Cluster(gpu("h100"), 8, 4), RunShape(64, 64, 2),
+        schedules=["v-half", "dualpipev"], recompute=["none"], top=100,
+    )  # fmt: skip
+    got = {(p.candidate.schedule, p.candidate.pp, p.candidate.ep, p.candidate.overlap): p for p in result.ranked}
+    assert ("dualpipev", 2, 2, False) not in got  # DualPipeV's pairs are its order: overlap is all it changes
+    on, off = got["v-half", 2, 2, True], got["v-half", 2, 2, False]
+    # without overlap v-half runs its plan unpaired: its 2 pairs at this shape do not pay for the sends they hold
+    # back (tests/moe/plan/test_compare_schedules.py), and the search sees it
+    assert off.step_time < on.step_time and off.exposed_a2a_fraction > on.exposed_a2a_fraction
+    assert off.candidate.label == "v-half --no-overlap" and "overlap=off" in off.candidate.describe()
+    assert off.to_dict()["overlap"] is False
+    # at ep = 1 there is no all-to-all to hide: the V family is tried unpaired only
+    assert ("v-half", 2, 1, True) not in got and ("v-half", 2, 1, False) in got
