@@ -178,14 +178,18 @@ def _two_steps(rank: int, world: int) -> dict[str, dict]:
         for policy in ("", "all"):
             offloader = build_offloader(parse_offload(policy), list(pipe.module), layout.pp_rank, meter.tracker)
             pipe.set_offloader(offloader)
+            meter.watch_offload(offloader)
             for stage in stages:
                 stage.zero_grad(set_to_none=True)
             meter.start_step()
             loss, _ = pipe.step(*args, num_chunks=chunks, criterion=lm_loss, labels=labs)
-            peak = meter.stop_step()["peak_activation_bytes"]
+            figures = meter.stop_step()
+            peak = figures["peak_activation_bytes"]
             grads = {n: p.grad.clone() for m, s in enumerate(stages) for n, p in s.named_parameters()}
             log = [] if offloader is None else list(offloader.log)
             host = 0 if offloader is None else offloader.pool.peak_bytes
+            assert figures["offload_host_bytes"] == host
+            assert figures["offloaded_bytes"] == sum(e.nbytes for e in log if e.kind == "offload")
             runs.append((loss, grads, peak, log, host))
         actions = pipe.schedule(chunks).ranks[layout.pp_rank]
         out[name] = {"runs": runs, "actions": actions}
@@ -193,6 +197,7 @@ def _two_steps(rank: int, world: int) -> dict[str, dict]:
     return out
 
 
+@pytest.mark.slow
 def test_offloading_trains_like_keeping_bit_for_bit() -> None:
     results = run_ranks(_two_steps, 4, timeout=240)
     overlapped = 0
