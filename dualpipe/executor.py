@@ -11,6 +11,7 @@ Observers (:mod:`dualpipe.observer`) see every span of work the executor runs.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 from collections import defaultdict
@@ -26,6 +27,7 @@ from dualpipe import comm
 from dualpipe.checks import MessageKey, check_schedule, message_key, needed_receives
 from dualpipe.hooks import has_overlap_hook
 from dualpipe.observer import PipelineObserver, SpanKind
+from dualpipe.offload import Offloader, reload_points
 from dualpipe.p2p import P2P, Message, PendingRecv
 from dualpipe.schedule import SCHEDULES, Action, Layout, Op, Schedule, ScheduleSpec, build_schedule, schedule_spec
 from dualpipe.utils import gather, run_backward, scatter
@@ -67,6 +69,8 @@ class _StepState:
     recv_keys: dict[tuple[str, Key], MessageKey] = field(default_factory=dict)  # inbox entry -> its message
     arrived: set[MessageKey] = field(default_factory=set)  # sends of this rank known to have arrived
     kept_outputs: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    action: int = -1  # index of the compute action running, in this rank's list (the offloader's log)
+    kept_on_device: frozenset[Key] = frozenset()  # forwards the offloader leaves alone (their backward is next)
 
 
 class Pipeline(nn.Module):
@@ -153,6 +157,16 @@ class Pipeline(nn.Module):
         self.comm_model = "async" if self.p2p.use_tags else "grouped"
         self.grad_store = GradStore()
         self._own_shapes: tuple[list[tuple[int, ...]] | None, list[torch.dtype] | None] | None = None
+        self.offloader: Offloader | None = None
+        """Moves saved activations to the host between each forward and its backward (:mod:`dualpipe.offload`);
+        set it with :meth:`set_offloader`."""
+
+    def set_offloader(self, offloader: Offloader | None) -> None:
+        """Offload saved activations with ``offloader`` (None: keep them on the device). Parameters and buffers of
+        the stage modules are never held through it."""
+        if offloader is not None:
+            offloader.exclude([*self.module.parameters(), *self.module.buffers()])
+        self.offloader = offloader
 
     @property
     def first_modules(self) -> list[int]:
@@ -303,16 +317,26 @@ class Pipeline(nn.Module):
 
     def _run(self, actions: Sequence[Action], st: _StepState) -> None:
         batch: list[Action] = []
-        for a in actions:
-            if a.op.is_comm:
-                batch.append(a)
-                continue
+        offloader = None if st.forward_only else self.offloader
+        reloads, st.kept_on_device = reload_points(actions) if offloader is not None else ({}, frozenset())
+        try:
+            for i, a in enumerate(actions):
+                if a.op.is_comm:
+                    batch.append(a)
+                    continue
+                self._post(batch, st)
+                batch = []
+                st.action = i
+                if offloader is not None:
+                    for key in reloads.get(i, ()):  # the next backward's tensors come back under this action
+                        offloader.reload(key, i)
+                self._compute(a, st)
+                self._observed("reap", None, self._reap_sends, st, False)
             self._post(batch, st)
-            batch = []
-            self._compute(a, st)
-            self._observed("reap", None, self._reap_sends, st, False)
-        self._post(batch, st)
-        self._observed("drain", None, self._reap_sends, st, True)
+            self._observed("drain", None, self._reap_sends, st, True)
+        finally:
+            if offloader is not None:
+                offloader.end_step()
         # Everything a step holds per micro-batch must have been consumed: anything left is a leak (and a
         # sign that the schedule and the executor disagree).
         leftover = {
@@ -437,9 +461,21 @@ class Pipeline(nn.Module):
         inputs = self._stage_inputs(st, key)
         if st.forward_only:
             del st.inputs[key]  # no backward will ask for them
-        with self.grad_store.activate(enabled=False):
+        with self.grad_store.activate(enabled=False), self._saving(key, st):
             outputs = self.module[a.module](*self._with_labels(st, key, inputs))
         self._after_forward(a.module, a.chunk, outputs, st)
+        self._offload(key, st)
+
+    def _saving(self, key: Key, st: _StepState) -> Any:
+        """The offloader's saved-tensor hooks around the forward of ``key`` (nothing without one)."""
+        if self.offloader is None or st.forward_only or key in st.kept_on_device:
+            return contextlib.nullcontext()
+        return self.offloader.saving(key)
+
+    def _offload(self, key: Key, st: _StepState) -> None:
+        """The forward of ``key`` has ended: its chosen saved tensors start for the host."""
+        if self.offloader is not None and not st.forward_only:
+            self.offloader.offload(key, st.action)
 
     def _with_labels(self, st: _StepState, key: Key, inputs: list[torch.Tensor | None]) -> list[Any]:
         """A stage that computes a loss of its own in forward (``forward_takes_labels``) gets its micro-batch's
@@ -523,7 +559,7 @@ class Pipeline(nn.Module):
         module0, module1 = self.module[a.module], self.module[a.b_module]
         # A deferred pair (ZB1P's) runs the hook with the store enabled, as an I runs its backward: layers
         # hand their weight gradients over in backward (the forward half never asks), one batch for the W.
-        with self.grad_store.activate(enabled=a.deferred):
+        with self.grad_store.activate(enabled=a.deferred), self._saving(fkey, st):
             outputs0, loss0 = type(module0).overlapped_forward_backward(
                 module0,
                 self._with_labels(st, fkey, inputs0),
@@ -541,6 +577,7 @@ class Pipeline(nn.Module):
         self._check_delivered(type(module1), bkey, st)
         self._after_forward(a.module, a.chunk, outputs0, st, loss=loss0)
         self._after_backward(bkey, loss1, st)
+        self._offload(fkey, st)
 
     def _check_delivered(self, cls: type, key: Key, st: _StepState) -> None:
         """The hook must leave the backward micro-batch's input gradient in ``.grad``: fail here, on this

@@ -34,6 +34,7 @@ from moe.models.config import MoEConfig
 from moe.models.layers import RECOMPUTE, recompute_granularity, selective_recompute, use_fp8
 from moe.models.stage import MoEStage
 from moe.pipeline_layout import AUTO, StagePlan, expand, plan_stages
+from moe.plan.offload import OffloadPolicy, offload_names, parse_offload
 from moe.plan.params import layout_costs
 
 __all__ = [
@@ -123,6 +124,12 @@ class ParallelConfig:
     ``interleaved-1f1b``; Kimi K2's extra warm-up micro-batches): with one, each steady step's forward and
     backward are of different micro-batches, so the last rank's steps pair too (Megatron-Core's combined 1F1B
     adds one). Costs that many micro-batches' activations per rank; rank 0 must keep a steady step."""
+    offload: str = ""
+    """Saved activations moved to host memory between each forward and its backward (:mod:`moe.plan.offload`):
+    ``all``, planner names of saved tensors (``attn.sdpa_out,mlp.experts_input``; ``attn.*``), or
+    ``fraction=F`` (every saved tensor of each stage's first F of its blocks), each with optional ``@ranks=0-3``
+    and ``@fraction=F``; clauses joined by ``;``. Empty: nothing moves. The copies run on a stream of their own,
+    planned from the schedule's action lists; losses and gradients are unchanged bit for bit."""
     pipeline_layout: str = AUTO
     """What each stage holds, in Megatron-Core's syntax (:mod:`moe.pipeline_layout`): ``E`` embedding, ``t``
     a layer, ``m`` an MTP module, ``L`` the head, ``|`` between stages, ``*n`` repeats, e.g. ``Et|ttt|tt|tL``;
@@ -154,6 +161,7 @@ class ParallelConfig:
         if self.comm_sms < 0:
             raise ValueError(f"comm_sms must be >= 0, got {self.comm_sms}")
         self.recompute = recompute_granularity(self.recompute)
+        self.offload_policy()  # the syntax and the ranks (the names are checked against the model: check_model)
 
     def _resolve_overlap(self, spec: ScheduleSpec) -> bool:
         """``overlap`` as a bool: unset is whether the schedule pairs anything at these numbers; asked for where
@@ -216,6 +224,13 @@ class ParallelConfig:
             if marked:
                 return marked[0]
         return self.num_stages - 1
+
+    def offload_policy(self, cfg: MoEConfig | None = None, fp8_activations: bool = False) -> OffloadPolicy:
+        """:attr:`offload` parsed (``ValueError``, one line, for bad syntax or ranks outside the pipeline); with
+        ``cfg``, its names checked against the saved tensors of that model (:func:`moe.plan.offload.offload_names`;
+        ``fp8_activations``: the routed experts' FP8 copies)."""
+        names = None if cfg is None else offload_names(cfg, fp8_activations)
+        return parse_offload(self.offload, self.pp, names)
 
     def check_model(self, cfg: MoEConfig) -> None:
         """``ValueError`` (naming the fields) unless ``cfg`` spreads over this layout: its experts over ``ep``,

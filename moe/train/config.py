@@ -372,6 +372,7 @@ class TrainConfig:
         cfg, pc = self.model.build(), self.parallel
         try:
             pc.check_model(cfg)
+            pc.offload_policy(cfg, self.training.fp8_activations)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if pc.ep > 1:  # the rows it would move and the group's size (its package and placement: preflight)

@@ -14,6 +14,11 @@ step reports: ``cuda_peak_allocated_bytes`` (``torch.cuda.max_memory_allocated``
 and every temporary of the step), which is also ``peak_activation_bytes`` there. The tracker's hooks run
 in Python for every saved tensor, host time a GPU step cannot spare: ``track_saved=True`` turns it on
 there too (then ``peak_activation_bytes`` is its figure).
+
+With activation offloading (:meth:`MemoryMeter.watch_offload`) a moved storage leaves the tracker's count when its
+copy to the host starts and comes back when its reload does, so ``peak_activation_bytes`` is what stays on the
+device; the host side is reported apart: ``offloaded_bytes`` (moved during the step) and ``offload_host_bytes``
+(the host pool's peak over the step).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from torch import nn
 
 from dualpipe.memory import SavedTensorTracker, storage_key
+from dualpipe.offload import Offloader
 
 __all__ = ["MemoryMeter", "SavedTensorTracker", "gradient_bytes", "optimizer_state_bytes", "parameter_bytes"]
 
@@ -108,6 +114,13 @@ class MemoryMeter:
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         self._cuda_start = 0
         self.track_saved = not self._cuda if track_saved is None else track_saved
+        self._offload: tuple[Offloader | None] | None = None
+        self._offload_start = 0
+
+    def watch_offload(self, offloader: Offloader | None) -> None:
+        """Report the host side of activation offloading (``offloaded_bytes``, ``offload_host_bytes``; zeros on
+        a rank that offloads nothing, ``offloader`` None, so every rank reports the same figures)."""
+        self._offload = (offloader,)
 
     @property
     def _cuda(self) -> bool:
@@ -122,6 +135,11 @@ class MemoryMeter:
         if self.track_saved:
             self.tracker.reset_peak()
             self.tracker.__enter__()
+        offloader = self._offload[0] if self._offload else None
+        if offloader is not None:
+            self._offload_start = offloader.offloaded_bytes
+            if offloader.pool is not None:
+                offloader.pool.reset_peak()
 
     def stop_step(self) -> dict[str, int]:
         """Stop counting; the step's figures (see the class docstring)."""
@@ -133,6 +151,12 @@ class MemoryMeter:
             "optimizer_state_bytes": optimizer_state_bytes(self.optimizer),
             "peak_activation_bytes": self.tracker.peak_bytes if self.track_saved else 0,
         }
+        if self._offload is not None:
+            offloader = self._offload[0]
+            pool = None if offloader is None else offloader.pool
+            moved = 0 if offloader is None else offloader.offloaded_bytes - self._offload_start
+            out["offloaded_bytes"] = moved
+            out["offload_host_bytes"] = 0 if pool is None else pool.peak_bytes
         if self._cuda:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from dualpipe import Pipeline
 from dualpipe.host_sync import to_device
 from dualpipe.observer import ProfilerObserver
+from dualpipe.offload import Offloader
 from kernels.fp8 import FP8Recipe
 from kernels.warmup import KernelShapes, warm_up
 from moe.data import DataError, open_data
@@ -62,6 +63,7 @@ from moe.train.metrics import (
     format_bytes,
     peak_flops,
 )
+from moe.train.offload import build_offloader
 from moe.train.optimizer import DistributedOptimizer, grad_of
 from moe.train.ranks import init_process_group, make_pipeline, pick_device
 from moe.train.stop import StopSignals
@@ -96,6 +98,7 @@ class Trainer:
         self.pipe = self.build_pipeline()
         self.optimizer = self.build_optimizer()
         self.meter = MemoryMeter(list(self.pipe.module), self.optimizer)
+        self.offloader = self.build_offloader()
         tr, dp = config.training, self.layout
         split = {"seq_len": tr.seq_len, "global_batch": config.global_batch, "seed": tr.seed}
         split.update(dp_rank=dp.dp_rank, dp_size=config.parallel.dp)
@@ -219,6 +222,18 @@ class Trainer:
             dtype=getattr(torch, tr.dtype),
             timeout_s=self.config.fault.timeout,
         )
+
+    def build_offloader(self) -> Offloader | None:
+        """The activation offloader of ``parallel.offload`` on this pipeline rank (None: nothing moves here),
+        handed to the pipeline and the memory meter (which it counts for)."""
+        pc = self.config.parallel
+        policy = pc.offload_policy(self.model_config, self.config.training.fp8_activations)
+        tracker = self.meter.tracker if self.meter.track_saved else None
+        offloader = build_offloader(policy, list(self.pipe.module), self.layout.pp_rank, tracker)
+        self.pipe.set_offloader(offloader)
+        if policy:
+            self.meter.watch_offload(offloader)
+        return offloader
 
     def build_optimizer(self) -> DistributedOptimizer:
         opt = self.config.optimizer

@@ -33,6 +33,7 @@ BASE = [*COMMON, "--layers", "8", "--seq-len", "16", "--steps", str(STEPS)]  # a
 OTHERS = sorted(set(SCHEDULES) - {"dualpipev", *V_FAMILY})
 OTHERS_LAYOUT = [*COMMON, "--pp", "2", "--ep", "2", "--steps", str(STEPS), "--num-chunks", "4"]
 OTHERS_EXTRA_WARMUP = {"1f1b": 1, "zb1p": 1}  # their last rank pairs given one extra warm-up forward
+OFFLOAD = "attn.*,mlp.*@ranks=0;fraction=0.5@ranks=1"  # the trainer's --offload: the same losses, bit for bit
 
 
 def _train_all(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dict[str, tuple[list[float], int]]:
@@ -86,6 +87,7 @@ def train_every_schedule(tmp: Path) -> dict[str, tuple[list[float], list[int]]]:
     shapes; "one-others", at the other schedules') in one spawn of 1: per run, rank 0's losses and each rank's
     overlapped pairs."""
     runs = [*v_runs(), ("dualpipev", [*OTHERS_LAYOUT, "--schedule", "dualpipev", "--overlap"])]
+    runs += [("dualpipev offload", [*OTHERS_LAYOUT, "--schedule", "dualpipev", "--overlap", "--offload", OFFLOAD])]
     runs += [(name, [*OTHERS_LAYOUT, "--schedule", name, *_others_flags(name)]) for name in OTHERS]
     one = [("one", [*BASE, "--schedule", "1f1b", "--pp", "1", "--ep", "1", "--num-chunks", "12"])]
     one += [("one-others", [*OTHERS_LAYOUT, "--schedule", "1f1b", "--pp", "1", "--ep", "1", "--num-chunks", "8"])]
@@ -137,4 +139,5 @@ def test_schedules_do_not_change_the_math(schedule_runs: dict[str, tuple[list[fl
         assert sum(calls) == _pairs(name, 2, 4, OTHERS_EXTRA_WARMUP.get(name, 0)) * 2 * STEPS, name
     assert all(_others_flags(name) for name in ("1f1b", "zb1p", "interleaved-1f1b"))
     assert schedule_runs["one-others"][0] == pytest.approx(v, rel=2e-5)
+    assert schedule_runs["dualpipev offload"][0] == v  # activations offloaded through the trainer: bit for bit
     assert v[-1] < v[0]
