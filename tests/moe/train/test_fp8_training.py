@@ -88,30 +88,38 @@ def test_published_architectures_run_their_projections_in_fp8(name: str) -> None
         assert 0 < err < 0.2, (n, err)
 
 
-def test_fp8_activations_keep_the_experts_inputs_in_fp8() -> None:
-    """save_fp8 keeps the routed experts' up-projection input and SwiGLU input in FP8 (1 byte + 4/128) instead of
-    bf16 (2 bytes): exactly those bytes go, nothing else changes size; the gradients move by one rounding."""
+def test_fp8_activations_keep_what_the_report_keeps() -> None:
+    """save_fp8 keeps, per MoE layer, the routed experts' up-projection input and SwiGLU input, the MLP's normed
+    input (one copy for the router's gate and the shared expert) and the shared expert's SwiGLU input in FP8 (1
+    byte + 4/128), and SDPA's output in E5M6 (1.5 bytes + 4/128; one copy for SDPA and o_proj), instead of bf16;
+    the shared expert's down-projection input is recomputed. Exactly those bytes go; the gradients move by one
+    rounding."""
     cfg = MoEConfig(num_layers=2, hidden_size=128, moe_intermediate_size=128)
     ids = torch.randint(0, cfg.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
     out = {}
     for save in (False, True):
         model = use_fp8(MoEModel(cfg, seed=0).to(torch.bfloat16), FP8Recipe(save_fp8=save))
-        saved: list[tuple[torch.dtype, int]] = []
+        saved: dict[int, tuple[torch.dtype, int]] = {}  # distinct storages
 
-        def pack(t: torch.Tensor, saved: list = saved) -> torch.Tensor:
-            saved.append((t.dtype, t.numel() * t.element_size()))
+        def pack(t: torch.Tensor, saved: dict = saved) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = (t.dtype, t.untyped_storage().nbytes())
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = model(ids)
         logits.float().square().mean().backward()
-        out[save] = (saved, model.embed.weight.grad.float().clone())
+        out[save] = (list(saved.values()), model.embed.weight.grad.float().clone())
     plain, kept = out[False][0], out[True][0]
-    fp8_bytes = sum(n for dtype, n in kept if dtype == torch.float8_e4m3fn)
-    # Per layer: x [M, 128] and h [M, 256] in FP8 with one float32 scale per 128: (1 + 4/128) bytes an element,
-    # where bf16 kept 2; M = 256 tokens x top-2 = 512 rows.
-    rows, layers = 2 * 128 * cfg.top_k, cfg.num_layers
-    assert fp8_bytes == layers * rows * (128 + 256)
-    assert sum(n for _, n in plain) - sum(n for _, n in kept) == layers * rows * (128 + 256) * (2 - 1 - 4 / 128)
+    t, layers, rows = 2 * 128, cfg.num_layers, 2 * 128 * cfg.top_k
+    assert cfg.num_dense_layers == 0 and cfg.num_shared_experts == 1 and cfg.num_heads * cfg.attn_head_dim == 128
+    # per layer: experts' x [M, 128] and h [M, 256] (M = 256 tokens x top-2 = 512 rows), z [T, 128], the shared
+    # expert's h [T, 256]; E5M6: SDPA's output [T, 128] as 1.5 bytes an element
+    fp8 = layers * (rows * (128 + 256) + t * (128 + 256))
+    e5m6 = layers * t * 128 * 3 // 2
+    assert sum(n for dtype, n in kept if dtype == torch.float8_e4m3fn) == fp8
+    assert sum(n for dtype, n in kept if dtype == torch.uint8) == e5m6
+    scales = layers * 4 * (rows * (1 + 2) + t * (1 + 2 + 1))  # one fp32 per row and 1x128 tile
+    bf16 = layers * 2 * (rows * (128 + 256) + t * (128 + 256 + 128 + 128))  # the shared expert's down input [T, 128]
+    assert sum(n for _, n in plain) - sum(n for _, n in kept) == bf16 - fp8 - e5m6 - scales
     torch.testing.assert_close(out[True][1], out[False][1], rtol=0.1, atol=0.1 * out[False][1].abs().max().item())
     assert not torch.equal(out[True][1], out[False][1])
