@@ -25,14 +25,17 @@ count is :func:`dualpipe.simulate.simulate`'s). The memory options the DeepSeek-
 - ``state_dtype="bfloat16"``: 2-byte moments.
 - ``mtp_shared``: the MTP modules use the main embedding and head (:mod:`moe.plan.params`).
 - ``fp8_activations`` (with FP8 GEMMs; the trainer's ``training.fp8_activations``, :mod:`kernels.fp8`'s
-  ``save_fp8``): the routed experts keep what they save for backward, the up-projection's input (the
-  expert-sorted rows ``[M, D]``, the FP8 copy its GEMM made) and the SwiGLU input ``[M, 2F]``, in FP8 with one
-  fp32 scale per 1x128 tile along the last dim (:func:`fp8_elem_bytes`: 1 + 4/128 bytes an element when the
-  width is a multiple of 128) instead of the activation dtype, as the DeepSeek-V3 report does (3.3.3). Nothing
-  else changes: every ``moe.models.layers.Linear`` (attention's projections, the dense and shared-expert MLPs, MTP's
-  ``eh_proj``) saves its input in the activation dtype as without FP8 (the output projection's input too,
-  which the report keeps in E5M6). Selective recompute neither drops nor reruns the experts, so the two
-  options compose; under full recompute the rebuilt layer caches in FP8 as well.
+  ``save_fp8``), the report's caching (3.3.3), each tensor once for all its readers: the routed experts keep
+  their up-projection input (the expert-sorted rows ``[M, D]``, the FP8 copy its GEMM made) and SwiGLU input
+  ``[M, 2F]`` in FP8 with one fp32 scale per 1x128 tile along the last dim (:func:`fp8_elem_bytes`: 1 + 4/128
+  bytes an element when the width is a multiple of 128) instead of the activation dtype; the MLP's normed
+  input ``[T, D]`` is one FP8 copy for the router's gate and the shared experts (or the dense MLP); a SwiGLU
+  MLP keeps its SwiGLU input in FP8 and recomputes its output, the down projection's input, which it no longer
+  keeps; SDPA's output ``[T, H x W]`` is one E5M6 copy (:func:`kernels.e5m6.e5m6_elem_bytes`: 1.5 bytes + a
+  power-of-2 fp32 scale per 1x128 tile) for SDPA's backward and the output projection. The attention's other
+  linears, MTP's ``eh_proj`` and the head keep their inputs in the activation dtype. Selective recompute
+  neither drops nor reruns these, so the two options compose; under full recompute the rebuilt layer caches
+  in FP8 as well.
 
 Under every option but full recompute an MoE layer keeps neither its experts' output (the routing weight is
 applied inside the experts, :func:`kernels.functional.row_weights`) nor the rows an ep > 1 dispatch received
@@ -214,8 +217,9 @@ def saved_tensors(
     ids; the received rows' routing weights stay as a piece input; the received rows themselves are freed
     once permuted; a SwiGLU MLP saves its input, the gate/up output and the down projection's input. The
     linears save their inputs; the router's gate saves an MoE layer's normed input (the shared experts read
-    it too). ``fp8``: the routed experts' two tensors in FP8 (``mlp.experts_input_fp8``,
-    ``mlp.experts_gate_up_output_fp8``, :func:`fp8_elem_bytes`).
+    it too). ``fp8``: FP8 caching (the module docstring): the entries ending in ``_fp8`` (the
+    experts' two tensors, the normed MLP input, the SwiGLU MLPs' SwiGLU input, :func:`fp8_elem_bytes`) and
+    ``attn.sdpa_out_e5m6``, no down-projection inputs.
     Received rows per rank are ``T x`` :func:`moe.plan.routing.expected_ranks`; at ep = 1 they are the
     normed tokens themselves (no copy). Names ``"attn.<tensor>"`` /
     ``"mlp.<tensor>"`` after ``prefix``; :data:`LEAVES` marks the ones kept by the runtime.
