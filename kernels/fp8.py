@@ -62,11 +62,13 @@ class FP8Recipe:
     """How a layer runs its GEMMs in FP8 (a layer without a recipe runs them in its dtype)."""
 
     save_fp8: bool = False
-    """The routed experts keep what they save for backward, the up-projection's input and the SwiGLU input, in
-    FP8 with 1x128 scales (1 + 4/128 bytes an element instead of bf16's 2), as DeepSeek-V3 does: nothing
-    else reads those tensors, so the bf16 copies are freed. Costs one more rounding in the SwiGLU backward and
-    the weight gradients. A linear layer ignores it: its input is mostly saved in bf16 by another op too (the
-    router reads the normed input, attention keeps its output), so an FP8 copy would add memory."""
+    """FP8 caching, as DeepSeek-V3 does: the routed experts keep what they save for backward, the
+    up-projection's input and the SwiGLU input, in FP8 with 1x128 scales (1 + 4/128 bytes an element instead of
+    bf16's 2), and the bf16 copies are freed. Costs one more rounding in the SwiGLU backward and the weight
+    gradients. The model's blocks do the rest where one copy can serve every reader (:mod:`moe.models.layers`:
+    ``Kept``): the MLP's normed input in FP8 for the router's gate and the shared experts, a SwiGLU MLP's SwiGLU
+    input in FP8, SDPA's output in E5M6 for SDPA's backward and the output projection. A lone linear layer
+    keeps its input as it is: it is mostly saved in another op's form too."""
 
 
 class Quantized(NamedTuple):

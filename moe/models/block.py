@@ -25,8 +25,8 @@ from dualpipe.pieces import Comm, Compute, Context, Pieces
 from moe.dispatch.base import Dispatched, Route, TokenDispatcher
 from moe.models import build_attention
 from moe.models.config import MoEConfig
-from moe.models.experts import GroupedExperts
-from moe.models.layers import DenseMLP, RMSNorm, release
+from moe.models.experts import GroupedExperts, free_storage
+from moe.models.layers import DenseMLP, Kept, RMSNorm, caches_fp8, keep_fp8, release
 from moe.models.router import Router, Routing
 
 __all__ = ["Block", "attach_loss"]
@@ -89,33 +89,52 @@ class Block(nn.Module):
     def dispatcher(self) -> TokenDispatcher | None:
         return self._dispatcher
 
+    @property
+    def caches_mlp_input(self) -> bool:
+        """Whether the MLP's readers of ``z`` keep it in FP8 (FP8 caching, :func:`moe.models.layers.caches_fp8`):
+        then nothing of the backward reads ``z`` itself (:meth:`_free_mlp_input`)."""
+        if not self.is_moe:
+            return caches_fp8(self.mlp.gate_up, self.mlp.down)
+        shared = () if self.shared is None else (self.shared.gate_up, self.shared.down)
+        return caches_fp8(self.experts, *shared)
+
     def attn_compute(
         self, h_BSD: torch.Tensor, replay_idx_TK: torch.Tensor | None = None, aux_scale: float = 1.0
-    ) -> tuple[torch.Tensor, torch.Tensor, Routing | None]:
-        """Attention sub-stage: residual ``a``, normed MLP input ``z`` and (MoE) the routing.
+    ) -> tuple[torch.Tensor, torch.Tensor, Routing | None, Kept | None]:
+        """Attention sub-stage: residual ``a``, normed MLP input ``z``, (MoE) the routing and (MoE, FP8 caching)
+        ``z`` kept in FP8, which the router's gate and the shared experts save instead of ``z``.
 
         Selective recompute (:func:`moe.models.layers.selective_recompute`): the norms keep only their inputs, and the
         attention norm's output, which the q/k/v projections save, is freed after the attention and refilled
-        when its backward starts; ``z`` is the piece's output, kept anyway."""
+        when its backward starts; ``z`` is the piece's output, kept anyway (but under FP8 caching, freed once the
+        MLP has read it)."""
         x_BSD = self.attn_norm(h_BSD)
         o_BSD = self.attn(x_BSD)
         release(x_BSD, after=o_BSD)  # a no-op unless the norm was recomputed
         a_BSD = h_BSD + o_BSD
         z_BSD = self.mlp_norm(a_BSD)
         if not self.is_moe:
-            return a_BSD, z_BSD, None
-        routing = self.router(z_BSD, replay_idx_TK)
+            return a_BSD, z_BSD, None, None
+        z_kept = keep_fp8(z_BSD) if self.caches_mlp_input else None
+        routing = self.router(z_BSD, replay_idx_TK, kept=z_kept)
         if routing.aux_loss is not None:
             a_BSD = attach_loss(a_BSD, routing.aux_loss, aux_scale)
-        return a_BSD, z_BSD, routing
+        return a_BSD, z_BSD, routing, z_kept
 
     def mlp_compute(
-        self, recv: Dispatched | None, z_BSD: torch.Tensor, *, free_received: bool = False, shared: bool = True
+        self,
+        recv: Dispatched | None,
+        z_BSD: torch.Tensor,
+        *,
+        free_received: bool = False,
+        shared: bool = True,
+        z_kept: Kept | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MLP sub-stage: (routed rows ``[R, D]`` or the dense output ``[B, S, D]``, shared output or None).
 
         free_received: free the received rows' storage once permute has copied them (the caller reads them no
-        more; see :meth:`_mlp_moe`). shared=False leaves the shared experts out (a piece of their own)."""
+        more; see :meth:`_mlp_moe`). shared=False leaves the shared experts out (a piece of their own). z_kept:
+        :meth:`attn_compute`'s FP8 copy of ``z``, for the shared experts to save."""
         if not self.is_moe:
             return self.mlp(z_BSD), None
         assert recv is not None
@@ -124,7 +143,7 @@ class Block(nn.Module):
         y_RD = self.experts(
             recv.x_RD, recv.local_idx_RK, recv.weights_RK, self.comm_sms, static_rows=static, free_input=free_received
         )
-        shared_BSD = self.shared(z_BSD) if shared and self.shared is not None else None
+        shared_BSD = self.shared(z_BSD, z_kept) if shared and self.shared is not None else None
         return y_RD, shared_BSD
 
     def pieces(self, aux_scale: float = 1.0) -> Pieces:
@@ -182,20 +201,30 @@ class Block(nn.Module):
 
     # ---- pieces --------------------------------------------------------------------------------------
     def _attn_dense(self, ctx: Context, h_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a_BSD, z_BSD, _ = self.attn_compute(h_BSD)
+        a_BSD, z_BSD, _, _ = self.attn_compute(h_BSD)
         return a_BSD, z_BSD
 
     def _mlp_dense(self, ctx: Context, z_BSD: torch.Tensor) -> torch.Tensor:
-        return self.mlp_compute(None, z_BSD)[0]
+        y_BSD = self.mlp_compute(None, z_BSD)[0]
+        self._free_mlp_input(ctx, z_BSD)
+        return y_BSD
+
+    def _free_mlp_input(self, ctx: Context, z_BSD: torch.Tensor) -> None:
+        """Free ``z``'s storage once the MLP piece, its last reader in forward, has run, when every op that keeps
+        it for backward keeps an FP8 copy instead (the runtime holds ``z`` as a piece output and input, for its
+        metadata only). Not while a piece is recomputed: a recomputed piece reads ``z`` again."""
+        if self.caches_mlp_input and not ctx.recomputing:
+            free_storage(z_BSD)
 
     def _attn_moe(self, aux_scale: float, ctx: Context, h_BSD: torch.Tensor):
         # Recomputation replays the routing decided in forward (and adds nothing to the load statistics).
         replay = ctx.topk_idx_TK if ctx.recomputing else None
-        a_BSD, z_BSD, routing = self.attn_compute(h_BSD, replay, aux_scale)
+        a_BSD, z_BSD, routing, z_kept = self.attn_compute(h_BSD, replay, aux_scale)
         assert routing is not None
         if not ctx.recomputing:
             ctx.topk_idx_TK = routing.topk_idx_TK
             ctx.aux_loss = None if routing.aux_loss is None else routing.aux_loss.detach()
+            ctx.z_kept = z_kept  # for the shared experts' piece, which takes it
         return a_BSD, z_BSD, routing.topk_weights_TK
 
     def _plan(self, ctx: Context, z_BSD: torch.Tensor, weights_TK: torch.Tensor) -> Pending[None] | None:
@@ -247,11 +276,14 @@ class Block(nn.Module):
             and x_RD.untyped_storage().data_ptr() != z_BSD.untyped_storage().data_ptr()
         )
         recv = Dispatched(x_RD, ctx.local_idx_RK, w_RK)
-        return self.mlp_compute(recv, z_BSD, free_received=free, shared=False)[0]
+        y_RD = self.mlp_compute(recv, z_BSD, free_received=free, shared=False)[0]
+        self._free_mlp_input(ctx, z_BSD)  # after the shared experts' piece: the pair order runs it first
+        return y_RD
 
     def _shared_moe(self, ctx: Context, z_BSD: torch.Tensor) -> torch.Tensor:
         assert self.shared is not None
-        return self.shared(z_BSD)
+        z_kept = None if ctx.recomputing else ctx.__dict__.pop("z_kept", None)
+        return self.shared(z_BSD, z_kept)
 
     def _combine(self, ctx: Context, y_RD: torch.Tensor):
         assert self._dispatcher is not None
@@ -273,7 +305,7 @@ class Block(nn.Module):
         graph-walking schedules (torch.distributed.pipelining's split backward) can take apart. ``recorder``
         records the all-to-alls (they hide nothing: each is waited right after it starts).
         """
-        a_BSD, z_BSD, routing = self.attn_compute(h_BSD, aux_scale=aux_scale)
+        a_BSD, z_BSD, routing, z_kept = self.attn_compute(h_BSD, aux_scale=aux_scale)
         if routing is None:
             y_BSD, _ = self.mlp_compute(None, z_BSD)
             return a_BSD + y_BSD
@@ -287,7 +319,7 @@ class Block(nn.Module):
         else:
             comm = None
             recv = Dispatched(z_TD, routing.topk_idx_TK, routing.topk_weights_TK)
-        y_RD, shared_BSD = self.mlp_compute(recv, z_BSD)
+        y_RD, shared_BSD = self.mlp_compute(recv, z_BSD, z_kept=z_kept)
         y_TD = y_RD if comm is None else _BlockingCombine.apply(comm, y_RD)
         out_BSD = a_BSD + y_TD.view_as(a_BSD)
         return out_BSD + shared_BSD if shared_BSD is not None else out_BSD

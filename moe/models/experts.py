@@ -23,7 +23,7 @@ from kernels import functional
 from kernels.fp8 import FP8Recipe
 from moe.models.layers import defer_wgrad
 
-__all__ = ["GroupedExperts"]
+__all__ = ["GroupedExperts", "free_storage"]
 
 
 class GroupedExperts(nn.Module):
@@ -78,7 +78,7 @@ class GroupedExperts(nn.Module):
             x_RD, local_idx_RK, self.num_local_experts, num_rows
         )
         if free_input:
-            _free_storage(x_RD)
+            free_storage(x_RD)
         y_MD = functional.grouped_experts(
             x_MD,
             self.w1,
@@ -92,7 +92,7 @@ class GroupedExperts(nn.Module):
         return functional.combine_rows(y_MD, row_id_M, *local_idx_RK.shape)
 
 
-def _free_storage(x: torch.Tensor) -> None:
+def free_storage(x: torch.Tensor) -> None:
     """Release ``x``'s memory (its storage resized to 0; the tensor keeps its shape) if ``x`` owns all of it."""
     storage = x.untyped_storage()
     if x.storage_offset() != 0 or storage.nbytes() != x.numel() * x.element_size() or storage.nbytes() == 0:

@@ -19,6 +19,7 @@ up-projections; ``ParallelConfig.recompute = "selective"`` does that for a train
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dualpipe.weight_grad import WeightGradStore
+from kernels import e5m6, functional, ops
 from kernels import fp8 as kernel_fp8
-from kernels import functional
 from kernels.fp8 import FP8Recipe
 from kernels.functional import accumulate_grad
 
@@ -35,12 +36,17 @@ __all__ = [
     "RECOMPUTE",
     "Attention",
     "DenseMLP",
+    "Kept",
     "Linear",
     "RMSNorm",
     "accumulate_grad",
+    "caches_fp8",
     "causal_attention",
     "defer_wgrad",
     "fp8_linears",
+    "keep_e5m6",
+    "keep_fp8",
+    "project_attention",
     "recompute",
     "recompute_granularity",
     "release",
@@ -68,31 +74,75 @@ def defer_wgrad(fn: Callable[[], None]) -> None:
         _without_grad(fn)()
 
 
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A tensor kept for backward in a smaller form (FP8 caching), shared by every op that reads it: each saves
+    ``parts`` (the same storages, counted once) and gets the tensor back as ``restore(*parts)`` (its shape, in
+    its dtype; ``restore`` holds no tensor, so that what an op saves goes through its ``save_for_backward``)."""
+
+    parts: tuple[torch.Tensor, ...]
+    restore: Callable[..., torch.Tensor]
+
+    def view(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Kept:
+        """The same parts restoring ``fn(tensor)`` (a view of it: a slice, a reshape)."""
+        restore = self.restore
+        return Kept(self.parts, lambda *parts: fn(restore(*parts)))
+
+
+def keep_fp8(x: torch.Tensor) -> Kept:
+    """``x`` kept in FP8 (E4M3) with one fp32 scale per 1x128 tile of its last dim, as the routed experts keep
+    their inputs under ``FP8Recipe.save_fp8`` (:func:`kernels.fp8.quantize_rows`)."""
+    shape, dtype = x.shape, x.dtype
+    return Kept(
+        tuple(kernel_fp8.quantize_rows(x.detach())),
+        lambda q, s: kernel_fp8.Quantized(q, s).dequantize(dtype).view(shape),
+    )
+
+
+def keep_e5m6(x: torch.Tensor) -> Kept:
+    """``x`` kept in E5M6 with a power-of-2 scale per 1x128 tile of its last dim (:mod:`kernels.e5m6`)."""
+    shape, dtype = x.shape, x.dtype
+    return Kept(
+        tuple(e5m6.quantize_e5m6(x.detach())), lambda *parts: e5m6.dequantize_e5m6(e5m6.E5M6(*parts), dtype).view(shape)
+    )
+
+
+def caches_fp8(*layers: nn.Module) -> bool:
+    """Whether ``layers`` all run in FP8 with ``save_fp8`` (the trainer's ``training.fp8_activations``) and a graph
+    is being built: then they keep their inputs in FP8 (E5M6 for the attention output projection's)."""
+    return torch.is_grad_enabled() and all(getattr(m, "fp8", None) is not None and m.fp8.save_fp8 for m in layers)
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fp8: FP8Recipe | None, feature_dims: int) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, fp8: FP8Recipe | None, feature_dims: int, kept: Kept | None
+    ) -> torch.Tensor:
         # The weight is kept on ctx, not saved: its backward accumulates into ``weight.grad``, which needs the
         # parameter object itself, and a saved tensor comes back as a new alias under saved-tensors hooks
         # (activation checkpointing, offloading, moe.train.memory's tracker).
         ctx.weight, ctx.fp8, ctx.feature_dims = weight, fp8, feature_dims
         # x itself is saved, a strided view included: the GEMM's contiguous operand is a temporary, made again
         # for the weight gradient, so that a view of a kept tensor costs no memory between forward and backward.
-        ctx.save_for_backward(x)
+        # With ``kept``, x's smaller copy is saved instead (shared with the other ops that read x).
+        ctx.restore, ctx.x_shape = (None, x.shape) if kept is None else (kept.restore, x.shape)
+        ctx.save_for_backward(*((x,) if kept is None else kept.parts))
         x = _features(x, feature_dims)
         return F.linear(x, weight) if fp8 is None else kernel_fp8.linear_forward(x, weight)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        weight, fp8, feature_dims = ctx.weight, ctx.fp8, ctx.feature_dims
-        (x,) = ctx.saved_tensors
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        weight, fp8, feature_dims, restore = ctx.weight, ctx.fp8, ctx.feature_dims, ctx.restore
+        saved = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
             dx = dy @ weight if fp8 is None else kernel_fp8.linear_dgrad(dy, weight)
-            dx = dx.view(x.shape)
+            dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             # The weight never gets an autograd gradient: the closure accumulates into .grad directly, so a
             # deferred closure and an immediate one leave the same result.
             def wgrad() -> None:
+                x = saved[0] if restore is None else restore(*saved)
                 x_TK = _features(x, feature_dims).reshape(-1, weight.shape[1])
                 if fp8 is None:
                     accumulate_grad(weight, dy.reshape(-1, dy.shape[-1]).t() @ x_TK)
@@ -100,7 +150,7 @@ class _LinearFn(torch.autograd.Function):
                     accumulate_grad(weight, kernel_fp8.linear_wgrad(dy, x_TK))
 
             defer_wgrad(wgrad)
-        return dx, None, None, None
+        return dx, None, None, None, None
 
 
 def _features(x: torch.Tensor, feature_dims: int) -> torch.Tensor:
@@ -122,11 +172,13 @@ class Linear(nn.Module):
         self.keep_precision = keep_precision
         self.fp8: FP8Recipe | None = None
 
-    def forward(self, x: torch.Tensor, *, feature_dims: int = 1) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, feature_dims: int = 1, kept: Kept | None = None) -> torch.Tensor:
         """``x [..., in]`` -> ``[..., out]``. ``feature_dims``: how many trailing dims of ``x`` hold the input
         features (``[..., H, V]`` with ``in = H * V``: attention heads straight from SDPA's output); a strided ``x``
-        (a slice) is then saved as the view it is, its contiguous copy made only for the GEMMs."""
-        return _LinearFn.apply(x, self.weight, self.fp8, feature_dims)
+        (a slice) is then saved as the view it is, its contiguous copy made only for the GEMMs. ``kept``: x as
+        another op keeps it for backward (FP8 caching, :class:`Kept`): saved instead of x, for the weight
+        gradient."""
+        return _LinearFn.apply(x, self.weight, self.fp8, feature_dims, kept)
 
     def extra_repr(self) -> str:
         out, inp = self.weight.shape
@@ -331,6 +383,98 @@ def causal_attention(
     return o_BHSV.transpose(1, 2)
 
 
+class _SavedByOp:
+    """What a saved-tensors pack hook returns inside :class:`_SDPAKeptOutput`: a tensor SDPA saved, or, for its
+    output, where the output's E5M6 copy goes and the view of the output SDPA saved."""
+
+    __slots__ = ("kept", "parts", "tensor", "view")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.kept: Kept | None = None
+        self.parts: tuple[torch.Tensor, ...] = ()
+        self.view: tuple[Any, ...] = ()
+
+    def unpack(self) -> torch.Tensor:
+        if self.kept is None:
+            assert self.tensor is not None
+            return self.tensor
+        # the output again, restored from E5M6 into a storage laid out as the original, viewed as SDPA saved it
+        base_shape, base_stride, base_offset, nbytes, shape, stride, offset = self.view
+        full = self.kept.restore(*self.parts)
+        storage = torch.empty(nbytes // full.element_size(), dtype=full.dtype, device=full.device)
+        storage.as_strided(base_shape, base_stride, base_offset).copy_(full)
+        return storage.as_strided(shape, stride, offset)
+
+
+class _SDPAKeptOutput(torch.autograd.Function):
+    """:func:`causal_attention` whose output is saved once, in E5M6: SDPA runs as usual (any backend) on
+    detached inputs, with a pack hook that swaps its saved output for the E5M6 copy made once it returns; the
+    backward restores it and back-propagates through that graph. ``box`` receives the copy (a :class:`Kept`)
+    for the output projection, which saves the same parts."""
+
+    @staticmethod
+    def forward(ctx, box: list[Kept], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None):
+        leaves = tuple(t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[1:4]))
+        saved: list[_SavedByOp] = []
+
+        def pack(t: torch.Tensor) -> _SavedByOp:
+            saved.append(_SavedByOp(t))
+            return saved[-1]
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _SavedByOp.unpack):
+            o = causal_attention(*leaves, scale=scale)  # [B, S, H, W], laid out so in memory
+        kept = keep_e5m6(o.flatten(-2) if o.is_contiguous() else o.contiguous().flatten(-2)).view(
+            lambda t: t.view(o.shape)
+        )
+        ptr = o.untyped_storage().data_ptr()
+        for entry in saved:
+            t = entry.tensor
+            if t is not None and t.untyped_storage().data_ptr() == ptr:  # the output, as SDPA saved it
+                nbytes = t.untyped_storage().nbytes()
+                entry.view = (o.shape, o.stride(), o.storage_offset(), nbytes, t.shape, t.stride(), t.storage_offset())
+                entry.kept, entry.parts, entry.tensor = kept, kept.parts, None
+        # What SDPA keeps, saved here too (the same storages): the tensors a saved-tensors tracker outside counts.
+        ctx.save_for_backward(*(e.tensor for e in saved if e.tensor is not None), *kept.parts)
+        ctx.graph = (leaves, o)
+        box.append(kept)
+        return o.detach()
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):
+        leaves, o = ctx.graph
+        del ctx.graph
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(o, wanted, do) if wanted else ())
+        return None, *(next(grads) if t.requires_grad else None for t in leaves), None
+
+
+def project_attention(
+    o_proj: Linear,
+    q_BSHC: torch.Tensor,
+    k_BSGC: torch.Tensor,
+    v_BSGW: torch.Tensor,
+    scale: float | None = None,
+    width: int | None = None,
+) -> torch.Tensor:
+    """``o_proj`` of :func:`causal_attention`'s output ``[B, S, H, W]`` (its first ``width`` columns of each head,
+    a view: MLA pads V to W) -> ``[B, S, D]``.
+
+    With FP8 caching (:func:`caches_fp8` of ``o_proj``), SDPA's output is kept once, in E5M6, as the DeepSeek-V3
+    report keeps the input of the linear after the attention: SDPA's backward and the projection's weight
+    gradient both read that copy (:class:`_SDPAKeptOutput`), and the bf16 output is freed once projected."""
+    width = v_BSGW.shape[-1] if width is None else width
+    wanted = any(t.requires_grad for t in (q_BSHC, k_BSGC, v_BSGW))
+    if not (wanted and caches_fp8(o_proj)):
+        o_BSHW = causal_attention(q_BSHC, k_BSGC, v_BSGW, scale)
+        return o_proj(o_BSHW[..., :width], feature_dims=2)
+    box: list[Kept] = []
+    o_BSHW = _SDPAKeptOutput.apply(box, q_BSHC, k_BSGC, v_BSGW, scale)
+    out = o_proj(o_BSHW[..., :width], feature_dims=2, kept=box[0].view(lambda t: t[..., :width]))
+    o_BSHW.untyped_storage().resize_(0)  # nothing reads the bf16 output again: the E5M6 copy serves backward
+    return out
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary positions (SDPA does the softmax)."""
 
@@ -352,7 +496,38 @@ class Attention(nn.Module):
         angles_SC = torch.arange(s, device=x_BSD.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         cos_SC, sin_SC = angles_SC.cos(), angles_SC.sin()
         q_BSHC, k_BSGC = _rotate(q_BSHC, cos_SC, sin_SC), _rotate(k_BSGC, cos_SC, sin_SC)
-        return self.wo(causal_attention(q_BSHC, k_BSGC, v_BSGC).reshape(b, s, -1))
+        return project_attention(self.wo, q_BSHC, k_BSGC, v_BSGC)
+
+
+class _KeptMLP(torch.autograd.Function):
+    """:class:`DenseMLP` in FP8 keeping, for backward, its input as a :class:`Kept` (FP8, maybe shared with the
+    router) and the SwiGLU input in FP8; the SwiGLU output, the down projection's input, is recomputed for that
+    projection's weight gradient, as the routed experts do (:func:`kernels.functional.grouped_experts`)."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, kept: Kept):
+        h_TF2 = kernel_fp8.linear_forward(x_TD.reshape(-1, x_TD.shape[-1]), w_gate_up)
+        y_TD = kernel_fp8.linear_forward(ops.swiglu(h_TF2), w_down)
+        ctx.weights, ctx.restore, ctx.x_shape = (w_gate_up, w_down), kept.restore, x_TD.shape
+        ctx.save_for_backward(*kept.parts, *kernel_fp8.quantize_rows(h_TF2))
+        return y_TD.view(*x_TD.shape[:-1], w_down.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (w_gate_up, w_down), restore = ctx.weights, ctx.restore
+        *parts, hq, h_scale = ctx.saved_tensors
+        dy_TD = dy.reshape(-1, dy.shape[-1])
+        h_TF2 = kernel_fp8.Quantized(hq, h_scale).dequantize(dy.dtype)
+        dh_TF2 = ops.swiglu_backward(kernel_fp8.linear_dgrad(dy_TD, w_down), h_TF2)
+        dx = kernel_fp8.linear_dgrad(dh_TF2, w_gate_up).view(ctx.x_shape)
+
+        def wgrad() -> None:
+            accumulate_grad(w_down, kernel_fp8.linear_wgrad(dy_TD, ops.swiglu(h_TF2)))
+            x_TD = restore(*parts)
+            accumulate_grad(w_gate_up, kernel_fp8.linear_wgrad(dh_TF2, x_TD.reshape(-1, x_TD.shape[-1])))
+
+        defer_wgrad(wgrad)
+        return dx, None, None, None
 
 
 class DenseMLP(nn.Module):
@@ -363,6 +538,12 @@ class DenseMLP(nn.Module):
         self.gate_up = Linear(hidden, 2 * intermediate)
         self.down = Linear(intermediate, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., D] -> [..., D]`` (``functional.swiglu`` flattens the leading dims for the kernel)."""
+    def forward(self, x: torch.Tensor, kept: Kept | None = None) -> torch.Tensor:
+        """``[..., D] -> [..., D]`` (``functional.swiglu`` flattens the leading dims for the kernel).
+
+        With FP8 caching (:func:`caches_fp8`) it keeps its input in FP8 (``kept``: that copy, made by the caller
+        and shared with another reader, the router) and the SwiGLU input in FP8, and recomputes the SwiGLU
+        output (:class:`_KeptMLP`), where it would keep x, the SwiGLU input and output in the activation dtype."""
+        if caches_fp8(self.gate_up, self.down):
+            return _KeptMLP.apply(x, self.gate_up.weight, self.down.weight, keep_fp8(x) if kept is None else kept)
         return self.down(functional.swiglu(self.gate_up(x)))

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.models.layers import Linear, RMSNorm, causal_attention, recompute, release
+from moe.models.layers import Linear, RMSNorm, project_attention, recompute, release
 from moe.models.rope import RopeConfig, apply_rotary, hf_field, rotary_cos_sin
 
 __all__ = ["LATENT_NORM_EPS", "MLAttention", "sdpa_head_dim"]
@@ -135,12 +135,13 @@ class MLAttention(nn.Module):
             q_BSHW, k_BSHW, v_BSHW = recompute(self.up_project, q_in_BSX, c_kv_BSL, k_rope_BSR)
         else:
             q_BSHW, k_BSHW, v_BSHW = self.up_project(q_in_BSX, c_kv_BSL, k_rope_BSR)
-        # One head dim W for q, k and v: a fused kernel (the module docstring); the padded columns are sliced off.
-        o_BSHW = causal_attention(q_BSHW, k_BSHW, v_BSHW, scale=self.softmax_scale)
+        # One head dim W for q, k and v: a fused kernel (the module docstring); o_proj reads the first V columns
+        # of each head as a view of SDPA's output (which SDPA keeps anyway), not a copy; with FP8 caching both
+        # read one E5M6 copy instead (moe.models.layers.project_attention).
+        out_BSD = project_attention(self.o_proj, q_BSHW, k_BSHW, v_BSHW, self.softmax_scale, self.v_head_dim)
         # Selective recompute: the attention's saved q, k, v are refilled from the latents in its backward.
-        release((q_BSHW, k_BSHW, v_BSHW), after=o_BSHW)
-        # o_proj keeps the slice as a view of SDPA's output (which SDPA keeps anyway), not a copy of it.
-        return self.o_proj(o_BSHW[..., : self.v_head_dim], feature_dims=2)
+        release((q_BSHW, k_BSHW, v_BSHW), after=out_BSD)
+        return out_BSD
 
     def up_project(
         self, q_in_BSX: torch.Tensor, c_kv_BSL: torch.Tensor, k_rope_BSR: torch.Tensor

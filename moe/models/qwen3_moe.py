@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe.models.layers import Linear, RMSNorm, causal_attention
+from moe.models.layers import Linear, RMSNorm, project_attention
 from moe.models.rope import RopeConfig, apply_rotary, hf_field, rotary_cos_sin
 
 __all__ = ["Qwen3Attention"]
@@ -85,5 +85,4 @@ class Qwen3Attention(nn.Module):
         cos_SP, sin_SP = rotary_cos_sin(self.inv_freq, torch.arange(s, device=x_BSD.device))
         q_BSHC = apply_rotary(q_BSHC, cos_SP, sin_SP, interleave=False)
         k_BSGC = apply_rotary(k_BSGC, cos_SP, sin_SP, interleave=False)
-        o_BSHC = causal_attention(q_BSHC, k_BSGC, v_BSGC)  # scale head_dim ** -0.5, the published one
-        return self.o_proj(o_BSHC.reshape(b, s, self.num_heads * self.head_dim))
+        return project_attention(self.o_proj, q_BSHC, k_BSGC, v_BSGC)  # scale head_dim ** -0.5, the published one

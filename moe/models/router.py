@@ -20,7 +20,7 @@ from torch import nn
 
 from kernels import ops
 from moe.models.config import MoEConfig
-from moe.models.layers import Linear
+from moe.models.layers import Kept, Linear
 
 __all__ = ["Router", "Routing", "bias_rate_at", "load_balancing_loss", "routing_imbalance"]
 
@@ -73,13 +73,17 @@ class Router(nn.Module):
         self,
         z_BSD: torch.Tensor,
         topk_idx_TK: torch.Tensor | None = None,
+        kept: Kept | None = None,
     ) -> Routing:
-        """Route ``z``; pass ``topk_idx_TK`` to replay an earlier decision (activation recomputation).
+        """Route ``z``; pass ``topk_idx_TK`` to replay an earlier decision (activation recomputation). ``kept``: z
+        as the block keeps it for backward (FP8 caching), which the gate saves instead of z for its weight
+        gradient; the gate's GEMMs themselves stay in z's dtype.
 
         A fresh decision in training mode adds its per-expert counts to ``expert_load``.
         """
         b, s, d = z_BSD.shape
-        logits_TE = self.gate(z_BSD.reshape(b * s, d))
+        kept_TD = None if kept is None else kept.view(lambda z: z.reshape(b * s, d))
+        logits_TE = self.gate(z_BSD.reshape(b * s, d), kept=kept_TD)
         softmax = self.scoring == "softmax"
         scores_TE = torch.softmax(logits_TE.float(), dim=-1) if softmax else torch.sigmoid(logits_TE.float())
         if topk_idx_TK is None:

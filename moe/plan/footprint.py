@@ -25,14 +25,17 @@ count is :func:`dualpipe.simulate.simulate`'s). The memory options the DeepSeek-
 - ``state_dtype="bfloat16"``: 2-byte moments.
 - ``mtp_shared``: the MTP modules use the main embedding and head (:mod:`moe.plan.params`).
 - ``fp8_activations`` (with FP8 GEMMs; the trainer's ``training.fp8_activations``, :mod:`kernels.fp8`'s
-  ``save_fp8``): the routed experts keep what they save for backward, the up-projection's input (the
-  expert-sorted rows ``[M, D]``, the FP8 copy its GEMM made) and the SwiGLU input ``[M, 2F]``, in FP8 with one
-  fp32 scale per 1x128 tile along the last dim (:func:`fp8_elem_bytes`: 1 + 4/128 bytes an element when the
-  width is a multiple of 128) instead of the activation dtype, as the DeepSeek-V3 report does (3.3.3). Nothing
-  else changes: every ``moe.models.layers.Linear`` (attention's projections, the dense and shared-expert MLPs, MTP's
-  ``eh_proj``) saves its input in the activation dtype as without FP8 (the output projection's input too,
-  which the report keeps in E5M6). Selective recompute neither drops nor reruns the experts, so the two
-  options compose; under full recompute the rebuilt layer caches in FP8 as well.
+  ``save_fp8``), the report's caching (3.3.3), each tensor once for all its readers: the routed experts keep
+  their up-projection input (the expert-sorted rows ``[M, D]``, the FP8 copy its GEMM made) and SwiGLU input
+  ``[M, 2F]`` in FP8 with one fp32 scale per 1x128 tile along the last dim (:func:`fp8_elem_bytes`: 1 + 4/128
+  bytes an element when the width is a multiple of 128) instead of the activation dtype; the MLP's normed
+  input ``[T, D]`` is one FP8 copy for the router's gate and the shared experts (or the dense MLP); a SwiGLU
+  MLP keeps its SwiGLU input in FP8 and recomputes its output, the down projection's input, which it no longer
+  keeps; SDPA's output ``[T, H x W]`` is one E5M6 copy (:func:`kernels.e5m6.e5m6_elem_bytes`: 1.5 bytes + a
+  power-of-2 fp32 scale per 1x128 tile) for SDPA's backward and the output projection. The attention's other
+  linears, MTP's ``eh_proj`` and the head keep their inputs in the activation dtype. Selective recompute
+  neither drops nor reruns these, so the two options compose; under full recompute the rebuilt layer caches
+  in FP8 as well.
 
 Under every option but full recompute an MoE layer keeps neither its experts' output (the routing weight is
 applied inside the experts, :func:`kernels.functional.row_weights`) nor the rows an ep > 1 dispatch received
@@ -51,6 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dualpipe.schedule import Op, build_schedule, schedule_spec
+from kernels.e5m6 import e5m6_elem_bytes
 from kernels.reference_fp8 import TILE
 from moe.models.config import MoEConfig
 from moe.models.mla import sdpa_head_dim
@@ -131,8 +135,9 @@ def fp8_elem_bytes(width: int) -> float:
     return 1 + FP32 * math.ceil(width / TILE) / width
 
 
-def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int) -> list[Saved]:
-    """What the attention module saves (its input, the block norm's output, is the block's)."""
+def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int, fp8: bool = False) -> list[Saved]:
+    """What the attention module saves (its input, the block norm's output, is the block's); ``fp8``: SDPA's
+    output in E5M6 (:func:`_sdpa_out`)."""
     h, seqs = cfg.num_heads, t // seq_len
     lse = _s("attn.sdpa_lse", seqs * h * seq_len, FP32)
     if cfg.attention == "mla":
@@ -161,7 +166,7 @@ def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int) -> list[Saved]:
             _s("attn.sdpa_q", t * h * w, b, UP),
             _s("attn.sdpa_k", t * h * w, b, UP),
             _s("attn.sdpa_v", v_kept, b, UP),
-            _s("attn.sdpa_out", t * h * w, b),  # o_proj's input is a view of it, sliced back to V
+            _sdpa_out(t, h * w, b, fp8),  # o_proj's input is a view of it, sliced back to V
             lse,
         ]
     c, g = cfg.attn_head_dim, cfg.num_kv_heads
@@ -179,7 +184,7 @@ def _attention(cfg: MoEConfig, t: int, seq_len: int, b: int) -> list[Saved]:
         *out,
         _s("attn.rotary_tables", 2 * seq_len * (c // 2), FP32),
         _s("attn.sdpa_qkv", t * (h + 2 * g) * c, b),
-        _s("attn.sdpa_out", t * h * c, b),
+        _sdpa_out(t, h * c, b, fp8),
         lse,
     ]
 
@@ -212,8 +217,9 @@ def saved_tensors(
     ids; the received rows' routing weights stay as a piece input; the received rows themselves are freed
     once permuted; a SwiGLU MLP saves its input, the gate/up output and the down projection's input. The
     linears save their inputs; the router's gate saves an MoE layer's normed input (the shared experts read
-    it too). ``fp8``: the routed experts' two tensors in FP8 (``mlp.experts_input_fp8``,
-    ``mlp.experts_gate_up_output_fp8``, :func:`fp8_elem_bytes`).
+    it too). ``fp8``: FP8 caching (the module docstring): the entries ending in ``_fp8`` (the
+    experts' two tensors, the normed MLP input, the SwiGLU MLPs' SwiGLU input, :func:`fp8_elem_bytes`) and
+    ``attn.sdpa_out_e5m6``, no down-projection inputs.
     Received rows per rank are ``T x`` :func:`moe.plan.routing.expected_ranks`; at ep = 1 they are the
     normed tokens themselves (no copy). Names ``"attn.<tensor>"`` /
     ``"mlp.<tensor>"`` after ``prefix``; :data:`LEAVES` marks the ones kept by the runtime.
@@ -224,12 +230,14 @@ def saved_tensors(
     out = [_s("attn.input", t * d, b, LEAF, *(() if b < FP32 else (SELECTIVE,)))]
     # selective recompute frees the attention norm's output once its readers have run (moe.models.layers.release)
     out += [*_norm("attn.", t, d, b), _s("attn.norm_output", t * d, b, NORM)]
-    out += _attention(cfg, t, seq_len, b)
+    out += _attention(cfg, t, seq_len, b, fp8)
     out += [*_norm("attn.mlp_", t, d, b), _s("attn.mlp_norm_input", t * d, b, SELECTIVE)]
-    out.append(_s("attn.mlp_norm_output", t * d, b))
+    if fp8:  # one FP8 copy, saved by the router's gate and the shared experts (or the dense MLP)
+        out.append(_s("attn.mlp_norm_output_fp8", t * d, fp8_elem_bytes(d)))
+    else:
+        out.append(_s("attn.mlp_norm_output", t * d, b))
     if not cfg.is_moe_layer(layer):
-        f = cfg.dense_intermediate_size
-        out += [_s("mlp.swiglu_input", t * 2 * f, b), _s("mlp.down_input", t * f, b)]
+        out += _swiglu_mlp_kept("mlp.", t, cfg.dense_intermediate_size, b, fp8)
     else:
         e, f = cfg.num_experts, cfg.moe_intermediate_size
         rows = t * expected_ranks(cfg, ep) if ep > 1 else 0.0
@@ -243,12 +251,26 @@ def saved_tensors(
             *_experts_kept(m, d, f, b, fp8),
         ]
         if cfg.num_shared_experts:
-            fs = cfg.num_shared_experts * f
-            out += [
-                _s("mlp.shared_swiglu_input", t * 2 * fs, b),
-                _s("mlp.shared_down_input", t * fs, b),
-            ]
+            out += _swiglu_mlp_kept("mlp.shared_", t, cfg.num_shared_experts * f, b, fp8)
     return [Saved(prefix + s.name, s.elements, s.elem_bytes, s.tags) for s in out]
+
+
+def _sdpa_out(t: int, width: int, b: int, fp8: bool) -> Saved:
+    """SDPA's output ``[T, H x W]``, read by SDPA's backward and the output projection's weight gradient: in the
+    activation dtype, or with ``fp8`` caching one E5M6 copy for both (:func:`moe.models.layers.project_attention`,
+    :func:`kernels.e5m6.e5m6_elem_bytes`)."""
+    if fp8:
+        return _s("attn.sdpa_out_e5m6", t * width, e5m6_elem_bytes(width))
+    return _s("attn.sdpa_out", t * width, b)
+
+
+def _swiglu_mlp_kept(prefix: str, t: int, f: int, b: int, fp8: bool) -> list[Saved]:
+    """A SwiGLU MLP's SwiGLU input ``[T, 2F]`` and down projection's input ``[T, F]`` (its input is the block's
+    normed ``z``); with ``fp8`` caching the SwiGLU input in FP8 only, the down projection's input recomputed from
+    it (``moe.models.layers._KeptMLP``)."""
+    if fp8:
+        return [_s(prefix + "swiglu_input_fp8", t * 2 * f, fp8_elem_bytes(2 * f))]
+    return [_s(prefix + "swiglu_input", t * 2 * f, b), _s(prefix + "down_input", t * f, b)]
 
 
 def _experts_kept(m: float, d: int, f: int, b: int, fp8: bool) -> list[Saved]:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import moe.models.mla as mla
+import moe.models.layers as layers
 from dualpipe.weight_grad import WeightGradStore
 from moe import MoEModel
 from moe.models.config import PRESETS
@@ -110,7 +110,7 @@ def test_padded_equals_unpadded(case: str, selective: bool, monkeypatch: pytest.
         with sdpa_kernel(SDPBackend.MATH):  # the math path takes V != C
             return causal_attention(q[..., :C], k[..., :C], val[..., :v], scale=scale)
 
-    monkeypatch.setattr(mla, "causal_attention", unpadded_attention)
+    monkeypatch.setattr(layers, "causal_attention", unpadded_attention)  # what project_attention calls
     reference = run()
     for ours, ref in zip(padded[:2], reference[:2]):
         assert torch.allclose(ours, ref, rtol=0, atol=1e-12 * ref.abs().max().item())

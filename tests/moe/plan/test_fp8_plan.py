@@ -14,6 +14,7 @@ from kernels.fp8 import FP8Recipe
 from moe import MoEModel
 from moe.models.config import PRESETS, MoEConfig
 from moe.models.layers import use_fp8
+from moe.models.mla import sdpa_head_dim
 from moe.plan import flops as fl
 from moe.plan.cli import main
 from moe.plan.costs import NO_FP8, Parallelism, Precision, Workload, substage_costs
@@ -140,11 +141,36 @@ ALIGNED = {
 }  # fmt: skip
 
 
+def _caching_saves(cfg: MoEConfig, block: int, t: int) -> int:
+    """Bytes FP8 caching takes off one micro-batch of ``t`` bf16 tokens in ``block``, written out by hand: each
+    kept tensor goes from 2 bytes an element to 1 (FP8) or 1.5 (E5M6) plus one fp32 scale per row and 1x128 tile.
+    SDPA's output [T, H x W] to E5M6; the MLP's normed input [T, D] to FP8; an MoE block's expert rows [T K, D]
+    and SwiGLU input [T K, 2F] to FP8; a SwiGLU MLP's (dense, or shared experts') SwiGLU input [T, 2F] to FP8 and
+    its down projection's input [T, F] (2 bytes an element) gone, recomputed."""
+
+    def tiles(width: int) -> int:
+        return 4 * math.ceil(width / 128)
+
+    def mlp(f: int) -> int:
+        return t * (2 * f - tiles(2 * f)) + 2 * t * f
+
+    c = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    hw = cfg.num_heads * (sdpa_head_dim(c, cfg.v_head_dim) if cfg.attention == "mla" else cfg.attn_head_dim)
+    saved = t * (hw // 2 - tiles(hw)) + t * (cfg.hidden_size - tiles(cfg.hidden_size))
+    if not cfg.is_moe_layer(block):
+        return saved + mlp(cfg.dense_intermediate_size)
+    d, f2, m = cfg.hidden_size, 2 * cfg.moe_intermediate_size, t * cfg.top_k
+    saved += m * (d + f2) - m * (tiles(d) + tiles(f2))
+    return saved + (mlp(cfg.num_shared_experts * cfg.moe_intermediate_size) if cfg.num_shared_experts else 0)
+
+
 @pytest.mark.parametrize("name", sorted(ALIGNED))
 def test_fp8_activations_against_the_tracker(name: str) -> None:
     """FP8 GEMMs in bf16, with and without fp8_activations: the saved bytes listed change by exactly what the
-    tracker sees change, and that is the routed experts' two inputs going from 2 bytes an element to FP8 with
-    its scales in every MoE block (MTP's included): 64 tokens x top-2 = 128 rows of [D] and [2F]."""
+    tracker sees change, and that is, in every block (MTP's included, 64 tokens, top-2), what
+    :func:`_caching_saves` writes out: SDPA's output in E5M6 (shared by SDPA's backward and o_proj), the MLP's
+    normed input in FP8 (shared by the router's gate and the shared experts), the routed experts' two inputs and
+    the SwiGLU MLPs' SwiGLU inputs in FP8, their down projections' inputs recomputed."""
     cfg = ALIGNED[name]
     layers = range(cfg.num_layers)
     blocks = [*layers, *range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers)]
@@ -158,35 +184,41 @@ def test_fp8_activations_against_the_tracker(name: str) -> None:
         )
         listed[save] = total - leaves
     assert listed[True] - listed[False] == measured[True] - measured[False]
-    d, f2 = cfg.hidden_size, 2 * cfg.moe_intermediate_size
-    moe_blocks = sum(cfg.is_moe_layer(i) for i in blocks)
-    scales = 128 * 4 * (math.ceil(d / 128) + math.ceil(f2 / 128))  # one fp32 scale per row and 1x128 tile
-    assert measured[False] - measured[True] == moe_blocks * (128 * (d + f2) * (2 - 1) - scales) > 0
+    assert measured[False] - measured[True] == sum(_caching_saves(cfg, i, 64) for i in blocks) > 0
 
 
 def test_fp8_activations_by_hand() -> None:
     """An MoE layer of 64 tokens, top-2: the experts' sorted rows [128, 32] and SwiGLU input [128, 2 x 16] are
     kept as 1 byte an element plus one fp32 scale per row (a row is one partial 1x128 tile): 128 x 32 x (1 + 4/32)
-    each, instead of 2 bytes. Nothing else changes, the dense layer not at all, under selective recompute
-    neither; with an MTP module eh_proj's input stays bf16."""
+    each, instead of 2 bytes; SDPA's output [64, 4 x 8] in E5M6 (1.5 bytes + 4/32); the normed MLP input [64, 32]
+    and the shared expert's SwiGLU input [64, 32] in FP8, its down projection's input [64, 16] gone. Nothing else
+    changes, under selective recompute neither; the dense layer's SwiGLU MLP like the shared expert's."""
     plain = layer_activations(CFG, 1, 64, 32, 2)
     fp8 = layer_activations(CFG, 1, 64, 32, 2, fp8=True)
     assert fp8["mlp.experts_input_fp8"] == fp8["mlp.experts_gate_up_output_fp8"] == 128 * 32 * 1.125
     assert plain["mlp.experts_input"] == plain["mlp.experts_gate_up_output"] == 128 * 32 * 2
-    rest = {k: v for k, v in plain.items() if not k.startswith("mlp.experts_")}
-    assert {k: v for k, v in fp8.items() if not k.startswith("mlp.experts_")} == rest
-    assert sum(plain.values()) - sum(fp8.values()) == 2 * 128 * 32 * (2 - 1.125)
-    assert layer_activations(CFG, 0, 64, 32, 2, fp8=True) == layer_activations(CFG, 0, 64, 32, 2)
+    assert fp8["attn.sdpa_out_e5m6"] == 64 * 32 * (1.5 + 4 / 32) and plain["attn.sdpa_out"] == 64 * 32 * 2
+    assert fp8["attn.mlp_norm_output_fp8"] == fp8["mlp.shared_swiglu_input_fp8"] == 64 * 32 * 1.125
+    assert plain["mlp.shared_down_input"] == 64 * 16 * 2 and "mlp.shared_down_input" not in fp8
+    changed = {"attn.sdpa_out", "attn.mlp_norm_output", "mlp.shared_swiglu_input", "mlp.shared_down_input"}
+    rest = {k: v for k, v in plain.items() if not k.startswith("mlp.experts_") and k not in changed}
+    assert {k: v for k, v in fp8.items() if not k.startswith("mlp.experts_") and not k.endswith(("_fp8", "_e5m6"))} == (
+        rest
+    )
+    by_hand = _caching_saves(CFG, 1, 64)
+    assert sum(plain.values()) - sum(fp8.values()) == by_hand
+    dense = {f: layer_activations(CFG, 0, 64, 32, 2, fp8=f) for f in (False, True)}
+    assert sum(dense[False].values()) - sum(dense[True].values()) == _caching_saves(CFG, 0, 64)
+    assert dense[True]["mlp.swiglu_input_fp8"] == 64 * 96 * (1 + 4 / 96) and "mlp.down_input" not in dense[True]
     sel = {f: sum(layer_activations(CFG, 1, 64, 32, 2, recompute="selective", fp8=f).values()) for f in (False, True)}
-    assert sel[False] - sel[True] == 2 * 128 * 32 * (2 - 1.125)
-    # MLA with MTP, every width a multiple of 128: two MoE blocks (layer 1 and MTP's) each drop
-    # 128 x (128 + 256) x (2 - 1 - 4/128) bytes, and nothing else does
+    assert sel[False] - sel[True] == by_hand
+    # MLA with MTP, every width a multiple of 128: the dense block, layer 1's and MTP's MoE blocks, as written out
     mla = ALIGNED["mla-mtp"]
     kept = {
         f: module_activation_bytes(mla, range(2), 64, 32, 2, 1, first=True, last=True, recompute="none", fp8=f)
         for f in (False, True)
     }
-    assert kept[False] - kept[True] == 2 * 128 * 384 * (1 - 4 / 128)
+    assert kept[False] - kept[True] == sum(_caching_saves(mla, i, 64) for i in range(3))
     # the footprint of a DeepSeek-V3 rank at the report's layout drops too; fp8_activations needs FP8 GEMMs
     v3, par = PRESETS["deepseek-v3"], Parallelism(pp=16, dp=128, ep=64, schedule="dualpipe")
     work = Workload(seq_len=4096, micro_batch=1, comm_sms=20, precision=FP8)

@@ -16,10 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from dualpipe.pieces import BlockRun, Compute
 from kernels.fp8 import FP8Recipe
+from moe.dispatch.local import LocalDispatcher
 from moe.models.config import MoEConfig, preset
 from moe.models.layers import Linear, use_fp8
 from moe.models.model import MoEModel
+from moe.models.stage import MoEStage
+from tests.moe.helpers import SEED, assert_rel_close
+from tests.moe.models.test_experts import DeliveringDispatcher
 from tests.moe.train.test_trainer import train_each
 
 STEPS = 20
@@ -88,30 +93,74 @@ def test_published_architectures_run_their_projections_in_fp8(name: str) -> None
         assert 0 < err < 0.2, (n, err)
 
 
-def test_fp8_activations_keep_the_experts_inputs_in_fp8() -> None:
-    """save_fp8 keeps the routed experts' up-projection input and SwiGLU input in FP8 (1 byte + 4/128) instead of
-    bf16 (2 bytes): exactly those bytes go, nothing else changes size; the gradients move by one rounding."""
+def test_fp8_activations_keep_what_the_report_keeps() -> None:
+    """save_fp8 keeps, per MoE layer, the routed experts' up-projection input and SwiGLU input, the MLP's normed
+    input (one copy for the router's gate and the shared expert) and the shared expert's SwiGLU input in FP8 (1
+    byte + 4/128), and SDPA's output in E5M6 (1.5 bytes + 4/128; one copy for SDPA and o_proj), instead of bf16;
+    the shared expert's down-projection input is recomputed. Exactly those bytes go; the gradients move by one
+    rounding."""
     cfg = MoEConfig(num_layers=2, hidden_size=128, moe_intermediate_size=128)
     ids = torch.randint(0, cfg.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
     out = {}
     for save in (False, True):
         model = use_fp8(MoEModel(cfg, seed=0).to(torch.bfloat16), FP8Recipe(save_fp8=save))
-        saved: list[tuple[torch.dtype, int]] = []
+        saved: dict[int, tuple[torch.dtype, int]] = {}  # distinct storages
 
-        def pack(t: torch.Tensor, saved: list = saved) -> torch.Tensor:
-            saved.append((t.dtype, t.numel() * t.element_size()))
+        def pack(t: torch.Tensor, saved: dict = saved) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = (t.dtype, t.untyped_storage().nbytes())
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = model(ids)
         logits.float().square().mean().backward()
-        out[save] = (saved, model.embed.weight.grad.float().clone())
+        out[save] = (list(saved.values()), model.embed.weight.grad.float().clone())
     plain, kept = out[False][0], out[True][0]
-    fp8_bytes = sum(n for dtype, n in kept if dtype == torch.float8_e4m3fn)
-    # Per layer: x [M, 128] and h [M, 256] in FP8 with one float32 scale per 128: (1 + 4/128) bytes an element,
-    # where bf16 kept 2; M = 256 tokens x top-2 = 512 rows.
-    rows, layers = 2 * 128 * cfg.top_k, cfg.num_layers
-    assert fp8_bytes == layers * rows * (128 + 256)
-    assert sum(n for _, n in plain) - sum(n for _, n in kept) == layers * rows * (128 + 256) * (2 - 1 - 4 / 128)
+    t, layers, rows = 2 * 128, cfg.num_layers, 2 * 128 * cfg.top_k
+    assert cfg.num_dense_layers == 0 and cfg.num_shared_experts == 1 and cfg.num_heads * cfg.attn_head_dim == 128
+    # per layer: experts' x [M, 128] and h [M, 256] (M = 256 tokens x top-2 = 512 rows), z [T, 128], the shared
+    # expert's h [T, 256]; E5M6: SDPA's output [T, 128] as 1.5 bytes an element
+    fp8 = layers * (rows * (128 + 256) + t * (128 + 256))
+    e5m6 = layers * t * 128 * 3 // 2
+    assert sum(n for dtype, n in kept if dtype == torch.float8_e4m3fn) == fp8
+    assert sum(n for dtype, n in kept if dtype == torch.uint8) == e5m6
+    scales = layers * 4 * (rows * (1 + 2) + t * (1 + 2 + 1))  # one fp32 per row and 1x128 tile
+    bf16 = layers * 2 * (rows * (128 + 256) + t * (128 + 256 + 128 + 128))  # the shared expert's down input [T, 128]
+    assert sum(n for _, n in plain) - sum(n for _, n in kept) == bf16 - fp8 - e5m6 - scales
     torch.testing.assert_close(out[True][1], out[False][1], rtol=0.1, atol=0.1 * out[False][1].abs().max().item())
     assert not torch.equal(out[True][1], out[False][1])
+
+
+@pytest.mark.parametrize("dispatcher", ["local", "delivering"])
+def test_fp8_caching_frees_the_mlp_input(dispatcher: str) -> None:
+    """Under FP8 caching nothing of the backward reads the MLP's normed input z (its readers keep FP8 copies), so
+    the overlap runtime's z, a piece output and input it holds, is freed once the MLP piece has run (at ep = 1
+    the received rows are z itself; an all-to-all delivers a new buffer); without caching it stays. The backward
+    then gives the same gradients as the block's one-graph forward."""
+    cfg = MoEConfig(num_layers=2, num_dense_layers=1, hidden_size=128, moe_intermediate_size=128)
+    x = torch.randn(2, 8, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for save in (False, True):
+        grads = []
+        for piecewise in (True, False):
+            disp = LocalDispatcher(cfg.num_experts) if dispatcher == "local" else DeliveringDispatcher(cfg.num_experts)
+            stage = MoEStage(cfg, range(1, 2), first=False, last=False, dispatcher=disp)
+            stage.reset_parameters(SEED)
+            block = use_fp8(stage.to(torch.bfloat16), FP8Recipe(save_fp8=save)).blocks["1"]
+            if not piecewise:
+                out = block(x.clone().requires_grad_())
+                out.backward((2 * out.detach().float()).bfloat16())
+                grads.append({n: p.grad for n, p in block.named_parameters()})
+                continue
+            decl = block.pieces()
+            run = BlockRun(decl)
+            run.begin(x.clone().requires_grad_())
+            for i, piece in enumerate(decl.pieces):
+                run.compute(i) if isinstance(piece, Compute) else run.start(i)
+            out = run.output()
+            assert (run.values["z"].untyped_storage().nbytes() == 0) is save
+            run.begin_backward((2 * out.float()).bfloat16())
+            for i in reversed([i for i, p in enumerate(decl.pieces) if isinstance(p, Compute)]):
+                run.compute_dx(i)
+                run.compute_dw(i)
+            grads.append({n: p.grad for n, p in block.named_parameters()})
+        for name, grad in grads[1].items():
+            assert_rel_close(grads[0][name].float(), grad.float(), 1e-2, name)
