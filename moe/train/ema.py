@@ -26,7 +26,8 @@ next step. The next optimizer step must not overwrite a master before the copy h
 makes the current stream wait for the copy's event (a wait on the device, not on the host). On a CPU rank the
 copy is a plain copy on the calling thread and the worker does the rest: the same path, so tests run it.
 
-Host memory: 8 bytes per element held, the average and the staging buffer (:func:`host_bytes`).
+Host memory: :data:`moe.optim_state.EMA_HOST_BYTES` per element held, the average and the staging buffer
+(:meth:`HostEMA.host_bytes`; the planner's footprint counts the same, as host bytes beside the GPU's).
 """
 
 from __future__ import annotations
@@ -38,12 +39,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from moe.optim_state import EMA_HOST_BYTES
 from moe.train.optimizer import DistributedOptimizer
 
-__all__ = ["HOST_BYTES_PER_ELEMENT", "HostEMA", "ema_reference"]
-
-HOST_BYTES_PER_ELEMENT = 8
-"""fp32 average + fp32 staging buffer the device copies into, per element a rank holds."""
+__all__ = ["HostEMA", "ema_reference"]
 
 
 def ema_reference(trajectory: list[torch.Tensor], decay: float) -> torch.Tensor:
@@ -104,7 +103,7 @@ class HostEMA:
 
     def host_bytes(self) -> int:
         """Host bytes this rank holds for the average: the average and the staging buffer."""
-        return self._ema.numel() * HOST_BYTES_PER_ELEMENT
+        return self._ema.numel() * EMA_HOST_BYTES
 
     @torch.no_grad()
     def reset(self) -> None:

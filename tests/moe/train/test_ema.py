@@ -3,6 +3,7 @@ under ZeRO-1, resumed and exported, is tested in test_trainer.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from pathlib import Path
@@ -13,8 +14,10 @@ import torch
 from torch import nn
 
 import moe.train.ema
+from moe.train.cli import config_from_args
 from moe.train.ema import HostEMA, ema_reference
 from moe.train.optimizer import DistributedOptimizer, ShardGroup
+from moe.train.preflight import job_footprint
 from tests.distributed import run_ranks
 
 
@@ -103,7 +106,6 @@ def _recorded(rank: int, world: int, argv: list[str]) -> dict:
     """Train through the library with the weights recorded before the run's first step and after each step;
     every rank checks its rows of the average against the plain-torch average of that trajectory, and, with
     ``--save-hf --ema-weights``, the exported tensors against the whole of it."""
-    from moe.train.cli import config_from_args
     from moe.train.trainer import Trainer
 
     trainer = Trainer(config_from_args(argv, world)[0])
@@ -145,7 +147,8 @@ def _recorded(rank: int, world: int, argv: list[str]) -> dict:
         got = {f"{m.stage_index}.{n}": p for m in fresh for n, p in m.named_parameters()}
         exported_wrong = [name for name in want if not torch.equal(got[name], want[name])]
     trainer.close()
-    return {"rows": rows, "wrong": wrong, "steps": len(next(iter(trajectory.values()))) - 1, "exported": exported_wrong}
+    steps = len(next(iter(trajectory.values()))) - 1
+    return {"rows": rows, "wrong": wrong, "steps": steps, "exported": exported_wrong, "host": ema.host_bytes()}
 
 
 def _eval(rank: int, world: int, argv: list[str]) -> dict:
@@ -200,6 +203,11 @@ def test_the_trainers_average_is_plain_torch_over_the_trajectory_each_rank_its_r
     for name, (start, stop, rows) in full[0]["rows"].items():
         other = full[1]["rows"][name]
         assert (start, stop) == (0, -(-rows // 2)) and other[:2] == (stop, rows), name
+    # the planner's host bytes are the trainer's (the fullest rank: rank 0's rows), and none of them on the GPU
+    config = config_from_args([*RUN, "--ema", str(DECAY)], 2)[0]
+    with_ema, without = job_footprint(config), job_footprint(config_from_args(RUN, 2)[0])
+    assert with_ema.host == max(r["host"] for r in full) > 0 and without.host == 0
+    assert with_ema.total == without.total and dataclasses.replace(with_ema, host=0, options={}) == without
     # resumed from a checkpoint without an average: it starts from the checkpoint's weights
     late = runs["late"]
     assert [r["wrong"] for r in late] == [[], []] and late[0]["steps"] == 1
