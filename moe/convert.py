@@ -12,7 +12,8 @@ DST must not exist (or be empty).
   Hugging Face directory, that directory's config.json with only what training changed set, and its tokenizer
   and generation config copied: the checkpoint carries them), safetensors shards of at most
   ``--max-shard-size`` bytes and their index, in the hub layout (:mod:`moe.hf.export`); optimizer state is left
-  out. ``--dtype`` defaults to the checkpoint's (fp32 masters, usually).
+  out. ``--dtype`` defaults to the checkpoint's (fp32 masters, usually). ``--ema-weights`` writes the checkpoint's
+  moving average of the weights (trained with ``--ema``) instead of its weights.
 - HF -> ours: a checkpoint ``DST/step_00000000`` (and ``DST/latest``) that :func:`moe.train.checkpoint.load_checkpoint`
   and ``Trainer.resume`` read at any (pp, dp, ep): the weights (FP8 ones dequantized), the buffers a fresh model
   has (expert-load counts, rotary frequencies) and a fresh optimizer state for ``--optimizer`` (zeros at step 0,
@@ -50,7 +51,14 @@ from moe.command import CommandParser, run_command
 from moe.dispatch.local import LocalDispatcher
 from moe.models.config import MoEConfig
 from moe.models.stage import MoEStage
-from moe.train.checkpoint import CheckpointError, ModelSource, checkpoint_entries, model_source, write_files
+from moe.train.checkpoint import (
+    CheckpointError,
+    ModelSource,
+    checkpoint_entries,
+    has_ema,
+    model_source,
+    write_files,
+)
 from moe.train.manifest import write_manifest
 from moe.train.optimizer import OPTIMIZERS
 
@@ -79,6 +87,9 @@ def _parser() -> CommandParser:
         choices=(*OPTIMIZERS, "none"),
         help="HF -> ours: whose fresh state the checkpoint holds, so Trainer.resume loads it (none: weights only)",
     )
+    p.add_argument(
+        "--ema-weights", action="store_true", help="ours -> HF: the moving average of the weights (trained with --ema)"
+    )
     return p
 
 
@@ -104,9 +115,12 @@ def _empty_target(dst: Path) -> None:
 # ours -> HF
 
 
-def ours_to_hf(step: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_bytes: int | None) -> None:
+def ours_to_hf(
+    step: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_bytes: int | None, ema_weights: bool = False
+) -> None:
     """Our checkpoint ``step`` (a ``step_*`` directory: :func:`moe.train.checkpoint.model_source` finds it in the
-    directory of them) written as a Hugging Face directory ``dst``."""
+    directory of them) written as a Hugging Face directory ``dst``; ``ema_weights``: its moving average of the
+    weights in place of the weights (the buffers are the weights' either way)."""
     from moe.hf import HFConfigError, to_hf_config
     from moe.hf.export import (
         MAX_SHARD_BYTES,
@@ -126,9 +140,13 @@ def ours_to_hf(step: Path, dst: Path, *, dtype: torch.dtype | None, max_shard_by
     meta = json.loads((step / "meta.json").read_text())
     source = HFSource.from_checkpoint(step, meta)  # the Hugging Face directory training started from, if any
     stored = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+    if ema_weights and not has_ema(step):
+        raise ConvertError(f"error: --ema-weights: checkpoint {step} holds no moving average of the weights")
+    params = {name for name, _ in _skeleton(cfg).named_parameters()}
 
     def entry(key: str, row: int | None) -> str:
-        return f"model.{key}" if row is None else f"model.{key}.e{row}"
+        prefix = "ema" if ema_weights and key in params else "model"
+        return f"{prefix}.{key}" if row is None else f"{prefix}.{key}.e{row}"
 
     shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
     for key, shape in checkpoint_shapes(_skeleton(cfg)).items():
@@ -315,11 +333,12 @@ def main(argv: list[str] | None = None) -> Path:
     for line in source.warnings:
         print(f"warning: {line}", file=sys.stderr, flush=True)
     if source.kind == "hf":
-        if args.max_shard_size is not None:
-            raise ConvertError("error: --max-shard-size is for ours -> HF; the source is a Hugging Face directory")
+        if args.max_shard_size is not None or args.ema_weights:
+            flag = "--ema-weights" if args.ema_weights else "--max-shard-size"
+            raise ConvertError(f"error: {flag} is for ours -> HF; the source is a Hugging Face directory")
         out = hf_to_ours(src, dst, dtype=dtype, optimizer=None if args.optimizer == "none" else args.optimizer)
     else:
-        ours_to_hf(source.path, dst, dtype=dtype, max_shard_bytes=args.max_shard_size)
+        ours_to_hf(source.path, dst, dtype=dtype, max_shard_bytes=args.max_shard_size, ema_weights=args.ema_weights)
         out = dst
     print(f"{src} -> {out}", flush=True)
     return out

@@ -11,7 +11,8 @@ position i, so a window's last k+1 positions have no target for it).
 
 ``--model`` is any form the trainer writes: the checkpoint directory (its ``latest``, or the newest intact
 ``step_*`` when that is missing or damaged), a ``step_*`` directory, or a Hugging Face directory (config.json +
-safetensors, as ``--save-hf`` and ``moe.convert`` write it).
+safetensors, as ``--save-hf`` and ``moe.convert`` write it). ``--ema-weights`` evaluates the moving average of the
+weights one of our checkpoints holds (trained with ``--ema``) instead of its weights.
 
 Under torchrun: world = pp x dp, stage r on pipeline rank r, run forward only (1F1B's order: no pairing rule, so
 any batch size runs on any layout). Each data-parallel rank takes the next ceil(B / dp) windows of a batch, one
@@ -37,7 +38,7 @@ from moe.data import DataError, open_data
 from moe.models.config import MoEConfig
 from moe.models.model import lm_loss
 from moe.parallel import ParallelConfig, build_stages, init_layout
-from moe.train.checkpoint import CheckpointError, ModelSource, load_checkpoint, model_source
+from moe.train.checkpoint import CheckpointError, ModelSource, has_ema, load_checkpoint, model_source
 
 __all__ = ["main", "my_windows", "windows"]
 
@@ -68,6 +69,9 @@ def _parser() -> CommandParser:
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: world / pp)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks; divides --dp")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any rank waits for a peer")
+    p.add_argument(
+        "--ema-weights", action="store_true", help="the checkpoint's moving average of the weights (trained with --ema)"
+    )
     return p
 
 
@@ -81,14 +85,21 @@ def windows(tokens_N: np.ndarray, seq_len: int, batch_size: int, batch: int) -> 
     return w_BS1[:, :-1].contiguous(), w_BS1[:, 1:].contiguous()
 
 
-def _model_source(path: str) -> tuple[ModelSource, MoEConfig]:
-    """``--model``'s weights and config, decided alike on every rank before any communication."""
+def _model_source(path: str, ema_weights: bool = False) -> tuple[ModelSource, MoEConfig]:
+    """``--model``'s weights and config, decided alike on every rank before any communication (with
+    ``ema_weights``: that it holds a moving average of the weights)."""
     try:
         # sizes only: every rank resolves it, and checksumming would read the checkpoint once per rank
         source = model_source(path, checksums=False)
-        return source, source.config()
+        config = source.config()
     except CheckpointError as exc:
         raise EvalError(f"error: --model {path}: {exc}") from None
+    if ema_weights and (source.kind == "hf" or not has_ema(source.path)):
+        what = "a Hugging Face directory" if source.kind == "hf" else f"checkpoint {source.path}"
+        raise EvalError(
+            f"error: --ema-weights: {what} holds no moving average of the weights (one of ours trained with --ema does)"
+        )
+    return source, config
 
 
 def _check(args: argparse.Namespace, world: int, tokens: int) -> tuple[ParallelConfig, int]:
@@ -123,7 +134,7 @@ def my_windows(batch_size: int, dp: int, dp_rank: int) -> tuple[np.ndarray, int]
 def evaluate(args: argparse.Namespace) -> dict[str, float]:
     from moe.train.ranks import init_process_group, make_pipeline, pick_device
 
-    source, cfg = _model_source(args.model)
+    source, cfg = _model_source(args.model, args.ema_weights)
     try:
         data = open_data([args.data], dtype=args.data_dtype, val_fraction=0.0)
         data.check_vocab(cfg.vocab_size)
@@ -150,7 +161,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, float]:
         except HFCheckpointError as exc:  # the same files on every rank: all stop alike
             raise EvalError(f"error: --model {args.model}: {exc}") from None
     else:
-        load_checkpoint(source.path, stages, None)
+        load_checkpoint(source.path, stages, None, ema_weights=args.ema_weights)
     pipe = make_pipeline(stages, layout, micro_batch=1, seq_len=args.seq_len, dtype=dtype, timeout_s=args.timeout)
     pipe.eval()
     total = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, micro-batches; the same for MTP

@@ -15,6 +15,9 @@ from dualpipe.registry import Registry
 
 STATE_DTYPES = ("float32", "bfloat16")
 """Dtypes the optimizer moments of fp32 masters can be stored in (``state_dtype``)."""
+EMA_HOST_BYTES = 8
+"""Host bytes per element of the moving average of the weights a rank holds (``--ema``, moe.train.ema): the fp32
+average and the fp32 buffer the device copies the weights into. No GPU bytes."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

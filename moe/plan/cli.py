@@ -42,7 +42,7 @@ JSON_SCHEMA_VERSION = 2
 """2: a row's ``recompute`` is a granularity and it has ``memory_options``; ``inputs.model_source``; the
 ``deepseek_v3`` side-by-side with ``--deepseek-v3``. Added since, without a new number (nothing removed or
 renamed): a row's and the inputs' ``pipeline_layout``, ``deepseek_v3.memory_gib_layout``, ``inputs.precision``
-and ``deepseek_v3.precision``."""
+and ``deepseek_v3.precision``, a row's ``memory_bytes.host`` (not in its ``total``)."""
 
 _RECOMPUTE_FLAG = {"on": ("full",), "off": ("none",), "both": ("none", "full"), "all": RECOMPUTE}
 _RECOMPUTE_FLAG.update({name: (name,) for name in RECOMPUTE})
@@ -92,6 +92,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--state-dtype", choices=STATE_DTYPES, default="float32", help="optimizer moments' dtype (bfloat16: V3's)"
+    )
+    p.add_argument(
+        "--ema",
+        action="store_true",
+        help="a moving average of the weights as the trainer's --ema keeps it: on the host, reported as host memory, "
+        "no GPU bytes",
     )
     p.add_argument(
         "--fp8",
@@ -263,7 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     precision = Precision(fp8=args.fp8, fp8_dispatch=args.fp8_dispatch)
     run = RunShape(args.seq_len, args.global_batch_size, args.micro_batch_size, precision, args.expert_imbalance)
     options = MemoryOptions(
-        state_dtype=args.state_dtype, fp8_activations=args.fp8_activations, mtp_shared=not args.mtp_own_copies
+        state_dtype=args.state_dtype,
+        fp8_activations=args.fp8_activations,
+        mtp_shared=not args.mtp_own_copies,
+        ema=args.ema,
     )
     if args.compare_schedules:
         return _compare(args, cfg, cluster, run, measured, options)

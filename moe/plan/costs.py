@@ -142,6 +142,7 @@ class MemoryOptions:
     state_dtype: str = "float32"
     fp8_activations: bool = False
     mtp_shared: bool = True
+    ema: bool = False
 
 
 TRAINER_DEFAULTS = MemoryOptions()
@@ -202,6 +203,9 @@ class Workload:
     rank that holds both); False: each module holds its own, as the published checkpoint stores them."""
     precision: Precision = NO_FP8
     """FP8 GEMMs and FP8 dispatch (:class:`Precision`)."""
+    ema: bool = False
+    """A moving average of the weights in host memory (the trainer's ``optimizer.ema``): no GPU bytes, its host
+    bytes in :attr:`moe.plan.footprint.Footprint.host`."""
     expert_imbalance: float = 1.0
     """Routed rows of the busiest expert-parallel rank over the group's mean (1: balanced, the routing model's
     uniform state). That rank's routed-expert compute and its all-to-alls take this much longer, and every rank
@@ -240,6 +244,7 @@ class Workload:
             "optimizer_state_dtype": self.state_dtype,
             "mtp_shares_embedding_and_head": self.mtp_shared,
             "fp8_activations": self.fp8_activations,
+            "ema_on_host": self.ema,
         }
 
 

@@ -58,7 +58,7 @@ from kernels.e5m6 import e5m6_elem_bytes
 from kernels.reference_fp8 import TILE
 from moe.models.config import MoEConfig
 from moe.models.mla import sdpa_head_dim
-from moe.optim_state import OPTIMIZERS, shard_rows
+from moe.optim_state import EMA_HOST_BYTES, OPTIMIZERS, shard_rows
 from moe.plan.costs import Parallelism, Workload, recompute_granularity
 from moe.plan.hardware import GPU
 from moe.plan.params import ParamSpec, rank_params, rank_stages
@@ -71,6 +71,7 @@ __all__ = [
     "Saved",
     "footprint",
     "fp8_elem_bytes",
+    "held_elements",
     "layer_activations",
     "module_activation_bytes",
     "saved_tensors",
@@ -437,12 +438,18 @@ def state_bytes(
     state_elem = moments * moment_elem + (FP32 if mixed else 0)
     params = sum(p.numel for p in specs) * param_bytes
     grads = sum(p.numel for p in specs) * grad_elem
+    return params, grads, held_elements(specs, dp=dp, edp=edp, zero=zero) * state_elem
+
+
+def held_elements(specs: list[ParamSpec], *, dp: int, edp: int, zero: bool) -> int:
+    """Elements of ``specs`` whose optimizer state the worst rank holds (and its moving average of the weights):
+    all of them without ``zero``, with it rank 0's rows of every entry (dense over ``dp``, experts over ``edp``)."""
     held = 0
     for p in specs:
         size = (edp if p.expert else dp) if zero else 1
         start, stop = shard_rows(p.entry_rows, size, 0)
         held += (stop - start) * (p.numel // p.entry_rows)  # rank 0's rows of every entry of the tensor
-    return params, grads, held * state_elem
+    return held
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,6 +469,9 @@ class Footprint:
     the overlap: two micro-batches' worth (the overlapped pair)."""
     options: dict[str, object] = field(default_factory=dict, compare=False)
     """The memory options it was sized with (:meth:`moe.plan.costs.Workload.memory_options`)."""
+    host: float = 0.0
+    """Host (CPU) memory of this rank, not in :attr:`total`: the moving average of the weights (``Workload.ema``),
+    :data:`moe.optim_state.EMA_HOST_BYTES` per element of the optimizer state's rows it holds."""
 
     @property
     def total(self) -> float:
@@ -539,17 +549,11 @@ def footprint(
         # send + receive rows, two micro-batches in flight; in the activation dtype, which the combine's rows
         # keep (an FP8 dispatch's are smaller and use the same buffers)
         a2a = 2 * 2 * rows * cfg.hidden_size * b
+        specs = rank_params(
+            cfg, par.pp, par.ep, par.schedule, r, par.modules_per_rank, mtp_shared=work.mtp_shared, pipeline_layout=lay
+        )
         p, g, o = state_bytes(
-            rank_params(
-                cfg,
-                par.pp,
-                par.ep,
-                par.schedule,
-                r,
-                par.modules_per_rank,
-                mtp_shared=work.mtp_shared,
-                pipeline_layout=lay,
-            ),
+            specs,
             param_bytes=param_bytes,
             master_weights=work.master_weights,
             dp=par.dp,
@@ -559,7 +563,9 @@ def footprint(
             state_dtype=work.state_dtype,
         )
         peak = max(sum(live) for live in counts[r])
-        fp = Footprint(r, p, g, o, acts, peak, a2a, work.memory_options())
+        # the moving average lives on the host: no GPU bytes
+        host = EMA_HOST_BYTES * held_elements(specs, dp=par.dp, edp=par.edp, zero=zero) if work.ema else 0.0
+        fp = Footprint(r, p, g, o, acts, peak, a2a, work.memory_options(), host)
         if worst is None or fp.total > worst.total:
             worst = fp
     assert worst is not None

@@ -90,6 +90,7 @@ class LayerCostModel:
             state_dtype=self.memory_options.state_dtype,
             fp8_activations=self.memory_options.fp8_activations,
             mtp_shared=self.memory_options.mtp_shared,
+            ema=self.memory_options.ema,
             precision=self.precision,
             expert_imbalance=self.expert_imbalance,
         )

@@ -287,6 +287,7 @@ def plan_table(result: Plan, top: int = 10) -> str:
         f"  memory per GPU {m.total / GIB:.1f} GiB: parameters {m.params / GIB:.1f}, gradients {m.grads / GIB:.1f}, "
         f"optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, all-to-all buffers "
         f"{m.all_to_all_buffers / GIB:.1f}",
+        *_host_line(m),
         f"  memory options: {describe_options(m.options)}",
         f"  precision: {describe_precision(result.precision.to_dict())}",
         "",
@@ -296,6 +297,13 @@ def plan_table(result: Plan, top: int = 10) -> str:
     lines.append(_table(rows, [*_HEADER, "why it loses"]))
     lines += ["", *why_not(result)]
     return "\n".join(lines)
+
+
+def _host_line(m: Footprint) -> list[str]:
+    """The host memory a rank needs besides the GPU's (the moving average of the weights), if any."""
+    if not m.host:
+        return []
+    return [f"  host memory per rank {m.host / GIB:.1f} GiB: the moving average of the weights (no GPU memory)"]
 
 
 def why_not(result: Plan) -> list[str]:
@@ -324,6 +332,7 @@ def describe_options(options: dict) -> str:
     return (
         f"recompute {options.get('recompute')}, optimizer state {options.get('optimizer_state_dtype')}, {mtp}, "
         f"FP8 activations {'on' if options.get('fp8_activations') else 'off'}"
+        + (", EMA on the host" if options.get("ema_on_host") else "")
     )
 
 

@@ -167,7 +167,7 @@ class Prediction:
         }
 
 
-_MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "all_to_all_buffers", "total")
+_MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "all_to_all_buffers", "total", "host")
 
 
 EXTRA_WARMUP = (0, 1)

@@ -15,6 +15,9 @@ one (pp, ep) loads at another:
   a rank loading ZeRO-1 state reads its rows from a whole-tensor entry just as well);
 - replicated entries (non-expert weights on every ep rank, DualPipe's two copies of a stage, the same chunk
   from two replicas) are written once, the planner de-duplicates them.
+- the moving average of the weights (``--ema``, :class:`moe.train.ema.HostEMA`), when the run keeps one, under
+  ``ema.<key>`` in fp32, each rank its rows as for the optimizer state (:func:`has_ema` tells whether a
+  checkpoint holds it; ``load_checkpoint(..., ema_weights=True)`` loads it as the weights).
 
 Atomicity: all ranks write into ``.step_NNNNNNNN.partial``; once every rank's files are there, rank 0 adds
 ``meta.json`` and a manifest (``moe.train.manifest``: each file's size and CRC-32), renames the directory to
@@ -50,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from moe.models.config import MoEConfig
+from moe.train.ema import HostEMA
 from moe.train.manifest import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
 from moe.train.optimizer import DistributedOptimizer, ParamShard
 
@@ -60,6 +64,7 @@ __all__ = [
     "ModelSource",
     "checkpoint_entries",
     "find_checkpoint",
+    "has_ema",
     "latest_checkpoint",
     "load_checkpoint",
     "model_source",
@@ -154,16 +159,24 @@ class _Rows:
 
 
 def _state_dict(
-    modules: Sequence[nn.Module], optimizer: Optimizer | None, staged: dict[nn.Parameter, torch.Tensor] | None = None
+    modules: Sequence[nn.Module],
+    optimizer: Optimizer | None,
+    staged: dict[nn.Parameter, torch.Tensor] | None = None,
+    *,
+    ema: HostEMA | None = None,
+    ema_weights: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The flat DCP state under global names. A weight with an fp32 master is saved from the master (so every
     copy of a key has one dtype), under ZeRO-1 each rank its rows; to load, pass ``staged``: such weights are
     read whole into fp32 tensors collected there, for :meth:`DistributedOptimizer.load_weight_` to set
-    afterwards (from whichever chunks were saved)."""
+    afterwards (from whichever chunks were saved). ``ema``: its average of each parameter too (``ema.<key>``,
+    this rank's rows); ``ema_weights`` (no optimizer): the parameters are read from those entries."""
     flat: dict[str, torch.Tensor] = {}
     rows = _Rows()
     for key, t, param, row in checkpoint_entries(modules):
-        if not _has_master(optimizer, param):
+        if ema_weights and param is not None:
+            flat[f"ema.{key}"] = t
+        elif not _has_master(optimizer, param):
             flat[f"model.{key}"] = t
         elif staged is not None:
             whole = staged.setdefault(param, torch.empty_like(param, dtype=torch.float32))
@@ -178,7 +191,17 @@ def _state_dict(
         for name, s in _optimizer_state(optimizer, param).items():
             # "step" is a scalar shared by every row of an expert tensor, the same on every rank of the group
             flat[f"optim.{key}.{name}"] = s if s.dim() == 0 else rows(key, s if row is None else s[row], t, row, shard)
+        if ema is not None:
+            average = ema.state_for(param)
+            flat[f"ema.{key}"] = rows(key, average if row is None else average[row], t, row, shard)
     return flat
+
+
+def has_ema(path: str | Path) -> bool:
+    """Whether the checkpoint ``path`` (a ``step_*`` directory) holds a moving average of the weights (its DCP
+    metadata names ``ema.`` entries; nothing else is read)."""
+    stored = dcp.FileSystemReader(Path(path)).read_metadata().state_dict_metadata
+    return any(key.startswith("ema.") for key in stored)
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -373,16 +396,18 @@ def save_checkpoint(
     rank_state: dict[str, Any] | None = None,
     keep_last: int = 3,
     files: dict[str, bytes] | None = None,
+    ema: HostEMA | None = None,
 ) -> Path:
     """Collectively save a checkpoint of ``step``; every rank of the default group must call it.
 
-    ``meta`` (JSON-able: step, data position, config, layout) is written by rank 0; ``rank_state`` (tensors
-    and plain values only, e.g. :func:`rng_state`) is saved per rank and restored only at the same world
-    size; ``files`` (path in the checkpoint directory -> contents: small ones, the tokenizer of the Hugging Face
-    directory the model came from) by rank 0, covered by the manifest. Once the new checkpoint is in place and
-    matches its manifest, all but the newest ``keep_last`` are removed (0: keep all). A failed write on any rank
-    (a full disk) raises :class:`CheckpointError` on every rank after the partial directory is removed; the
-    previous checkpoint and ``latest`` are untouched.
+        ``meta`` (JSON-able: step, data position, config, layout) is written by rank 0; ``rank_state`` (tensors
+        and plain values only, e.g. :func:`rng_state`) is saved per rank and restored only at the same world
+        size; ``files`` (path in the checkpoint directory -> contents: small ones, the tokenizer of the Hugging Face
+        directory the model came from) by rank 0, covered by the manifest; ``ema``: the moving average of the weights
+    too (waited for first). Once the new checkpoint is in place and
+        matches its manifest, all but the newest ``keep_last`` are removed (0: keep all). A failed write on any rank
+        (a full disk) raises :class:`CheckpointError` on every rank after the partial directory is removed; the
+        previous checkpoint and ``latest`` are untouched.
     """
     root = Path(ckpt_dir)
     rank = dist.get_rank()
@@ -401,7 +426,9 @@ def save_checkpoint(
     _agree(error, what)
     try:
         try:
-            dcp.save(_state_dict(modules, optimizer), checkpoint_id=partial)
+            if ema is not None:
+                ema.wait()
+            dcp.save(_state_dict(modules, optimizer, ema=ema), checkpoint_id=partial)
             _write_rank_state(rank_state or {}, partial / f"rank{rank:05d}.pt")
         except (Exception, dcp.CheckpointException) as exc:  # reported to every rank by _agree
             error = _reason(exc)
@@ -446,9 +473,17 @@ def load_checkpoint(
     path: str | Path,
     modules: Sequence[nn.Module],
     optimizer: Optimizer | None,
+    *,
+    ema: HostEMA | None = None,
+    ema_weights: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Load ``path`` (a ``step_*`` directory, from :func:`find_checkpoint`) into ``modules`` and
     ``optimizer`` in place; collective.
+
+    ``ema``: the moving average too, when the checkpoint holds one (:func:`has_ema`); when it does not, the
+    average starts over from the loaded weights. ``ema_weights`` (without an optimizer: evaluation, export):
+    the parameters get the checkpoint's moving average instead of its weights; a checkpoint without one raises
+    :class:`CheckpointError` naming it.
 
     Returns ``(meta, rank_state)``; ``rank_state`` is None when the world size changed. Per-rank state is
     read with ``torch.load(weights_only=True)``: a file holding anything but tensors and plain values (a
@@ -456,6 +491,9 @@ def load_checkpoint(
     """
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
+    stored_ema = has_ema(path)
+    if ema_weights and not stored_ema:
+        raise CheckpointError(f"{path} holds no moving average of the weights (it was trained without --ema)")
     rank_state, error = None, None
     if meta.get("world_size") == dist.get_world_size():
         rank_file = path / f"rank{dist.get_rank():05d}.pt"
@@ -468,7 +506,9 @@ def load_checkpoint(
             error = f"{rank_file}: {_reason(exc)}"
     _agree(error, f"loading checkpoint {path}")
     staged: dict[nn.Parameter, torch.Tensor] = {}
-    state = _state_dict(modules, optimizer, staged)
+    if ema is not None:
+        ema.wait()
+    state = _state_dict(modules, optimizer, staged, ema=ema if stored_ema else None, ema_weights=ema_weights)
     try:
         with torch.no_grad():
             dcp.load(state, checkpoint_id=path)
@@ -476,6 +516,8 @@ def load_checkpoint(
         raise CheckpointError(f"loading checkpoint {path} failed: {_reason(exc)}") from exc
     for param, weight in staged.items():  # fp32 weights of a bf16 model: into the parameter and its master
         optimizer.load_weight_(param, weight)  # type: ignore[union-attr]
+    if ema is not None and not stored_ema:
+        ema.reset()
     return meta, rank_state
 
 

@@ -150,6 +150,11 @@ class OptimizerConfig:
     state_dtype: str = "float32"
     """What the optimizer moments (AdamW's exp_avg and exp_avg_sq, SGD's momentum) of the fp32 masters are
     stored in: ``float32``, or ``bfloat16`` (half the bytes, updated in fp32; the DeepSeek-V3 report's)."""
+    ema: float | None = None
+    """Keep an fp32 exponential moving average of the weights in host memory with this decay, in (0, 1): after
+    each optimizer step ``ema = decay * ema + (1 - decay) * weights``, off the step's path, each rank holding the
+    rows it holds optimizer state for (moe.train.ema; as the DeepSeek-V3 report keeps one, 3.2.3); checkpoints
+    keep it. Unset: none."""
 
     def __post_init__(self) -> None:
         _require(self.name in OPTIMIZERS, "optimizer.name", self.name, f"choose one of {OPTIMIZERS}")
@@ -166,6 +171,8 @@ class OptimizerConfig:
         _require(ok, "optimizer.clip_grad", self.clip_grad, "must be >= 0 (0: no clipping)")
         ok = self.state_dtype in STATE_DTYPES
         _require(ok, "optimizer.state_dtype", self.state_dtype, f"choose one of {', '.join(STATE_DTYPES)}")
+        ok = self.ema is None or 0 < self.ema < 1  # NaN fails both comparisons
+        _require(ok, "optimizer.ema", self.ema, "must lie in (0, 1), a decay such as 0.999 (leave it unset for none)")
 
     def hyper(self) -> dict[str, Any]:
         """The hyper-parameters the chosen rule takes (:attr:`moe.optim_state.OptimizerSpec.hyper`)."""
@@ -293,6 +300,8 @@ class CheckpointConfig:
     """At the end of training, export the model here as a Hugging Face directory (config.json, safetensors
     shards in the hub layout; ``--save-hf``, moe.hf.export): a new or empty directory, a model of a published
     architecture."""
+    ema_weights: bool = False
+    """``save_hf`` writes the moving average of the weights (``optimizer.ema``) instead of the weights."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0 (0: never)")
@@ -394,6 +403,9 @@ class TrainConfig:
                 to_hf_config(cfg)
             except HFConfigError as exc:
                 raise ConfigError(f"checkpoint.save_hf: {exc}") from None
+        if self.checkpoint.ema_weights and (self.optimizer.ema is None or not self.checkpoint.save_hf):
+            need = "--save-hf DIR" if self.optimizer.ema is not None else "--ema DECAY"
+            raise ConfigError(f"checkpoint.ema_weights needs {need} (--ema-weights exports the moving average)")
         tr = self.training
         if tr.global_batch_size is not None and tr.global_batch_size != self.global_batch:
             per = tr.micro_batch_size * pc.dp

@@ -461,6 +461,14 @@ class DistributedOptimizer:
             self._all_gather(gi)
         self.steps += 1
 
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Collective: every rank's rows of every parameter onto every rank (ZeRO-1's all-gathers, as after
+        :meth:`step`; nothing without ZeRO-1), for a caller that wrote its rows of the parameters (the moving
+        average of the weights, :meth:`moe.train.ema.HostEMA.applied`)."""
+        for gi in range(len(self.shard_groups)):
+            self._all_gather(gi)
+
     def _step_buckets(self, slots: list[_Slot]) -> list[list[_Slot]]:
         """``[slots]`` when every moment is in its master's dtype (one torch step); else consecutive buckets whose
         fp32 moments take at most ``_MAX_UPCAST_BYTES`` (each master in one bucket)."""

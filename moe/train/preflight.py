@@ -14,7 +14,7 @@ import torch
 
 from moe.dispatch import DISPATCHERS, Launch
 from moe.parallel import rank_grid
-from moe.plan import HEADROOM, Parallelism, Precision, Workload, footprint
+from moe.plan import HEADROOM, Footprint, Parallelism, Precision, Workload, footprint
 from moe.train.config import TrainConfig
 
 __all__ = ["PreflightError", "check_checkpoint_dir", "check_dispatcher", "check_memory", "memory_estimate"]
@@ -33,6 +33,11 @@ def local_world_size(config: TrainConfig) -> int:
 
 def memory_estimate(config: TrainConfig) -> float:
     """Bytes the most loaded rank needs: the planner's footprint (:func:`moe.plan.footprint`) of this job."""
+    return job_footprint(config).total
+
+
+def job_footprint(config: TrainConfig) -> Footprint:
+    """The planner's footprint of this job's most loaded rank (GPU bytes by kind, and host bytes)."""
     pc, tr = config.parallel, config.training
     act_bytes = torch.finfo(getattr(torch, tr.dtype)).bits // 8
     par = Parallelism(
@@ -52,9 +57,10 @@ def memory_estimate(config: TrainConfig) -> float:
         master_weights=tr.master_weights,
         state_dtype=config.optimizer.state_dtype,
         fp8_activations=tr.fp8_activations,
+        ema=config.optimizer.ema is not None,
         precision=Precision(fp8=tr.fp8, fp8_dispatch=tr.dispatch_fp8),
     )
-    fp = footprint(
+    return footprint(
         config.model_config,
         par,
         work,
@@ -63,7 +69,6 @@ def memory_estimate(config: TrainConfig) -> float:
         param_bytes=act_bytes,
         optimizer=config.optimizer.name,
     )
-    return fp.total
 
 
 def device_memory(device: torch.device, local_ranks: int) -> tuple[float, str]:

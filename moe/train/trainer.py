@@ -44,12 +44,14 @@ from moe.train import preflight
 from moe.train.checkpoint import (
     CheckpointError,
     find_checkpoint,
+    has_ema,
     load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
 from moe.train.config import TrainConfig
+from moe.train.ema import HostEMA
 from moe.train.grad_sync import balance_routers, make_optimizer, reduce_gradients
 from moe.train.guard import find_nonfinite, weights_are_finite
 from moe.train.lr import lr_at
@@ -97,6 +99,8 @@ class Trainer:
         self.stages = self.build_stages()
         self.pipe = self.build_pipeline()
         self.optimizer = self.build_optimizer()
+        self.ema = self.build_ema()
+        """The moving average of the weights on the host (``optimizer.ema``), or None."""
         self.meter = MemoryMeter(list(self.pipe.module), self.optimizer)
         self.offloader = self.build_offloader()
         tr, dp = config.training, self.layout
@@ -247,6 +251,11 @@ class Trainer:
             **opt.hyper(),
         )
 
+    def build_ema(self) -> HostEMA | None:
+        """``optimizer.ema``'s average (:class:`moe.train.ema.HostEMA`), starting from the weights as built."""
+        decay = self.config.optimizer.ema
+        return None if decay is None else HostEMA(self.optimizer, decay)
+
     def build_callbacks(self) -> list[Callback]:
         """Rank 0's record sinks: the progress line, ``metrics.file`` and ``metrics.tensorboard_dir``; built once
         the run knows its first step, so a resumed run first drops the records past its checkpoint."""
@@ -359,10 +368,16 @@ class Trainer:
         print(
             f"MoE {c.model.name}: pp={pc.pp} dp={pc.dp} ep={pc.ep} {pc.schedule} overlap={pc.overlap}{dispatcher} "
             f"chunks={pc.num_chunks} tokens/step={c.global_batch * tr.seq_len} {tr.dtype}{fp8} "
-            f"memory estimate {self.memory_estimate / 2**20:.0f} MiB/rank, MFU against {self.peak_source}; "
+            f"memory estimate {self.memory_estimate / 2**20:.0f} MiB/rank{self._ema_words()}, MFU against "
+            f"{self.peak_source}; "
             f"data: {self.data.description}",
             flush=True,
         )
+
+    def _ema_words(self) -> str:
+        if self.ema is None:
+            return ""
+        return f" (+ EMA {self.ema.decay} on the host, {format_bytes(self.ema.host_bytes())} on rank 0)"
 
     def _maybe_profiled(self, step: int) -> dict[str, Any]:
         """:meth:`train_step`, under the torch profiler for the second step of this run when asked."""
@@ -424,7 +439,11 @@ class Trainer:
         if self.guard_nonfinite(step, loss):
             reduce_gradients(self.modules, self.layout)
             self.grad_norm = self.optimizer.clip_grad_norm_(self.config.optimizer.clip_grad or math.inf)
+            if self.ema is not None:
+                self.ema.before_step()
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update()  # queued: the copy on a side stream, the average on a host thread
             # The bias moves with the learning rate: routing scores drift about as fast as the weights do.
             rate = bias_rate_at(self.model_config.bias_update_rate, lr, self.config.optimizer.lr)
             balance_routers(self.modules, self.layout, rate=rate)
@@ -532,6 +551,7 @@ class Trainer:
                 rng_state(),
                 keep_last=self.config.checkpoint.keep_last,
                 files=files,
+                ema=self.ema,
             )
         except CheckpointError as exc:  # every rank gets it: all stop, none waits on a dead peer
             raise TrainingError(f"error: {exc}; training stopped, the previous checkpoint is untouched") from None
@@ -543,16 +563,22 @@ class Trainer:
     def save_hf(self) -> None:
         """Export the model as a Hugging Face directory (``checkpoint.save_hf``): each rank writes its own stages'
         tensors, in the parameters' dtype (:func:`moe.hf.export.save_hf`), with the config.json, tokenizer and
-        generation config of the directory the model started from, if any (changed only where training did)."""
+        generation config of the directory the model started from, if any (changed only where training did).
+        With ``checkpoint.ema_weights`` the tensors are the moving average's (:meth:`HostEMA.applied`)."""
+        from contextlib import nullcontext
+
         from moe.hf.export import HFExportError, save_hf
 
         path = self.config.checkpoint.save_hf
+        average = self.ema is not None and self.config.checkpoint.ema_weights
         try:
-            save_hf(self.modules, path, self.model_config, source=self.hf_source)
+            with self.ema.applied() if average else nullcontext():  # type: ignore[union-attr]
+                save_hf(self.modules, path, self.model_config, source=self.hf_source)
         except HFExportError as exc:  # every rank gets it
             raise TrainingError(f"error: --save-hf: {exc}") from None
         if self.rank == 0:
-            print(f"exported the model to {path} (Hugging Face layout)", flush=True)
+            what = "the moving average of the weights" if average else "the model"
+            print(f"exported {what} to {path} (Hugging Face layout)", flush=True)
 
     def resume(self) -> None:
         """Continue after the newest intact checkpoint (none: from step 0, one line says so;
@@ -572,9 +598,11 @@ class Trainer:
                 print(f"--resume: no checkpoint in {ck.dir}, starting from step 0", flush=True)
             return
         try:
-            meta, rank_state = load_checkpoint(path, self.modules, self.optimizer)
+            meta, rank_state = load_checkpoint(path, self.modules, self.optimizer, ema=self.ema)
         except CheckpointError as exc:
             raise TrainingError(f"error: {exc}") from None
+        if self.ema is not None and self.rank == 0 and not has_ema(path):
+            print(f"--ema: {path} holds no moving average; it starts from the checkpoint's weights", flush=True)
         if rank_state is not None:
             set_rng_state(rank_state)
         if self.hf_source is None and "hf_config" in meta:  # a checkpoint converted from a Hugging Face directory
@@ -613,6 +641,8 @@ class Trainer:
         timeout instead) and the process group if this trainer made it."""
         for cb in self.callbacks:
             cb.close()
+        if self.ema is not None:
+            self.ema.close()
         dist.barrier()
         for dispatcher in {id(s.dispatcher): s.dispatcher for s in self.modules}.values():
             dispatcher.close()

@@ -42,7 +42,7 @@ def test_json_schema(tmp_path: Path) -> None:
         assert set(row) == ROW_KEYS
         assert row["pp"] * row["dp"] == 8 and row["dp"] % row["ep"] == 0
         assert row["memory_bytes"]["total"] == pytest.approx(
-            sum(v for k, v in row["memory_bytes"].items() if k != "total")
+            sum(v for k, v in row["memory_bytes"].items() if k not in ("total", "host"))
         )
         assert 0 <= row["bubble_fraction"] < 1 and 0 <= row["exposed_a2a_fraction"] <= 1 and 0 < row["mfu"] < 1
     fitting = [r["step_time_s"] for r in doc["top"] if r["fits"]]
@@ -70,6 +70,22 @@ def test_one_line_per_class_of_losing_candidates(capsys: pytest.CaptureFixture[s
     assert int(counts.get("memory", 0)) == total - fit
     rows = text.split("why it loses\n")[1].split("\n\n")[0].splitlines()
     assert sum(int(v) for k, v in counts.items() if k != "memory") == len(rows) - 1  # every timed one but the best
+
+
+def test_the_ema_is_host_memory_beside_the_gpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ema``: the same plan, GPU bytes for GPU bytes; the average's bytes reported as host memory."""
+    docs = {}
+    for name, extra in (("off", []), ("on", ["--ema"])):
+        out = tmp_path / f"{name}.json"
+        assert main([*SMALL, "--recompute", "off", "--top", "3", *extra, "--json", str(out)]) == 0
+        docs[name] = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    assert text.count("host memory per rank") == 1 and "the moving average of the weights (no GPU memory)" in text
+    for off, on in zip(docs["off"]["top"], docs["on"]["top"], strict=True):
+        host = on["memory_bytes"].pop("host")
+        assert off["memory_bytes"].pop("host") == 0 and host > 0
+        assert on["memory_bytes"] == off["memory_bytes"] and on["memory_options"]["ema_on_host"]
+        assert on["step_time_s"] == off["step_time_s"]
 
 
 def test_errors_name_the_flag(tmp_path: Path) -> None:
@@ -195,6 +211,7 @@ def test_deepseek_v3_side_by_side_in_the_json(tmp_path: Path) -> None:
         "optimizer_state_dtype": "bfloat16",
         "mtp_shares_embedding_and_head": True,
         "fp8_activations": True,
+        "ema_on_host": False,
     }
     assert layout["memory_options"] == v3["options"]
     mem = v3["memory_gib"]

@@ -195,6 +195,12 @@ def test_each_preset_has_a_config_file_that_loads() -> None:
         (["--ckpt-every", "2"], "error: checkpoint.every needs checkpoint.dir (--ckpt-every needs --ckpt-dir)"),
         (["--pp", "3"], "error: parallel.pp = 3: the world size 2 is not a multiple of it"),
         (["--dp", "4"], "error: parallel.pp x parallel.dp = 1 x 4 = 4, but the world size is 2"),
+        (["--ema", "1"], "error: optimizer.ema = 1.0: must lie in (0, 1), a decay such as 0.999"),
+        (["--ema", "0"], "error: optimizer.ema = 0.0: must lie in (0, 1)"),
+        (["--ema", "nan"], "error: optimizer.ema = nan: must lie in (0, 1)"),
+        (["--ema-weights"], "error: checkpoint.ema_weights needs --ema DECAY (--ema-weights exports the moving"),
+        (["--ema", "0.9", "--ema-weights"], "error: checkpoint.ema_weights needs --save-hf DIR"),
+        (["--ema", "0.999"], None),
         (["--rank-order", "pp,ep"], None),  # the old two-name order still reads
         (["--bogus", "1"], "error: unrecognized arguments: --bogus 1 (see --help)"),
         (["--lrr", "0.1"], "error: unrecognized arguments: --lrr 0.1 (did you mean '--lr'?)"),
