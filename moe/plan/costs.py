@@ -112,6 +112,9 @@ class Parallelism:
     extra_warmup: int = 0
     """Warm-up forwards added on every rank, the trainer's ``parallel.extra_warmup`` (each rank keeps as many
     more micro-batches in flight)."""
+    offload: str = ""
+    """Saved activations moved to host memory between each forward and its backward, the trainer's
+    ``parallel.offload`` (:mod:`moe.plan.offload`'s syntax; empty: none)."""
 
     def __post_init__(self) -> None:
         if min(self.pp, self.dp, self.ep) < 1:

@@ -53,6 +53,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dualpipe.offload import reload_points
 from dualpipe.schedule import Op, build_schedule, schedule_spec
 from kernels.e5m6 import e5m6_elem_bytes
 from kernels.reference_fp8 import TILE
@@ -506,6 +507,60 @@ def _live_counts(
     return tuple(out)
 
 
+def offloaded_bytes(cfg: MoEConfig, par: Parallelism, work: Workload, rank: int, stages: Sequence) -> list[float]:
+    """Per local module of pipeline rank ``rank`` (its ``stages``), the bytes ``par.offload`` moves to the host
+    for one micro-batch (:func:`moe.plan.offload.offload_bytes`: the blocks' saved tensors; the embedding's, the
+    head's and the MTP modules' stay, an undercount where the runtime's ``all`` moves them too)."""
+    from moe.plan.offload import offload_bytes, parse_offload  # it builds on this module's per-tensor table
+
+    policy = parse_offload(par.offload, par.pp)
+    return [
+        offload_bytes(
+            policy, rank, cfg, sp.layers, work.tokens, work.seq_len, work.act_bytes, par.ep,
+            recompute=work.recompute, fp8=work.fp8_activations,
+        )
+        for sp in stages
+    ]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _offload_counts(
+    schedule: str, pp: int, chunks: int, modules_per_rank: int | None, extra_warmup: int = 0
+) -> tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], ...]:
+    """Per rank, every distinct (micro-batches whose saved tensors are on the device, micro-batches whose
+    offloadable ones are on the host), per local module, after each compute action, counted as
+    :func:`_live_counts` counts (a forward's tensors in, a backward's out) while the executor's offloader moves
+    them (:func:`dualpipe.offload.reload_points`): a backward's come back at the compute action before it, a
+    forward's leave once it ends (not those whose backward comes next: the count after it still holds them)."""
+    built = build_schedule(schedule, pp, chunks, modules_per_rank=modules_per_rank, extra_warmup=extra_warmup)
+    out = []
+    for actions in built.ranks:
+        reloads, kept = reload_points(actions)
+        on_device: set[tuple[int, int]] = set()
+        away: set[tuple[int, int]] = set()
+        seen = set()
+        for i, a in enumerate(actions):
+            if not a.op.is_compute:
+                continue
+            for key in reloads.get(i, ()):
+                away.discard(key)
+                on_device.add(key)
+            made = (a.module, a.chunk) if a.op in (Op.F, Op.FB) else None
+            done = (a.module, a.chunk) if a.op in (Op.B, Op.I) else (a.b_module, a.b_chunk) if a.op is Op.FB else None
+            on_device.update([made] if made is not None else [])
+            on_device.discard(done)
+            counts = [0] * built.layout.modules_per_rank, [0] * built.layout.modules_per_rank
+            for which, keys in zip(counts, (on_device, away), strict=True):
+                for module, _ in keys:
+                    which[module] += 1
+            seen.add((tuple(counts[0]), tuple(counts[1])))
+            if made is not None and made not in kept:
+                on_device.discard(made)
+                away.add(made)
+        out.append(tuple(sorted(seen)))
+    return tuple(out)
+
+
 def footprint(
     cfg: MoEConfig,
     par: Parallelism,
@@ -541,7 +596,15 @@ def footprint(
             )
             for sp in stages
         ]  # fmt: skip
-        acts = max(sum(n * m for n, m in zip(live, modules)) for live in counts[r])
+        if par.offload:
+            moved = offloaded_bytes(cfg, par, work, r, stages)
+            states = _offload_counts(par.schedule, par.pp, chunks, par.modules_per_rank, par.extra_warmup)[r]
+            acts = max(
+                sum(n * m + k * (m - x) for n, k, m, x in zip(full, away, modules, moved, strict=True))
+                for full, away in states
+            )
+        else:
+            acts = max(sum(n * m for n, m in zip(live, modules)) for live in counts[r])
         layers = [i for sp in stages for i in [*sp.layers, *range(cfg.num_layers, cfg.num_layers + sp.mtp)]]
         acts += _working_set(cfg, layers, work, par.ep)
         moe_layers = any(cfg.is_moe_layer(i) for i in layers)

@@ -55,9 +55,13 @@ class GPU:
     fp8_flops: float | None = None
     """Dense FP8 (E4M3) tensor-core peak, FLOP/s; None: the device has none (a measured CPU "device"), and a
     plan with FP8 GEMMs is refused."""
+    host_bytes_per_s: float = 64 * GB
+    """The host link (PCIe) per GPU, one direction, bytes/s: what activation offloading copies over. Default:
+    PCIe Gen5 x16's nominal 64 GB/s a direction (128 GB/s both), the Hopper profiles' datasheet figure."""
 
     def __post_init__(self) -> None:
-        for field in ("bf16_flops", "hbm_bytes_per_s", "hbm_bytes", "nvlink_bytes_per_s", "internode_bytes_per_s"):
+        rates = ("bf16_flops", "hbm_bytes_per_s", "hbm_bytes", "nvlink_bytes_per_s", "internode_bytes_per_s")
+        for field in (*rates, "host_bytes_per_s"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"GPU {self.name!r}: {field} must be positive, got {getattr(self, field)}")
         if self.fp8_flops is not None and not self.fp8_flops > 0:
@@ -99,6 +103,8 @@ GPUS: Mapping[str, GPU] = MappingProxyType(
             nvlink_bytes_per_s=450 * GB,
             # DGX H100 user guide: 8 ConnectX-7 400 Gb/s compute NICs for 8 GPUs -> 400 Gb/s = 50 GB/s per GPU.
             internode_bytes_per_s=50 * GB,
+            # Datasheet, SXM: PCIe Gen5 128 GB/s (both directions together) -> 64 GB/s each way.
+            host_bytes_per_s=64 * GB,
         ),
         "h800": GPU(
             name="h800",
@@ -115,6 +121,8 @@ GPUS: Mapping[str, GPU] = MappingProxyType(
             nvlink_bytes_per_s=200 * GB,
             # DeepSeek-V3 report 3.2.2 / DeepEP README: one CX7 400 Gb/s InfiniBand NIC per GPU, 50 GB/s.
             internode_bytes_per_s=50 * GB,
+            # H800 SXM product brief: PCIe Gen5 128 GB/s (both directions) -> 64 GB/s each way, as the H100's.
+            host_bytes_per_s=64 * GB,
         ),
         "h200": GPU(
             name="h200",
@@ -131,6 +139,8 @@ GPUS: Mapping[str, GPU] = MappingProxyType(
             nvlink_bytes_per_s=450 * GB,
             # HGX H200 reference node: one 400 Gb/s ConnectX-7 NIC per GPU, as DGX H100 -> 50 GB/s.
             internode_bytes_per_s=50 * GB,
+            # Same datasheet: PCIe Gen5 128 GB/s (both directions) -> 64 GB/s each way.
+            host_bytes_per_s=64 * GB,
         ),
     }
 )

@@ -18,10 +18,11 @@ from moe.plan.costs import (
     substage_costs,
 )
 from moe.plan.flops import model_flops_per_token
-from moe.plan.footprint import Footprint, footprint
+from moe.plan.footprint import Footprint, footprint, offloaded_bytes
 from moe.plan.hardware import Cluster
 from moe.plan.measured import MeasuredCosts
 from moe.plan.pair import BlockTimes
+from moe.plan.params import rank_stages
 from moe.plan.search import Candidate
 
 __all__ = ["LayerCostModel", "block_times"]
@@ -75,6 +76,7 @@ class LayerCostModel:
             schedule=c.schedule,
             pipeline_layout=c.pipeline_layout,
             extra_warmup=c.extra_warmup,
+            offload=c.offload,
         )
 
     @property
@@ -123,6 +125,12 @@ class LayerCostModel:
 
     def dp_reduce(self) -> float:
         return self._moe.dp_reduce
+
+    def offload_seconds(self, rank: int) -> list[float]:
+        c, par = self.candidate, self.parallelism
+        stages = [sp for _, sp in rank_stages(self.cfg, c.pp, c.schedule, rank, pipeline_layout=c.pipeline_layout)]
+        moved = offloaded_bytes(self.cfg, par, self.workload, rank, stages)
+        return [b / self.cluster.gpu.host_bytes_per_s for b in moved]
 
     @functools.cached_property
     def _footprint(self) -> Footprint:

@@ -24,10 +24,21 @@ import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from dualpipe.offload import reload_points
+from dualpipe.schedule import Op, Schedule
 from moe.models.config import MoEConfig
+from moe.plan.costs import recompute_granularity
 from moe.plan.footprint import LEAVES, layer_activations, saved_tensors
 
-__all__ = ["NAMED", "OffloadClause", "OffloadPolicy", "offload_bytes", "offload_names", "parse_offload"]
+__all__ = [
+    "NAMED",
+    "OffloadClause",
+    "OffloadPolicy",
+    "offload_bytes",
+    "offload_names",
+    "parse_offload",
+    "with_copies",
+]
 
 NAMED = frozenset(
     {
@@ -186,7 +197,10 @@ def offload_bytes(
     ``layers`` at pipeline rank ``rank`` (the planner's per-tensor figures,
     :func:`moe.plan.footprint.layer_activations`; the piece inputs the runtime keeps,
     :data:`moe.plan.footprint.LEAVES`, never move). ``all`` also counts what the trainer cannot name (MLA's SDPA
-    inputs, for one), as the trainer does. The embedding and head are left out."""
+    inputs, for one), as the trainer does. The embedding and head are left out; under full recompute a block
+    keeps only its piece inputs, so nothing moves."""
+    if recompute_granularity(recompute) == "full":
+        return 0.0
     total = 0.0
     for i, layer in enumerate(layers):
         table = layer_activations(cfg, layer, tokens, seq_len, act_bytes, ep, recompute=recompute, fp8=fp8)
@@ -194,3 +208,28 @@ def offload_bytes(
             if name not in LEAVES and policy.picks(rank, name if name in NAMED else None, i, len(layers)):
                 total += nbytes
     return total
+
+
+def with_copies(
+    schedule: Schedule, durations: Sequence[Sequence[float]], seconds: Sequence[Sequence[float]]
+) -> list[list[float]]:
+    """Each compute action's duration (``durations``, per rank in the order of ``schedule``'s compute actions)
+    with the offload copies that run beside it: the executor's copy stream moves a forward's chosen tensors
+    out during the compute action after it and a backward's back during the one before it
+    (:func:`dualpipe.offload.reload_points`), one copy after another; what they take beyond the action's own
+    time is exposed and lengthens it. ``seconds[rank][module]``: one direction's copy time of one micro-batch
+    of that local module (its moved bytes over the host link)."""
+    out = []
+    for rank, actions in enumerate(schedule.ranks):
+        reloads, kept = reload_points(actions)
+        mine, leaving = [], 0.0  # the copy out of the last forward, which runs beside the next action
+        compute = iter(durations[rank])
+        for i, a in enumerate(actions):
+            if not a.op.is_compute:
+                continue
+            copies = leaving + sum(seconds[rank][module] for module, _ in reloads.get(i, ()))
+            mine.append(max(next(compute), copies))
+            made = a.op in (Op.F, Op.FB) and (a.module, a.chunk) not in kept
+            leaving = seconds[rank][a.module] if made else 0.0
+        out.append(mine)
+    return out

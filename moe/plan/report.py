@@ -24,6 +24,7 @@ from moe.plan.model import LayerCostModel
 from moe.plan.params import auto_layout, stage_plans
 from moe.plan.search import (
     LOSS_CLASSES,
+    OFFLOAD_TRIES,
     Candidate,
     Prediction,
     StageTimes,
@@ -106,6 +107,19 @@ def _model(
         precision=run.precision,
         expert_imbalance=run.expert_imbalance,
     )
+
+
+def _offloaded(c: Candidate, model: Callable[[Candidate], LayerCostModel], cluster: Cluster) -> Candidate | None:
+    """``c`` with the first policy of :data:`moe.plan.search.OFFLOAD_TRIES` that makes it fit, None if none
+    does (or if it is over by more than its activations: offloading moves only those)."""
+    memory = model(c).memory()
+    if memory.total - (1 - HEADROOM) * cluster.gpu.hbm_bytes >= memory.activations:
+        return None
+    for policy in OFFLOAD_TRIES:
+        v = dataclasses.replace(c, offload=policy)
+        if model(v).fits():
+            return v
+    return None
 
 
 def _sizer(
@@ -221,7 +235,10 @@ def plan(
     for c in found:
         model(c)
     fitting = [c for c in found if models[c].fits()]
-    rest = sorted((c for c in found if not models[c].fits()), key=lambda c: models[c].memory().total)
+    misses = [c for c in found if not models[c].fits()]
+    offloaded = {c: v for c in misses if (v := _offloaded(c, model, cluster)) is not None}
+    fitting += offloaded.values()
+    rest = sorted((c for c in misses if c not in offloaded), key=lambda c: models[c].memory().total)
     timed = fitting + rest[: max(0, top - len(fitting))]
     ranked = rank_predictions([_predict(models[c]) for c in timed])
 
@@ -408,6 +425,10 @@ def v3_side_by_side(
     )  # fmt: skip
     largest = dict(sorted(((k, v / 2**20) for k, v in kept.items()), key=lambda kv: -kv[1])[:6])
     laid = _model(cfg, cluster, run, dataclasses.replace(cand, pipeline_layout=V3_LAYOUT), measured, options)
+    sizer = _sizer(cfg, cluster, run, measured, options, tried)
+    offload = {
+        rc: _offload_figures(dataclasses.replace(cand, recompute=rc), sizer, cluster) for rc in (cand.recompute, "none")
+    }
     return {
         "layout": {**p.to_dict(), "num_gpus": cluster.num_gpus, "gpus_per_node": cluster.gpus_per_node},
         "options": dict(m.options),
@@ -440,6 +461,7 @@ def v3_side_by_side(
             "moe.plan.layouts tries), auto's beside it",
         },
         "memory_gib_layout": _layout_memory(laid, hbm),
+        "offload": offload,
         "tokens_per_s_per_gpu": {
             "planner": p.tokens_per_s_per_gpu,
             "report": V3_REPORT["tokens_per_s_per_gpu"],
@@ -551,6 +573,29 @@ def _layout_memory(model: LayerCostModel, hbm: float) -> dict[str, Any]:
     }
 
 
+def _offload_figures(
+    c: Candidate, model: Callable[[Candidate], LayerCostModel], cluster: Cluster
+) -> dict[str, Any] | None:
+    """``c`` with the first activation-offload policy the search would give it (:func:`_offloaded`): the policy,
+    memory and speed; ``{"policy": ""}`` and its own figures where it fits without, None where none fits."""
+    v = c if model(c).fits() else _offloaded(c, model, cluster)
+    if v is None:
+        return None
+    p = _predict(model(v))
+    return {
+        "policy": v.offload, "recompute": v.recompute, "memory_gib": p.memory.total / GIB, "fits": p.fits,
+        "activations_gib": p.memory.activations / GIB, "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
+        "step_time_s": p.step_time,
+    }  # fmt: skip
+
+
+def _offload_words(o: dict[str, Any] | None) -> str:
+    if o is None:
+        return "does NOT fit with any policy tried (moe.plan.search.OFFLOAD_TRIES)"
+    how = f"--offload {o['policy']}" if o["policy"] else "fits without offloading"
+    return f"{o['memory_gib']:.1f} ({how}), {o['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU"
+
+
 def _fit_words(mem: dict[str, Any]) -> str:
     """Whether a side-by-side memory figure fits: with the planner's headroom, or only within the HBM."""
     if mem["fits"]:
@@ -572,6 +617,7 @@ def v3_comparison(
     """:func:`v3_side_by_side` (or ``side``, what it returned) as a table: each figure beside the report's."""
     v3 = side if side is not None else v3_side_by_side(cfg, cluster, run, measured)
     mem, tok, bub, ratio = v3["memory_gib"], v3["tokens_per_s_per_gpu"], v3["bubble_s"], v3["compute_to_a2a"]
+    layout = v3["layout"]
     lay = v3["memory_gib_layout"]
     top3 = ", ".join(f"{k} {v:.0f}" for k, v in list(mem["moe_layer_largest_mib"].items())[:3])
     rows = [
@@ -592,6 +638,9 @@ def v3_comparison(
          lay["note"] if lay["planner"] is None else
          f"{lay['planner']:.1f} ({_fit_words(lay)}, rank {lay['pp_rank']}); Megatron-Core's V3 example at 16 stages",
          "layout not stated"],
+        [f"memory per GPU (GiB) with activation offloading, recompute {layout['recompute']}",
+         _offload_words(v3["offload"][layout["recompute"]]), "no offloading (3.2.3)"],
+        ["the same with recompute none", _offload_words(v3["offload"]["none"]), ""],
         ["one MoE layer, one micro-batch (MiB)", f"{mem['moe_layer_mib']:.0f}: {top3}", "not stated"],
         ["tokens/s per GPU", f"{tok['planner']:,.0f} ({describe_precision(v3['precision'], short=True)})",
          f"{tok['report']:,.0f} (14.8T tokens / 2,664K H800 GPU hours; FP8 GEMMs, FP8 dispatch)"],
@@ -609,7 +658,6 @@ def v3_comparison(
                 "",
             ]
         )
-    layout = v3["layout"]
     head = (
         f"DeepSeek-V3's layout: {layout['schedule']} pp={layout['pp']} dp={layout['dp']} ep={layout['ep']} "
         f"chunks={layout['num_chunks']} comm_sms={layout['comm_sms']} on {cluster.num_gpus} x {cluster.gpu.name}, "

@@ -26,6 +26,7 @@ from dualpipe.schedule import SCHEDULES, Op, Schedule, ScheduleSpec, build_sched
 from dualpipe.simulate import Costs, SimResult, simulate
 from moe.pipeline_layout import AUTO, StagePlan, expand
 from moe.plan.costs import RECOMPUTE, recompute_granularity
+from moe.plan.offload import with_copies
 from moe.plan.pair import BlockTimes, ChunkTimes, chunk_times
 
 __all__ = [
@@ -64,6 +65,9 @@ class Candidate:
     """Run its pairs overlapped (the trainer's ``--overlap``). Off, a schedule whose pairs exist only to be
     overlapped (:attr:`dualpipe.schedule.ScheduleSpec.pairs_for_overlap`, the V family) runs its plan unpaired,
     which can be the faster of the two (``--no-overlap``)."""
+    offload: str = ""
+    """Saved activations moved to host memory between each forward and its backward (the trainer's
+    ``--offload``, :mod:`moe.plan.offload`); the search tries it where a candidate does not fit without."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", recompute_granularity(self.recompute))
@@ -84,9 +88,10 @@ class Candidate:
         lay = "" if self.pipeline_layout == AUTO else f" layout={self.pipeline_layout}"
         warm = f" extra_warmup={self.extra_warmup}" if self.extra_warmup else ""
         off = "" if self.overlap else " overlap=off"
+        moved = f" offload={self.offload}" if self.offload else ""
         return (
             f"{self.schedule} pp={self.pp} dp={self.dp} ep={self.ep} chunks={self.num_chunks} "
-            f"comm_sms={self.comm_sms}{rc}{lay}{warm}{off}"
+            f"comm_sms={self.comm_sms}{rc}{lay}{warm}{off}{moved}"
         )
 
 
@@ -109,6 +114,10 @@ class CostModel(Protocol):
 
     def dp_reduce(self) -> float:
         """Seconds of the data-parallel gradient reduction of one step, on the slowest rank."""
+
+    def offload_seconds(self, rank: int) -> Sequence[float]:
+        """Per local module of pipeline rank ``rank``, the seconds one micro-batch's offloaded activations take
+        over the host link, one direction (asked only of a candidate with ``offload``)."""
 
     def memory(self) -> object:
         """Memory per GPU on the fullest rank (an object with ``total`` bytes)."""
@@ -154,6 +163,7 @@ class Prediction:
             "pipeline_layout": c.pipeline_layout,
             "extra_warmup": c.extra_warmup,
             "overlap": c.overlap,
+            "offload": c.offload,
             "memory_options": dict(getattr(self.memory, "options", {}) or {"recompute": c.recompute}),
             "step_time_s": self.step_time,
             "pipeline_time_s": self.pipeline_time,
@@ -173,6 +183,12 @@ _MEMORY_FIELDS = ("params", "grads", "optimizer", "activations", "all_to_all_buf
 EXTRA_WARMUP = (0, 1)
 """Extra warm-up forwards :func:`candidates` tries for the 1F1B family: one pairs every steady step of interleaved
 1F1B and the last rank's of 1F1B and ZB1P (Megatron-Core's combined 1F1B adds one); more only add memory."""
+
+
+OFFLOAD_TRIES = ("fraction=0.5", "all")
+"""Activation-offload policies the search tries on a candidate that does not fit without, fewest bytes moved
+first: the saved tensors of each stage's first half of its blocks (their backward comes last, so they stay
+away longest; PipeOffload reports at least half of the activations offloadable at little cost), then all."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -334,6 +350,8 @@ def predict(
     )
     times = StageTimes(model, plans)
     durations, exposed, total = _durations(schedule, times, overlap)
+    if candidate.offload:
+        durations = with_copies(schedule, durations, [model.offload_seconds(r) for r in range(candidate.pp)])
     sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
     reduce = model.dp_reduce()
     step = sim.makespan + reduce

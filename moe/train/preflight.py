@@ -47,6 +47,8 @@ def job_footprint(config: TrainConfig) -> Footprint:
         schedule=pc.schedule,
         modules_per_rank=pc.modules_per_rank,
         pipeline_layout=pc.pipeline_layout,
+        extra_warmup=pc.extra_warmup,
+        offload=pc.offload,
     )
     work = Workload(
         seq_len=tr.seq_len,

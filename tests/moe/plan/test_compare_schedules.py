@@ -30,7 +30,7 @@ def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_every_schedule_with_and_without_overlap(doc: dict) -> None:
     assert doc["layout"] == {"schedule": "dualpipev", "pp": 2, "dp": 4, "ep": 2, "num_chunks": 8, "comm_sms": 20,
                              "recompute": "none", "pipeline_layout": "auto", "extra_warmup": 0,
-                             "overlap": True}  # fmt: skip
+                             "overlap": True, "offload": ""}  # fmt: skip
     ran = [(r["label"], r["overlap"]) for r in doc["rows"] if "overlap" in r]
     refused = [r["label"] for r in doc["rows"] if "overlap" not in r]
     # the 1F1B family again with one extra warm-up forward, right after its own rows (where it runs at all)

@@ -1,0 +1,87 @@
+"""The planner's activation offloading: the memory it saves (the executor's reload points walked per action),
+the copy time it adds where the host link cannot hide it, and the search trying it where a candidate does not
+fit without."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dualpipe.schedule import build_schedule
+from moe.models.config import preset
+from moe.plan.costs import Parallelism, Workload
+from moe.plan.footprint import footprint, offloaded_bytes
+from moe.plan.hardware import Cluster, gpu, with_overrides
+from moe.plan.offload import with_copies
+from moe.plan.params import rank_stages
+from moe.plan.report import RunShape, evaluate, plan
+from moe.plan.search import OFFLOAD_TRIES, Candidate
+
+CFG = preset("tiny")
+WORK = Workload(seq_len=64, micro_batch=2)
+
+
+def _acts(schedule: str, pp: int, offload: str, rank: int = 0) -> float:
+    par = Parallelism(pp=pp, dp=1, ep=1, schedule=schedule, offload=offload)
+    return footprint(CFG, par, WORK, num_chunks=2 * pp, pp_rank=rank).activations
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev", "dualpipe", "zbv"])
+def test_a_policy_that_moves_nothing_on_a_rank_leaves_its_count(schedule: str) -> None:
+    # the per-action walk with nothing moved counts what the footprint counts without offloading
+    assert _acts(schedule, 2, "all@ranks=1", rank=0) == _acts(schedule, 2, "", rank=0)
+
+
+def test_the_peak_keeps_only_the_micro_batches_on_the_device_whole() -> None:
+    # 1F1B at pp = 4, rank 0: F0 F1 F2 F3 B0 ... Without offloading four micro-batches are live after F3. With it,
+    # F1 and F2 are away; F0 came back for B0 under F3, and F3 was just made: two whole, two less the moved bytes.
+    par = Parallelism(pp=4, dp=1, ep=1, schedule="1f1b", offload="all")
+    stages = [sp for _, sp in rank_stages(CFG, 4, "1f1b", 0)]
+    (moved,) = offloaded_bytes(CFG, par, WORK, 0, stages)
+    assert moved > 0
+    assert _acts("1f1b", 4, "", 0) - _acts("1f1b", 4, "all", 0) == 2 * moved
+    # the last rank runs each backward right after its forward: nothing to move there
+    assert _acts("1f1b", 4, "all", 3) == _acts("1f1b", 4, "", 3)
+
+
+def test_copies_lengthen_only_the_actions_they_outlast() -> None:
+    schedule = build_schedule("1f1b", 2, 4)
+    compute = [[a for a in actions if a.op.is_compute] for actions in schedule.ranks]
+    ones = [[1.0] * len(c) for c in compute]
+    assert with_copies(schedule, ones, [[0.5], [0.5]]) == ones  # hidden under every action
+    slow = with_copies(schedule, ones, [[3.0], [3.0]])
+    # rank 0, F0 F1 B0 F2 B1 F3 B2 B3: each copy (3 s) runs beside one action, one copy after another. Under F1:
+    # F0 out, then F0 back for B0; under B0: F1 out; under F2: F1 back; under B1: F2 out; under F3: F2 back; under
+    # B2: F3 out and back for B3 (only a backward right after its own forward keeps its tensors)
+    assert [str(a) for a in compute[0]] == ["F0.0", "F0.1", "B0.0", "F0.2", "B0.1", "F0.3", "B0.2", "B0.3"]
+    assert slow[0] == [1.0, 6.0, 3.0, 3.0, 3.0, 3.0, 6.0, 1.0]
+    assert slow[1] == ones[1]  # the last rank keeps everything
+
+
+def test_the_search_offloads_where_a_candidate_does_not_fit_without() -> None:
+    small = with_overrides(gpu("h100"), hbm_bytes=1.45e6)  # tiny's dualpipev at pp = 2 needs ~1.26 MB
+    cluster = Cluster(small, 8, 4)
+    run = RunShape(64, 64, 2)
+    result = plan(CFG, cluster, run, schedules=["dualpipev", "dualpipe"], recompute=["none"], top=100)
+    offloaded = [p for p in result.ranked if p.candidate.offload]
+    assert offloaded and all(p.fits for p in offloaded)
+    for p in offloaded:
+        c = p.candidate
+        bare = evaluate(CFG, cluster, run, dataclasses.replace(c, offload=""))
+        assert not bare.fits and p.memory.activations < bare.memory.activations
+        tried = OFFLOAD_TRIES[: OFFLOAD_TRIES.index(c.offload)]  # none of the ones moving less fits
+        assert not any(evaluate(CFG, cluster, run, dataclasses.replace(c, offload=o)).fits for o in tried)
+        assert p.step_time >= bare.step_time  # the copies can only add time
+        assert f"offload={c.offload}" in c.describe() and p.to_dict()["offload"] == c.offload
+
+
+def test_the_host_link_is_cited_per_device() -> None:
+    assert {g: gpu(g).host_bytes_per_s for g in ("h100", "h800", "h200")} == dict.fromkeys(
+        ("h100", "h800", "h200"), 64e9
+    )
+    c = Candidate("dualpipev", 2, 4, 2, 8, 20, "none", offload="all")
+    slow = Cluster(with_overrides(gpu("h100"), host_bytes_per_s=1e6), 8, 4)
+    fast = Cluster(gpu("h100"), 8, 4)
+    run = RunShape(64, 64, 2)
+    assert evaluate(CFG, slow, run, c).step_time > evaluate(CFG, fast, run, c).step_time
