@@ -263,6 +263,14 @@ def _run_dense(rows: int, width: int, shapes: KernelShapes, device: torch.device
     functional.swiglu(h_MF2).backward(_randn(rows, width, dtype=shapes.dtype, device=device))
 
 
+def _run_fp8_cache(shapes: KernelShapes, device: torch.device) -> None:
+    """The FP8 copies an FP8 model keeps for backward on the T token rows (``FP8Recipe.save_fp8``): the MLP's
+    normed input (width D) and each SwiGLU MLP's input (twice its width), quantized and read back."""
+    for width in (shapes.hidden, *(2 * f for f in shapes.dense_intermediates)):
+        x_TW = _randn(shapes.tokens, width, dtype=shapes.dtype, device=device)
+        fp8.Quantized(*fp8.quantize_rows(x_TW)).dequantize(shapes.dtype)
+
+
 def _run_router(shapes: KernelShapes, device: torch.device) -> None:
     logits_TE = _randn(shapes.tokens, shapes.num_experts, dtype=shapes.dtype, device=device)
     bias_E = torch.zeros(shapes.num_experts, device=device, dtype=torch.float32)
@@ -283,6 +291,8 @@ def _run_all(shapes: KernelShapes, device: torch.device, comm_sms: int, on_exper
         _run_dense(shapes.tokens, width, shapes, device)
     for in_features, out_features in shapes.fp8_linears:
         _run_fp8_linear(in_features, out_features, shapes, device)
+    if shapes.fp8 is not None and shapes.fp8.save_fp8:
+        _run_fp8_cache(shapes, device)
     _run_router(shapes, device)
 
 
