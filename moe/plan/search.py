@@ -78,10 +78,12 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """The schedule's name, ``+wK`` with ``K`` extra warm-up forwards (``1f1b+w1``), `` --no-overlap`` where
-        it runs without overlap."""
+        """The schedule's name, ``+wK`` with ``K`` extra warm-up forwards (``1f1b+w1``), then the trainer's flags
+        it runs with besides: `` --no-overlap`` without overlap, `` --offload P`` with offloading."""
         name = f"{self.schedule}+w{self.extra_warmup}" if self.extra_warmup else self.schedule
-        return name if self.overlap else f"{name} --no-overlap"
+        off = "" if self.overlap else " --no-overlap"
+        moved = f" --offload {self.offload}" if self.offload else ""
+        return f"{name}{off}{moved}"
 
     def describe(self) -> str:
         rc = "" if self.recompute == "none" else f" recompute={self.recompute}"

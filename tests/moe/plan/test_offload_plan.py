@@ -74,6 +74,7 @@ def test_the_search_offloads_where_a_candidate_does_not_fit_without() -> None:
         assert not any(evaluate(CFG, cluster, run, dataclasses.replace(c, offload=o)).fits for o in tried)
         assert p.step_time >= bare.step_time  # the copies can only add time
         assert f"offload={c.offload}" in c.describe() and p.to_dict()["offload"] == c.offload
+        assert c.label == f"{c.schedule} --offload {c.offload}"  # the trainer's flag, in the table
 
 
 def test_the_host_link_is_cited_per_device() -> None:
