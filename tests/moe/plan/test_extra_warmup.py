@@ -60,12 +60,23 @@ def test_the_search_tries_one_extra_warmup_for_the_1f1b_family_where_ep_is_above
     assert next(c for c in found if c.extra_warmup).label.endswith("+w1")
 
 
-def test_the_plan_times_the_overlapped_family_with_its_pairs() -> None:
+def _tiny_plan(schedules: list[str], option: str) -> dict:
+    """The tiny preset's plan on 8 GPUs, every candidate by (schedule, pp, ep, its ``option``)."""
     result = plan(
-        preset("tiny"), Cluster(gpu("h100"), 8, 4), RunShape(64, 64, 2),
-        schedules=["1f1b", "interleaved-1f1b"], recompute=["none"], top=100,
-    )  # fmt: skip
-    got = {(p.candidate.schedule, p.candidate.pp, p.candidate.ep, p.candidate.extra_warmup): p for p in result.ranked}
+        preset("tiny"),
+        Cluster(gpu("h100"), 8, 4),
+        RunShape(64, 64, 2),
+        schedules=schedules,
+        recompute=["none"],
+        top=100,
+    )
+    return {
+        (p.candidate.schedule, p.candidate.pp, p.candidate.ep, getattr(p.candidate, option)): p for p in result.ranked
+    }
+
+
+def test_the_plan_times_the_overlapped_family_with_its_pairs() -> None:
+    got = _tiny_plan(["1f1b", "interleaved-1f1b"], "extra_warmup")
     for schedule in ("1f1b", "interleaved-1f1b"):
         for e in (0, 1):
             c = got[schedule, 2, 2, e].candidate
@@ -90,11 +101,7 @@ def test_memory_grows_with_the_extra_warmup(schedule: str, pp: int) -> None:
 
 
 def test_the_search_tries_the_v_family_with_and_without_its_pairs() -> None:
-    result = plan(
-        preset("tiny"), Cluster(gpu("h100"), 8, 4), RunShape(64, 64, 2),
-        schedules=["v-half", "dualpipev"], recompute=["none"], top=100,
-    )  # fmt: skip
-    got = {(p.candidate.schedule, p.candidate.pp, p.candidate.ep, p.candidate.overlap): p for p in result.ranked}
+    got = _tiny_plan(["v-half", "dualpipev"], "overlap")
     assert ("dualpipev", 2, 2, False) not in got  # DualPipeV's pairs are its order: overlap is all it changes
     on, off = got["v-half", 2, 2, True], got["v-half", 2, 2, False]
     # without overlap v-half runs its plan unpaired: its 2 pairs at this shape do not pay for the sends they hold
