@@ -17,6 +17,8 @@ from moe.plan.offload import with_copies
 from moe.plan.params import rank_stages
 from moe.plan.report import RunShape, evaluate, plan
 from moe.plan.search import OFFLOAD_TRIES, Candidate
+from moe.train import config_from_args
+from moe.train.preflight import job_footprint
 
 CFG = preset("tiny")
 WORK = Workload(seq_len=64, micro_batch=2)
@@ -86,3 +88,12 @@ def test_the_host_link_is_cited_per_device() -> None:
     fast = Cluster(gpu("h100"), 8, 4)
     run = RunShape(64, 64, 2)
     assert evaluate(CFG, slow, run, c).step_time > evaluate(CFG, fast, run, c).step_time
+
+
+def test_the_trainers_preflight_counts_its_offload_and_extra_warmup() -> None:
+    argv = ["--preset", "tiny", "--pp", "4", "--schedule", "1f1b", "--seq-len", "32", "--num-chunks", "8"]
+    plain, _ = config_from_args(argv, world=4)
+    moved, _ = config_from_args([*argv, "--offload", "all"], world=4)
+    warm, _ = config_from_args([*argv, "--extra-warmup", "1"], world=4)
+    assert job_footprint(moved).activations < job_footprint(plain).activations
+    assert job_footprint(warm).activations > job_footprint(plain).activations  # one more micro-batch in flight
