@@ -34,7 +34,8 @@ from moe.models.config import MoEConfig
 from moe.models.layers import RECOMPUTE, recompute_granularity, selective_recompute, use_fp8
 from moe.models.stage import MoEStage
 from moe.pipeline_layout import AUTO, StagePlan, expand, plan_stages
-from moe.plan.offload import OffloadPolicy, offload_names, parse_offload
+from moe.plan.footprint import offload_names
+from moe.plan.offload import OffloadPolicy, parse_offload
 from moe.plan.params import layout_costs
 
 __all__ = [
@@ -227,7 +228,7 @@ class ParallelConfig:
 
     def offload_policy(self, cfg: MoEConfig | None = None, fp8_activations: bool = False) -> OffloadPolicy:
         """:attr:`offload` parsed (``ValueError``, one line, for bad syntax or ranks outside the pipeline); with
-        ``cfg``, its names checked against the saved tensors of that model (:func:`moe.plan.offload.offload_names`;
+        ``cfg``, its names checked against the saved tensors of that model (:func:`moe.plan.footprint.offload_names`;
         ``fp8_activations``: the routed experts' FP8 copies)."""
         names = None if cfg is None else offload_names(cfg, fp8_activations)
         return parse_offload(self.offload, self.pp, names)

@@ -62,6 +62,7 @@ from moe.models.mla import sdpa_head_dim
 from moe.optim_state import EMA_HOST_BYTES, OPTIMIZERS, shard_rows
 from moe.plan.costs import Parallelism, Workload, recompute_granularity
 from moe.plan.hardware import GPU
+from moe.plan.offload import NAMED, OffloadPolicy, parse_offload
 from moe.plan.params import ParamSpec, rank_params, rank_stages
 from moe.plan.routing import expected_ranks
 
@@ -75,6 +76,9 @@ __all__ = [
     "held_elements",
     "layer_activations",
     "module_activation_bytes",
+    "offload_bytes",
+    "offload_names",
+    "offloaded_bytes",
     "saved_tensors",
     "state_bytes",
 ]
@@ -507,12 +511,57 @@ def _live_counts(
     return tuple(out)
 
 
+def _planner_names(cfg: MoEConfig, fp8: bool) -> set[str]:
+    names = {"embed.ids", "head.norm_output", *(f"head.norm_{t}" for t in ("fp32_input", "rsqrt", "fp32_output"))}
+    names.add("head.norm_fp32_weight")
+    for layer in range(cfg.num_layers):
+        names.update(s.name for s in saved_tensors(cfg, layer, 1, 1, 2, 2, fp8=fp8))
+    return names - LEAVES
+
+
+def offload_names(cfg: MoEConfig, fp8: bool = False) -> list[str]:
+    """The names a policy may use for this model: the planner's names of its saved tensors that the trainer
+    recognises at run time (:data:`NAMED`), sorted."""
+    names = NAMED & _planner_names(cfg, fp8)
+    if cfg.attention != "gqa":  # only the plain GQA attention's own saves are named (MLA's, Qwen3's are not)
+        names -= {"attn.rotary_tables", "attn.sdpa_qkv", "attn.sdpa_lse"}
+    return sorted(names)
+
+
+def offload_bytes(
+    policy: OffloadPolicy,
+    rank: int,
+    cfg: MoEConfig,
+    layers: Sequence[int],
+    tokens: int,
+    seq_len: int,
+    act_bytes: int,
+    ep: int = 1,
+    *,
+    recompute: str = "none",
+    fp8: bool = False,
+) -> float:
+    """Bytes ``policy`` moves to the host for one micro-batch of ``tokens`` through a stage holding blocks
+    ``layers`` at pipeline rank ``rank`` (the planner's per-tensor figures,
+    :func:`moe.plan.footprint.layer_activations`; the piece inputs the runtime keeps,
+    :data:`moe.plan.footprint.LEAVES`, never move). ``all`` also counts what the trainer cannot name (MLA's SDPA
+    inputs, for one), as the trainer does. The embedding and head are left out; under full recompute a block
+    keeps only its piece inputs, so nothing moves."""
+    if recompute_granularity(recompute) == "full":
+        return 0.0
+    total = 0.0
+    for i, layer in enumerate(layers):
+        table = layer_activations(cfg, layer, tokens, seq_len, act_bytes, ep, recompute=recompute, fp8=fp8)
+        for name, nbytes in table.items():
+            if name not in LEAVES and policy.picks(rank, name if name in NAMED else None, i, len(layers)):
+                total += nbytes
+    return total
+
+
 def offloaded_bytes(cfg: MoEConfig, par: Parallelism, work: Workload, rank: int, stages: Sequence) -> list[float]:
     """Per local module of pipeline rank ``rank`` (its ``stages``), the bytes ``par.offload`` moves to the host
-    for one micro-batch (:func:`moe.plan.offload.offload_bytes`: the blocks' saved tensors; the embedding's, the
+    for one micro-batch (:func:`offload_bytes`: the blocks' saved tensors; the embedding's, the
     head's and the MTP modules' stay, an undercount where the runtime's ``all`` moves them too)."""
-    from moe.plan.offload import offload_bytes, parse_offload  # it builds on this module's per-tensor table
-
     policy = parse_offload(par.offload, par.pp)
     return [
         offload_bytes(

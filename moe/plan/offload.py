@@ -14,8 +14,9 @@ Syntax: clauses joined by ``;``, each ``SELECT[@OPTION]...``:
   backward comes last, so they stay away longest.
 
 A storage is offloaded when any clause picks it. Examples: ``attn.sdpa_out,mlp.experts_input*``,
-``all@ranks=0-1``, ``fraction=0.5``, ``mlp.*@fraction=0.5@ranks=1``. :func:`offload_bytes` is what a policy
-moves for one micro-batch of one stage (the planner's figure of the bytes saved).
+``all@ranks=0-1``, ``fraction=0.5``, ``mlp.*@fraction=0.5@ranks=1``. :func:`moe.plan.footprint.offload_bytes`
+is what a policy moves for one micro-batch of one stage (the planner's figure of the bytes saved), and
+:func:`with_copies` the time its copies add to a step.
 """
 
 from __future__ import annotations
@@ -26,16 +27,11 @@ from dataclasses import dataclass
 
 from dualpipe.offload import reload_points
 from dualpipe.schedule import Op, Schedule
-from moe.models.config import MoEConfig
-from moe.plan.costs import recompute_granularity
-from moe.plan.footprint import LEAVES, layer_activations, saved_tensors
 
 __all__ = [
     "NAMED",
     "OffloadClause",
     "OffloadPolicy",
-    "offload_bytes",
-    "offload_names",
     "parse_offload",
     "with_copies",
 ]
@@ -161,53 +157,6 @@ def _ranks(value: str, text: str, pp: int | None) -> frozenset[int]:
             raise ValueError(f"offload = {text!r}: ranks={value!r} is outside the pipeline ranks 0..{(pp or 1) - 1}")
         out.update(range(first, last + 1))
     return frozenset(out)
-
-
-def _planner_names(cfg: MoEConfig, fp8: bool) -> set[str]:
-    names = {"embed.ids", "head.norm_output", *(f"head.norm_{t}" for t in ("fp32_input", "rsqrt", "fp32_output"))}
-    names.add("head.norm_fp32_weight")
-    for layer in range(cfg.num_layers):
-        names.update(s.name for s in saved_tensors(cfg, layer, 1, 1, 2, 2, fp8=fp8))
-    return names - LEAVES
-
-
-def offload_names(cfg: MoEConfig, fp8: bool = False) -> list[str]:
-    """The names a policy may use for this model: the planner's names of its saved tensors that the trainer
-    recognises at run time (:data:`NAMED`), sorted."""
-    names = NAMED & _planner_names(cfg, fp8)
-    if cfg.attention != "gqa":  # only the plain GQA attention's own saves are named (MLA's, Qwen3's are not)
-        names -= {"attn.rotary_tables", "attn.sdpa_qkv", "attn.sdpa_lse"}
-    return sorted(names)
-
-
-def offload_bytes(
-    policy: OffloadPolicy,
-    rank: int,
-    cfg: MoEConfig,
-    layers: Sequence[int],
-    tokens: int,
-    seq_len: int,
-    act_bytes: int,
-    ep: int = 1,
-    *,
-    recompute: str = "none",
-    fp8: bool = False,
-) -> float:
-    """Bytes ``policy`` moves to the host for one micro-batch of ``tokens`` through a stage holding blocks
-    ``layers`` at pipeline rank ``rank`` (the planner's per-tensor figures,
-    :func:`moe.plan.footprint.layer_activations`; the piece inputs the runtime keeps,
-    :data:`moe.plan.footprint.LEAVES`, never move). ``all`` also counts what the trainer cannot name (MLA's SDPA
-    inputs, for one), as the trainer does. The embedding and head are left out; under full recompute a block
-    keeps only its piece inputs, so nothing moves."""
-    if recompute_granularity(recompute) == "full":
-        return 0.0
-    total = 0.0
-    for i, layer in enumerate(layers):
-        table = layer_activations(cfg, layer, tokens, seq_len, act_bytes, ep, recompute=recompute, fp8=fp8)
-        for name, nbytes in table.items():
-            if name not in LEAVES and policy.picks(rank, name if name in NAMED else None, i, len(layers)):
-                total += nbytes
-    return total
 
 
 def with_copies(

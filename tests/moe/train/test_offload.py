@@ -1,7 +1,7 @@
 """Activation offloading (``--offload``): what moves, when, and that nothing else changes.
 
 In one process: the run-time names agree with the planner's table byte for byte (the policy's bytes are the
-planner's :func:`moe.plan.offload.offload_bytes`), the tracked peak drops by exactly what was away, the gradients
+planner's :func:`moe.plan.footprint.offload_bytes`), the tracked peak drops by exactly what was away, the gradients
 are bit for bit those of the run without offloading, the reload points follow the action lists, and bad policies
 are one-line errors. In one spawn of 4 gloo ranks: DualPipeV at pp=2 x ep=2 with overlap and DualPipe at pp=4,
 each step run without and with offloading on the same stages: equal losses and gradients (``torch.equal``), every
@@ -17,8 +17,8 @@ from dualpipe.memory import SavedTensorTracker
 from dualpipe.offload import Offloader, reload_points
 from dualpipe.schedule import Op, build_schedule
 from moe.models.model import MoEModel, lm_loss
-from moe.plan.footprint import LEAVES, layer_activations
-from moe.plan.offload import offload_bytes, offload_names, parse_offload
+from moe.plan.footprint import LEAVES, layer_activations, offload_bytes, offload_names
+from moe.plan.offload import parse_offload
 from moe.train.cli import config_from_args
 from moe.train.offload import SavedNames, build_offloader
 from tests.distributed import run_ranks
