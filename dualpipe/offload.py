@@ -297,22 +297,24 @@ def reload_points(actions: Sequence[Action]) -> tuple[dict[int, list[Key]], froz
 
     Returns ``({action index: [keys to reload before running it]}, kept)``: a backward (``B``, ``I``, or the
     backward half of ``FB``) is reloaded at the compute action before it, so the copy runs under that action's
-    compute and the tensors are back just before they are read. ``kept``: forwards whose backward is the very next
-    compute action (a last stage's F then B): moving them out and straight back would buy nothing.
+    compute and the tensors are back just before they are read. ``kept``: forwards whose backward is one of the
+    next two compute actions (``W`` s not counted; a last stage's F then B, or F, B of another, B): their copy out
+    and their copy back would run beside the same action, or none, and buy nothing.
     """
     points: dict[int, list[Key]] = {}
     kept: set[Key] = set()
-    prev: int | None = None
+    order: list[int] = []  # the compute actions but W, by index
+    made: dict[Key, int] = {}  # a forward's position in ``order``
     for i, a in enumerate(actions):
         if not a.op.is_compute or a.op is Op.W:
             continue
         back = (a.module, a.chunk) if a.op in (Op.B, Op.I) else (a.b_module, a.b_chunk) if a.op is Op.FB else None
         if back is not None:
-            at = i if prev is None else prev
-            p = actions[at]
-            if at != i and p.op in (Op.F, Op.FB) and (p.module, p.chunk) == back:
+            if back in made and made[back] >= len(order) - 2:
                 kept.add(back)
             else:
-                points.setdefault(at, []).append(back)
-        prev = i
+                points.setdefault(order[-1] if order else i, []).append(back)
+        if a.op in (Op.F, Op.FB):
+            made[(a.module, a.chunk)] = len(order)
+        order.append(i)
     return points, frozenset(kept)

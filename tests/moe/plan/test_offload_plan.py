@@ -53,11 +53,11 @@ def test_copies_lengthen_only_the_actions_they_outlast() -> None:
     ones = [[1.0] * len(c) for c in compute]
     assert with_copies(schedule, ones, [[0.5], [0.5]]) == ones  # hidden under every action
     slow = with_copies(schedule, ones, [[3.0], [3.0]])
-    # rank 0, F0 F1 B0 F2 B1 F3 B2 B3: each copy (3 s) runs beside one action, one copy after another. Under F1:
-    # F0 out, then F0 back for B0; under B0: F1 out; under F2: F1 back; under B1: F2 out; under F3: F2 back; under
-    # B2: F3 out and back for B3 (only a backward right after its own forward keeps its tensors)
+    # rank 0, F0 F1 B0 F2 B1 F3 B2 B3: each copy (3 s) runs beside one action, one copy after another. F0 and F3
+    # stay (their backward is two actions on: out and back would run beside the same action); under B0: F1 out;
+    # under F2: F1 back; under B1: F2 out; under F3: F2 back
     assert [str(a) for a in compute[0]] == ["F0.0", "F0.1", "B0.0", "F0.2", "B0.1", "F0.3", "B0.2", "B0.3"]
-    assert slow[0] == [1.0, 6.0, 3.0, 3.0, 3.0, 3.0, 6.0, 1.0]
+    assert slow[0] == [1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 1.0, 1.0]
     assert slow[1] == ones[1]  # the last rank keeps everything
 
 

@@ -113,11 +113,17 @@ def test_reload_points_are_the_compute_action_before_each_backward() -> None:
                 for key in keys:
                     back = next(i for i in computes if _backward_key(actions[i]) == key)
                     assert at == max((i for i in computes if i < back), default=back), (name, key)
-            # a last stage's F then its B: nothing to gain from moving it out
+            # a forward whose backward is one of the next two compute actions stays: its copy out and back would
+            # run beside the same action
             for key in kept:
-                i = next(i for i in computes if _backward_key(actions[i]) == key)
-                before = actions[max(j for j in computes if j < i)]
-                assert (before.module, before.chunk) == key
+                i = computes.index(next(i for i in computes if _backward_key(actions[i]) == key))
+                assert any((actions[j].module, actions[j].chunk) == key for j in computes[max(0, i - 2) : i]), key
+                assert actions[computes[i - 1]].op is not Op.W
+            # and every other forward moves (its backward comes three or more compute actions later)
+            for i, a in enumerate(computes):
+                if actions[a].op in (Op.F, Op.FB) and (key := (actions[a].module, actions[a].chunk)) not in kept:
+                    back = next(j for j in computes if _backward_key(actions[j]) == key)
+                    assert computes.index(back) - i >= 3, (name, key)
 
 
 def _backward_key(a) -> tuple[int, int] | None:
