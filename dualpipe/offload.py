@@ -5,8 +5,8 @@ saves there is held through its storage (views of one storage share one entry, s
 forward action ends, the entries its ``choose`` callback picks are copied into a :class:`HostPool` buffer and the
 device storage is dropped; before the backward that reads them they are copied back. The executor tells it when:
 :func:`reload_points` reads this rank's action list, so each backward's tensors are reloaded while the compute
-action before it runs (planned from the schedule, not guessed), and a forward whose backward is the very next
-compute action is not offloaded at all.
+action before it runs (planned from the schedule, not guessed), and a forward whose backward is one of the next
+two compute actions is not offloaded at all (its copy out and back would run beside the same action).
 
 On CUDA the copies run on a stream of their own into pinned buffers the pool reuses across steps (keyed by byte
 count); the offload records an event the reload waits on (same stream), and the reload an event the backward's

@@ -580,7 +580,8 @@ def _offload_counts(
     offloadable ones are on the host), per local module, after each compute action, counted as
     :func:`_live_counts` counts (a forward's tensors in, a backward's out) while the executor's offloader moves
     them (:func:`dualpipe.offload.reload_points`): a backward's come back at the compute action before it, a
-    forward's leave once it ends (not those whose backward comes next: the count after it still holds them)."""
+    forward's leave once it ends (not those :func:`~dualpipe.offload.reload_points` keeps, whose backward is one
+    of the next two compute actions: the count after it still holds them)."""
     built = build_schedule(schedule, pp, chunks, modules_per_rank=modules_per_rank, extra_warmup=extra_warmup)
     out = []
     for actions in built.ranks:
