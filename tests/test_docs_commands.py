@@ -62,7 +62,7 @@ PLAN_CPU = (
 PLAN_V3 = (
     ".venv/bin/python -m moe.plan --model deepseek-v3 --gpu h800 --gpus 2048 --gpus-per-node 8 --seq-len 4096"
     " --global-batch-size 15360 --micro-batch-size 1 --state-dtype bfloat16 --fp8 --fp8-activations --deepseek-v3"
-    " --top 5 --json plan.json --png plan.png"
+    " --top 5 --explain --json plan.json --png plan.png"
 )
 COMPARE_V3_INTERLEAVED = (
     ".venv/bin/python -m moe.plan --model deepseek-v3 --gpu h800 --gpus 2048 --gpus-per-node 8 --seq-len 4096"

@@ -1,6 +1,7 @@
 """The planner (``python -m moe.plan``): from a model and a cluster to per-sub-stage costs, memory and a layout.
 
-This package's cost model: device profiles (:mod:`.hardware`), parameter shapes (:mod:`.params`), routing
+This package's cost model: device profiles (:mod:`.hardware`) and their cited efficiencies (:mod:`.efficiency`),
+parameter shapes (:mod:`.params`), routing
 reach (:mod:`.routing`), FLOPs and bytes per op (:mod:`.flops`), seconds per sub-stage (:mod:`.costs`),
 memory per GPU (:mod:`.footprint`, with the memory options :class:`MemoryOptions` and the recompute
 granularities :data:`RECOMPUTE`) and measured costs files (:mod:`.measured`, which builds on :mod:`.costs`).
@@ -24,22 +25,24 @@ from moe.plan.costs import (
     phase_work,
     substage_costs,
 )
+from moe.plan.efficiency import TABLES, Cited
 from moe.plan.flops import model_flops_per_token
 from moe.plan.footprint import HEADROOM, Footprint, footprint, layer_activations, module_activation_bytes
-from moe.plan.hardware import DEFAULT_GEMM_EFFICIENCY, GPU, GPUS, Cluster, gpu, with_overrides
+from moe.plan.hardware import GPU, GPUS, Cluster, gpu, with_overrides
 from moe.plan.measured import MeasuredCosts, apply_measured, load_costs, save_costs, scale_field
 from moe.plan.params import active_params, rank_params, rank_stages, total_params
 from moe.plan.routing import expected_nodes, expected_ranks
 
 __all__ = [
     "COMPUTE_FIELDS",
-    "DEFAULT_GEMM_EFFICIENCY",
     "GPU",
     "GPUS",
     "HEADROOM",
     "RECOMPUTE",
     "STATE_DTYPES",
+    "TABLES",
     "AllToAllBytes",
+    "Cited",
     "Cluster",
     "Footprint",
     "MeasuredCosts",

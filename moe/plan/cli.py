@@ -67,7 +67,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=sorted(GPUS),
         help="device profile (moe/plan/hardware.py); default h800, or with --costs the measured machine itself",
     )
-    p.add_argument("--gemm-efficiency", type=float, help="override the achieved fraction of peak for GEMMs")
+    p.add_argument(
+        "--gemm-efficiency",
+        type=float,
+        help="override the achieved fraction of peak for every GEMM (default: the cited table's, by precision and "
+        "shape; --explain shows them)",
+    )
     p.add_argument("--nvlink-gbps", type=float, help="override NVLink GB/s per GPU, one direction")
     p.add_argument("--internode-gbps", type=float, help="override inter-node GB/s per GPU, one direction")
     p.add_argument("--seq-len", type=int, default=4096)
@@ -151,6 +156,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--costs", metavar="FILE", help="measured sub-stage costs (bench.overlap --calibrate)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--deepseek-v3", action="store_true", help="also set the V3 report's layout beside its figures")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="print the efficiency-table entries the best plan used (moe/plan/efficiency.py): value and source, or "
+        "the override or costs file that replaced it",
+    )
     p.add_argument("--json", metavar="FILE", help="write the result as JSON ('-' for stdout)")
     p.add_argument("--png", metavar="FILE", help="draw the best plan's pipeline timeline")
     args = p.parse_args(argv)
@@ -288,6 +299,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = plan_table(result, args.top)
     if args.deepseek_v3:
         text += "\n\n" + v3_comparison(cfg, cluster, run, measured, side=v3)
+    if args.explain:
+        from moe.plan.explain import explain
+
+        c = result.best.candidate
+        text += "\n\n" + explain(
+            cfg, cluster, pp=c.pp, dp=c.dp, ep=c.ep, tokens=run.seq_len * run.micro_batch, seq_len=run.seq_len,
+            fp8=precision.fp8, measured=measured,
+        )  # fmt: skip
     if args.json != "-":
         print(text)
     if args.json:
@@ -300,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "model": dataclasses.asdict(cfg),
                 "gpus": cluster.num_gpus,
                 "gpus_per_node": cluster.gpus_per_node,
-                "gpu": {k: getattr(cluster.gpu, k) for k in cluster.gpu.__slots__},
+                "gpu": cluster.gpu.to_dict(),
                 "seq_len": run.seq_len,
                 "global_batch": run.global_batch,
                 "micro_batch": run.micro_batch,

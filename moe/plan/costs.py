@@ -1,10 +1,13 @@
 """Analytic seconds per sub-stage for one micro-batch: compute from FLOPs and bytes, communication from bytes.
 
 Time of an operation (:mod:`moe.plan.flops`): ``max(FLOPs / rate, bytes / HBM bandwidth)``, the roofline
-bound, with ``rate = bf16_flops x gemm_efficiency`` (``fp8_flops x gemm_efficiency`` for an FP8 GEMM,
-:attr:`moe.plan.flops.Op.fp8`) on all SMs, or on ``sms - comm_sms`` of them for the grouped expert GEMMs
-(which are what runs while the all-to-all holds its SMs: kernels take ``num_sms - comm_sms``, DESIGN.md).
-Memory-bound ops land on the bytes term.
+bound, where ``rate`` is the bf16 or FP8 peak (:attr:`moe.plan.flops.Op.fp8`) times the
+device's cited efficiency for the op (:func:`moe.plan.flops.efficiency_key`: a GEMM's precision and shape
+class, the attention core's forward or backward; :mod:`moe.plan.efficiency`) on all SMs, or on
+``sms - comm_sms`` of them for the grouped expert GEMMs (which are what runs while the all-to-all holds its
+SMs: kernels take ``num_sms - comm_sms``, DESIGN.md). Memory-bound ops land on the bytes term. The table's
+``launch`` and ``host`` entries are not applied here yet: the host runs ahead of the GPU, and what it costs
+per piece is the calibration's to measure (bench.overlap --calibrate).
 
 All-to-all (DeepEP's scheme, DeepSeek-V3 report 3.2.2): a token crossing nodes goes over InfiniBand once
 per destination node, to the GPU with its own local index there, which forwards it over NVLink to every
@@ -17,8 +20,9 @@ in the ep group and r = ep / n ranks per node (ep innermost: a node holds r cons
 
 The second line counts, on each reached node, the reached ranks other than the one the row arrives at
 (the sender itself on its own node, the IB receiver on a remote one: 1/r of the reached ranks by symmetry).
-Time is ``max(NVLink bytes / NVLink bw, IB bytes / IB bw)``: the two links are separate hardware that
-DeepEP drives at once, forwarding chunks over NVLink as they arrive from IB, so the slower one bounds the
+Time is ``max(NVLink bytes / NVLink bw, IB bytes / IB bw)`` at DeepEP's published rates for the direction
+(``deepep.*`` entries of :mod:`moe.plan.efficiency`): the two links are separate hardware that DeepEP drives
+at once, forwarding chunks over NVLink as they arrive from IB, so the slower one bounds the
 transfer. Combine sends the same rows back, and each backward all-to-all moves the same rows the other way:
 the combine's gradient along the dispatch's routes, the dispatch's along the combine's. ``b`` is the
 activation's element size, but in the dispatch direction (the forward dispatch and the combine's backward)
@@ -59,6 +63,7 @@ __all__ = [
     "Workload",
     "all_to_all_bytes",
     "all_to_all_seconds",
+    "allreduce_busbw",
     "allreduce_seconds",
     "analytic_costs",
     "dp_reduce_seconds",
@@ -281,19 +286,26 @@ def all_to_all_bytes(cfg: MoEConfig, cluster: Cluster, ep: int, tokens: int, ele
     )
 
 
-def all_to_all_seconds(moved: AllToAllBytes, gpu: GPU) -> float:
-    """``max(NVLink part / NVLink bw, IB part / IB bw)``: the two links work at once."""
-    return max(moved.nvlink / gpu.nvlink_bytes_per_s, moved.internode / gpu.internode_bytes_per_s)
+def all_to_all_seconds(moved: AllToAllBytes, gpu: GPU, direction: str = "dispatch") -> float:
+    """``max(NVLink part / NVLink bw, IB part / IB bw)`` at DeepEP's rates for ``direction`` (``"dispatch"`` or
+    ``"combine"``): the two links work at once."""
+    nvlink = moved.nvlink / gpu.value(f"deepep.intranode.{direction}") if moved.nvlink else 0.0
+    internode = moved.internode / gpu.value(f"deepep.internode.{direction}") if moved.internode else 0.0
+    return max(nvlink, internode)
 
 
 def op_seconds(op: fl.Op, phase: str, gpu: GPU, comm_sms: int) -> float:
-    """Roofline time of ``op``'s ``phase`` (``"fwd"``, ``"dx"``, ``"dw"``) at the bf16 or, for an FP8 GEMM, the
-    FP8 rate; expert GEMMs get ``sms - comm_sms`` of the SMs."""
+    """Roofline time of ``op``'s ``phase`` (``"fwd"``, ``"dx"``, ``"dw"``) at its cited rate (the module
+    docstring); expert GEMMs get ``sms - comm_sms`` of the SMs."""
     if op.experts and comm_sms >= gpu.sms:
         raise ValueError(f"comm_sms={comm_sms} leaves no SM of {gpu.sms} for the experts")
-    peak = gpu.fp8_gemm_flops if op.fp8 else gpu.gemm_flops
-    rate = peak * ((gpu.sms - comm_sms) / gpu.sms if op.experts else 1.0)
-    return max(getattr(op, f"{phase}_flops") / rate, getattr(op, f"{phase}_bytes") / gpu.hbm_bytes_per_s)
+    flops, nbytes = getattr(op, f"{phase}_flops"), getattr(op, f"{phase}_bytes")
+    t = nbytes / gpu.hbm_bytes_per_s
+    key = fl.efficiency_key(op, phase)
+    if key is not None:
+        rate = gpu.peak(op.fp8) * gpu.value(key) * ((gpu.sms - comm_sms) / gpu.sms if op.experts else 1.0)
+        t = max(t, flops / rate)
+    return t
 
 
 OpTimer = Callable[[fl.Op, str, GPU, int], float]
@@ -311,10 +323,17 @@ def allreduce_seconds(nbytes: float, group: int, bytes_per_s: float) -> float:
     return 2 * (group - 1) / group * nbytes / bytes_per_s
 
 
-def _group_bw(cluster: Cluster, span: int) -> float:
-    """Per-GPU bandwidth of a group whose ranks spread over ``span`` consecutive ranks: NVLink when that
-    fits in a node, else the NIC (a ring across nodes is as fast as each GPU's NIC)."""
-    return cluster.gpu.nvlink_bytes_per_s if span <= cluster.gpus_per_node else cluster.gpu.internode_bytes_per_s
+def allreduce_busbw(cluster: Cluster, group: int, stride: int) -> float:
+    """NCCL all-reduce bus bandwidth of a group of ``group`` ranks ``stride`` apart (``nccl.allreduce.*``
+    entries of :mod:`moe.plan.efficiency`): the intra-node figure when the group fits in a node, else each
+    node's ranks of the group send through their own NICs at once (NCCL's channels, one a NIC), so r ranks a
+    node reach r times one NIC's figure, never more than the intra-node one."""
+    gpu, per_node = cluster.gpu, cluster.gpus_per_node
+    inside = gpu.value("nccl.allreduce.intranode")
+    if (group - 1) * stride + 1 <= per_node:  # every rank of the group in one node
+        return inside
+    r = min(group, max(1, per_node // stride))
+    return min(inside, r * gpu.value("nccl.allreduce.internode"))
 
 
 def p2p_seconds(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload) -> float:
@@ -325,7 +344,8 @@ def p2p_seconds(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Worklo
     if par.pp == 1:
         return 0.0
     nbytes = work.tokens * cfg.hidden_size * work.act_bytes
-    return nbytes / _group_bw(cluster, par.pp * par.dp)
+    where = "intranode" if par.pp * par.dp <= cluster.gpus_per_node else "internode"
+    return nbytes / cluster.gpu.value(f"nccl.p2p.{where}")
 
 
 def dp_reduce_seconds(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload) -> float:
@@ -344,10 +364,10 @@ def dp_reduce_seconds(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: 
         )  # fmt: skip
         dense = sum(p.numel for p in specs if not p.expert) * work.grad_bytes
         expert = sum(p.numel for p in specs if p.expert) * work.grad_bytes
-        t = allreduce_seconds(dense, par.dp, _group_bw(cluster, par.dp))
-        t += allreduce_seconds(expert, par.edp, _group_bw(cluster, par.dp))
-        if layout.mirrored:
-            t += allreduce_seconds(dense + expert, 2, _group_bw(cluster, par.pp * par.dp))
+        t = allreduce_seconds(dense, par.dp, allreduce_busbw(cluster, par.dp, 1))
+        t += allreduce_seconds(expert, par.edp, allreduce_busbw(cluster, par.edp, par.ep))
+        if layout.mirrored:  # ranks r and pp-1-r: up to (pp-1) dp apart
+            t += allreduce_seconds(dense + expert, 2, allreduce_busbw(cluster, 2, (par.pp - 1) * par.dp))
         worst = max(worst, t)
     return worst
 
@@ -532,8 +552,8 @@ def analytic_costs(
     comm_sms = work.comm_sms if (moe and par.ep > 1) else 0
     moved = all_to_all_bytes(cfg, cluster, par.ep, t, work.dispatch_bytes)
     back = all_to_all_bytes(cfg, cluster, par.ep, t, b)
-    dispatch = all_to_all_seconds(moved, gpu) if moe else 0.0
-    combine = all_to_all_seconds(back, gpu) if moe else 0.0
+    dispatch = all_to_all_seconds(moved, gpu, "dispatch") if moe else 0.0
+    combine = all_to_all_seconds(back, gpu, "combine") if moe else 0.0
     subs = _sub_ops(cfg, t, work.seq_len, par.ep, t * moved.ranks_reached, b, moe, work.precision.fp8)
     attn, shared, mlp = subs["attn"], subs["shared"], subs["mlp"]
     detail = {

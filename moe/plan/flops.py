@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from kernels.reference_fp8 import TILE
 from moe.models.config import MoEConfig
 from moe.models.mla import sdpa_head_dim
+from moe.plan.efficiency import SMALL_M
 from moe.plan.params import active_params
 
 __all__ = [
@@ -58,12 +59,14 @@ __all__ = [
     "attention_dims",
     "attention_ops",
     "dense_mlp_ops",
+    "efficiency_key",
     "embed_ops",
     "head_ops",
     "model_flops_per_token",
     "moe_mlp_ops",
     "mtp_ops",
     "router_ops",
+    "shape_class",
     "total",
 ]
 
@@ -93,6 +96,28 @@ class Op:
     """Run again in backward under selective recompute (norms, MLA up-projections)."""
     fp8: bool = False
     """An FP8 GEMM (see the module docstring): its FLOPs run at the device's FP8 peak."""
+    rows: float = 0.0
+    """A GEMM's rows (M) per GEMM, per expert for a grouped one (:func:`shape_class`); 0: not a GEMM."""
+    attention: bool = False
+    """The fused attention core (its FLOPs at the device's attention efficiency, not a GEMM's)."""
+
+
+def efficiency_key(op: Op, phase: str) -> str | None:
+    """The efficiency-table entry (:mod:`moe.plan.efficiency`) that times ``op``'s FLOPs in ``phase``; None
+    for an op without FLOPs there."""
+    if not getattr(op, f"{phase}_flops"):
+        return None
+    if op.attention:
+        return "attention.fwd" if phase == "fwd" else "attention.bwd"
+    return f"gemm.{'fp8' if op.fp8 else 'bf16'}.{shape_class(op)}"
+
+
+def shape_class(op: Op) -> str:
+    """``small_m`` for a GEMM of at most :data:`moe.plan.efficiency.SMALL_M` rows (per group), else ``grouped``
+    for the experts' grouped GEMMs and ``dense`` for the rest."""
+    if op.rows <= SMALL_M:
+        return "small_m"
+    return "grouped" if op.experts else "dense"
 
 
 def total(ops: list[Op], field: str) -> float:
@@ -136,6 +161,7 @@ def _gemm(
         experts=experts,
         selective=selective,
         fp8=fp8,
+        rows=m * k * n / w if experts else m,  # a grouped GEMM holds w / (k n) experts' weights
     )
 
 
@@ -158,6 +184,7 @@ def _sdpa(seqs: int, seq_len: int, h: int, g: int, c: int, cv: int, b: int) -> O
     lse = FP32 * seqs * h * seq_len
     return Op(
         "sdpa",
+        attention=True,
         fwd_flops=fwd,
         dx_flops=2.5 * fwd,
         fwd_bytes=b * t * (h * c + g * c + g * cv + h * cv) + lse,

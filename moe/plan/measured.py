@@ -69,7 +69,7 @@ from moe.plan.costs import (
     phase_work,
 )
 from moe.plan.flops import Op
-from moe.plan.hardware import GPU, Cluster
+from moe.plan.hardware import GPU, Cluster, with_overrides
 
 __all__ = [
     "COMM_FIELDS",
@@ -237,17 +237,20 @@ def scale_field(
     entry = measured.moe if moe else measured.dense
     value = entry[name]
     if name in COMM_FIELDS:
-        base_gpu = dataclasses.replace(  # no NVLink rate: the measured all-to-all moved no NVLink bytes
+        base_gpu = with_overrides(  # no NVLink rate: the measured all-to-all moved no NVLink bytes
             cluster.gpu,
+            "costs file",
             nvlink_bytes_per_s=measured.nvlink_bytes_per_s or cluster.gpu.nvlink_bytes_per_s,
             internode_bytes_per_s=measured.internode_bytes_per_s,
         )
         base_cluster = Cluster(base_gpu, measured.ep, min(measured.ep, measured.gpus_per_node))
         base = all_to_all_seconds(
-            all_to_all_bytes(measured.config, base_cluster, measured.ep, measured.tokens, measured.act_bytes), base_gpu
+            all_to_all_bytes(measured.config, base_cluster, measured.ep, measured.tokens, measured.act_bytes),
+            base_gpu,
+            name,
         )
         elem = work.dispatch_bytes if name == "dispatch" else work.act_bytes
-        target = all_to_all_seconds(all_to_all_bytes(cfg, cluster, par.ep, work.tokens, elem), cluster.gpu)
+        target = all_to_all_seconds(all_to_all_bytes(cfg, cluster, par.ep, work.tokens, elem), cluster.gpu, name)
         return value * target / base
     base_work = _measured_work(measured, moe)
     target_work = _file_work(
@@ -380,10 +383,11 @@ _FP8_REFUSED = (
 
 def gpu_of(measured: MeasuredCosts, base: GPU) -> GPU:
     """``base`` with the link rates the file was measured on (for comparing a prediction with the run)."""
-    return dataclasses.replace(
+    return with_overrides(
         base,
-        nvlink_bytes_per_s=measured.nvlink_bytes_per_s or base.nvlink_bytes_per_s,
-        internode_bytes_per_s=measured.internode_bytes_per_s or base.internode_bytes_per_s,
+        "costs file",
+        nvlink_bytes_per_s=measured.nvlink_bytes_per_s,
+        internode_bytes_per_s=measured.internode_bytes_per_s,
     )
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from moe.plan.costs import Parallelism, Workload, layer_ops, phase_work, substage_costs
-from moe.plan.hardware import GPUS, Cluster
+from moe.plan.hardware import GPUS, Cluster, with_overrides
 from moe.plan.measured import FORMAT, VERSION, MeasuredCosts, device_of, load_costs, save_costs, scale_field
 from tests.moe.helpers import tiny_config
 
@@ -68,7 +68,7 @@ def test_not_json(tmp_path) -> None:
 
 def test_scaling() -> None:
     m = _measured()
-    cluster = Cluster(dataclasses.replace(GPUS["h800"], nvlink_bytes_per_s=1e9, internode_bytes_per_s=5e7), 4, 2)
+    cluster = Cluster(with_overrides(GPUS["h800"], nvlink_bytes_per_s=1e9, internode_bytes_per_s=5e7), 4, 2)
     par = Parallelism(pp=1, dp=4, ep=4, schedule="1f1b")
     same = Workload(seq_len=32, micro_batch=2)
     # the measured shape maps to itself
@@ -85,7 +85,7 @@ def test_scaling() -> None:
     assert 2 < ratio < 4
     assert scale_field(m, "attn_F", CFG, cluster, par, longer, moe=True) == pytest.approx(1e-3 * ratio)
     # links twice as fast: the all-to-all halves (both parts scale)
-    fast = Cluster(dataclasses.replace(cluster.gpu, nvlink_bytes_per_s=2e9, internode_bytes_per_s=1e8), 4, 2)
+    fast = Cluster(with_overrides(cluster.gpu, nvlink_bytes_per_s=2e9, internode_bytes_per_s=1e8), 4, 2)
     assert scale_field(m, "combine", CFG, fast, par, same, moe=True) == pytest.approx(2e-3)
     # recompute adds the (scaled) forward to dX; a file measured with recompute has it taken out first
     rc = dataclasses.replace(same, recompute=True)
@@ -98,7 +98,7 @@ def test_scaling() -> None:
 
 def test_substage_costs_take_measured_fields_and_keep_the_rest() -> None:
     m = _measured()
-    cluster = Cluster(dataclasses.replace(GPUS["h800"], nvlink_bytes_per_s=1e9, internode_bytes_per_s=5e7), 4, 2)
+    cluster = Cluster(with_overrides(GPUS["h800"], nvlink_bytes_per_s=1e9, internode_bytes_per_s=5e7), 4, 2)
     par = Parallelism(pp=1, dp=4, ep=4, schedule="1f1b")
     work = Workload(seq_len=32, micro_batch=2)
     analytic = substage_costs(CFG, cluster, par, work)
@@ -114,7 +114,7 @@ def test_substage_costs_take_measured_fields_and_keep_the_rest() -> None:
 
 def test_one_ep_rank_per_node_needs_no_intra_node_rate() -> None:
     m = _measured(gpus_per_node=1, nvlink_bytes_per_s=None)  # every all-to-all byte crosses nodes
-    cluster = Cluster(dataclasses.replace(GPUS["h800"], internode_bytes_per_s=5e7), 4, 1)
+    cluster = Cluster(with_overrides(GPUS["h800"], internode_bytes_per_s=5e7), 4, 1)
     par, work = Parallelism(pp=1, dp=4, ep=4), Workload(seq_len=32, micro_batch=2)
     assert scale_field(m, "dispatch", CFG, cluster, par, work, moe=True) == pytest.approx(4e-3)
     with pytest.raises(ValueError, match="link rates"):
@@ -157,7 +157,7 @@ def _ops_file(**changes) -> MeasuredCosts:
     return MeasuredCosts(**base)
 
 
-_CLUSTER = Cluster(dataclasses.replace(GPUS["h800"], nvlink_bytes_per_s=1e9, internode_bytes_per_s=5e7), 4, 2)
+_CLUSTER = Cluster(with_overrides(GPUS["h800"], nvlink_bytes_per_s=1e9, internode_bytes_per_s=5e7), 4, 2)
 _PAR = Parallelism(pp=1, dp=4, ep=4, schedule="1f1b")
 
 
