@@ -36,13 +36,38 @@ from moe.plan.hardware import GPUS, Cluster, gpu, with_overrides
 from moe.plan.measured import device_of, gpu_of, load_costs
 from moe.plan.report import RunShape, plan, plan_table, v3_comparison, v3_side_by_side
 
-__all__ = ["JSON_SCHEMA_VERSION", "main", "parse_args"]
+__all__ = ["JSON_SCHEMA_VERSION", "TOKENS_PER_GPU", "default_global_batch", "global_batch", "main", "parse_args"]
 
 JSON_SCHEMA_VERSION = 2
 """2: a row's ``recompute`` is a granularity and it has ``memory_options``; ``inputs.model_source``; the
 ``deepseek_v3`` side-by-side with ``--deepseek-v3``. Added since, without a new number (nothing removed or
 renamed): a row's and the inputs' ``pipeline_layout``, ``deepseek_v3.memory_gib_layout``, ``inputs.precision``
 and ``deepseek_v3.precision``, a row's ``memory_bytes.host`` (not in its ``total``)."""
+
+TOKENS_PER_GPU = 16384
+"""The default batch per GPU per optimizer step: 4 sequences of 4,096 tokens, so that every pipeline rank sees 4 x pp
+micro-batches (a bubble of a few percent at most for the bidirectional schedules) while the global batch grows with
+the cluster: 1M tokens on 64 GPUs, 32M on 2,048 (DeepSeek-V3's report used 15,360 x 4,096 = 63M, 30,720 per GPU)."""
+
+V3_GLOBAL_BATCH = 15360
+"""DeepSeek-V3's global batch in sequences (report, 4.2: the batch size ramps to 15,360)."""
+
+
+def default_global_batch(gpus: int, seq_len: int, micro_batch: int, tokens_per_gpu: int = TOKENS_PER_GPU) -> int:
+    """Sequences per step with ``tokens_per_gpu`` tokens on every GPU, rounded to whole micro-batches per GPU (at
+    least one): a multiple of ``gpus x micro_batch``, so every dp = gpus / pp splits it evenly."""
+    per_gpu = max(1, round(tokens_per_gpu / (seq_len * micro_batch)))
+    return per_gpu * micro_batch * gpus
+
+
+def global_batch(args: argparse.Namespace) -> int:
+    """The run's global batch: the flag's, the report's with ``--deepseek-v3``, else :func:`default_global_batch`."""
+    if args.global_batch_size is not None:
+        return args.global_batch_size
+    if args.deepseek_v3:
+        return V3_GLOBAL_BATCH
+    return default_global_batch(args.gpus, args.seq_len, args.micro_batch_size, args.tokens_per_gpu)
+
 
 _RECOMPUTE_FLAG = {"on": ("full",), "off": ("none",), "both": ("none", "full"), "all": RECOMPUTE}
 _RECOMPUTE_FLAG.update({name: (name,) for name in RECOMPUTE})
@@ -75,9 +100,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--global-batch-size",
         "--global-batch",
         type=int,
-        default=15360,
         metavar="N",
-        help="sequences per optimizer step",
+        help="sequences per optimizer step (default: --tokens-per-gpu's worth on every GPU; with --deepseek-v3 the "
+        "report's 15,360)",
+    )
+    p.add_argument(
+        "--tokens-per-gpu",
+        type=int,
+        default=TOKENS_PER_GPU,
+        metavar="N",
+        help=f"without --global-batch-size: tokens per GPU per optimizer step, rounded to whole micro-batches "
+        f"(default {TOKENS_PER_GPU:,})",
     )
     p.add_argument(
         "--micro-batch-size", "--micro-batch", type=int, default=1, metavar="N", help="sequences per micro-batch"
@@ -154,8 +187,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="write the result as JSON ('-' for stdout)")
     p.add_argument("--png", metavar="FILE", help="draw the best plan's pipeline timeline")
     args = p.parse_args(argv)
-    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch_size", "micro_batch_size", "top"):
-        if getattr(args, name) < 1:
+    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch_size", "micro_batch_size", "tokens_per_gpu", "top"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         p.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
@@ -267,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, source = _config(args, measured)
     cluster = _cluster(args, measured)
     precision = Precision(fp8=args.fp8, fp8_dispatch=args.fp8_dispatch)
-    run = RunShape(args.seq_len, args.global_batch_size, args.micro_batch_size, precision, args.expert_imbalance)
+    run = RunShape(args.seq_len, global_batch(args), args.micro_batch_size, precision, args.expert_imbalance)
     options = MemoryOptions(
         state_dtype=args.state_dtype,
         fp8_activations=args.fp8_activations,

@@ -254,3 +254,18 @@ def test_deepseek_v3_side_by_side_in_the_json(tmp_path: Path) -> None:
     assert off["selective"]["tokens_per_s_per_gpu"] == pytest.approx(tok["planner"], rel=1e-3)
     assert off["none"]["policy"] == "all" and off["none"]["fits"]
     assert off["none"]["tokens_per_s_per_gpu"] < 0.6 * tok["planner"]
+
+
+def test_default_global_batch_fits_the_cluster() -> None:
+    """Without ``--global-batch-size`` the batch is ``--tokens-per-gpu`` on every GPU in whole micro-batches (not
+    DeepSeek-V3's 15,360 sequences, which ``--deepseek-v3`` keeps)."""
+    from moe.plan.cli import default_global_batch, global_batch, parse_args
+
+    assert default_global_batch(64, 4096, 1) == 256  # 16,384 tokens per GPU: 4 sequences of 4,096
+    assert default_global_batch(2048, 4096, 2) == 2 * 2 * 2048  # 2 micro-batches of 2 per GPU
+    assert default_global_batch(8, 65536, 1) == 8  # at least one micro-batch per GPU
+    base = ["--gpus", "64", "--seq-len", "4096"]
+    assert global_batch(parse_args(base)) == 256
+    assert global_batch(parse_args([*base, "--tokens-per-gpu", "4096"])) == 64
+    assert global_batch(parse_args([*base, "--deepseek-v3"])) == 15360
+    assert global_batch(parse_args([*base, "--global-batch", "96"])) == 96
