@@ -63,7 +63,7 @@ from moe.optim_state import EMA_HOST_BYTES, OPTIMIZERS, shard_rows
 from moe.plan.costs import Parallelism, Workload, recompute_granularity
 from moe.plan.hardware import GPU
 from moe.plan.offload import NAMED, OffloadPolicy, parse_offload
-from moe.plan.params import ParamSpec, rank_params, rank_stages
+from moe.plan.params import ConfigKey, ParamSpec, rank_params, rank_stages
 from moe.plan.routing import expected_ranks
 
 __all__ = [
@@ -382,8 +382,27 @@ def module_activation_bytes(
 ) -> float:
     """Bytes one module (a stage's layers; its ``mtp`` MTP modules, ``None``: all of them on the last stage)
     keeps for one micro-batch between its forward and backward. The embedding (int64 ids) and the head pieces
-    never recompute whole."""
+    never recompute whole. Cached by value: a search sizes the same module for many candidates."""
     granularity = recompute_granularity(recompute)
+    key = (layers, tokens, seq_len, act_bytes, ep, first, last, granularity, fp8, mtp)
+    return _module_activation_bytes(ConfigKey.of(cfg), *key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _module_activation_bytes(
+    key: ConfigKey,
+    layers: range,
+    tokens: int,
+    seq_len: int,
+    act_bytes: int,
+    ep: int,
+    first: bool,
+    last: bool,
+    granularity: str,
+    fp8: bool,
+    mtp: int | None,
+) -> float:
+    cfg = key.cfg
     t, b = tokens, act_bytes
     mtp = cfg.mtp_layers * last if mtp is None else mtp
     blocks = list(layers) + list(range(cfg.num_layers, cfg.num_layers + mtp))

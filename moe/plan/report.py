@@ -7,6 +7,7 @@ and the DeepSeek-V3 report set beside our numbers.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from moe.plan.search import (
     predict,
     rank_predictions,
     seconds,
+    step_bound,
     why_worse,
 )
 
@@ -81,6 +83,9 @@ class Plan:
     """The candidate that misses memory by least and its bytes per GPU (None when every candidate fits)."""
     precision: Precision = NO_FP8
     """What every candidate was timed with (the run's)."""
+    skipped: int = 0
+    """Fitting candidates left untimed: their compute alone (:func:`moe.plan.search.step_bound`) is slower than
+    ``top`` plans already timed, so none of them could enter the table."""
 
     @property
     def best(self) -> Prediction:
@@ -200,11 +205,16 @@ def plan(
     top: int = 10,
     options: MemoryOptions = TRAINER_DEFAULTS,
     pipeline_layout: str = AUTO,
+    progress: Callable[[str], None] | None = None,
+    prune: bool = True,
 ) -> Plan:
     """Search every candidate (:func:`moe.plan.search.candidates`: each recompute granularity of
     ``recompute``) with the memory ``options`` and rank them. SM counts the device cannot spare are dropped
     (a measured CPU "device" has one: its communication runs on a thread). A ``pipeline_layout`` other than
-    ``auto`` is searched only where the schedule has its number of stages."""
+    ``auto`` is searched only where the schedule has its number of stages. Fitting candidates are timed in the
+    order of a lower bound from compute alone, and those that cannot enter the top ``top`` are skipped
+    (:attr:`Plan.skipped`; ``prune=False`` times them all). ``progress`` is told what the search is doing, a
+    few words at a time."""
     comm_sms = [s for s in comm_sms if s < cluster.gpu.sms] or [0]
     found = list(
         candidates(
@@ -230,17 +240,20 @@ def plan(
             f"{cluster.num_gpus} GPUs: make --global-batch-size a multiple of --micro-batch-size x (GPUs / pp) for "
             "some pp"
         )
+    say = progress or (lambda text: None)
     models: dict[Candidate, LayerCostModel] = {}
     model = _sizer(cfg, cluster, run, measured, options, models)
-    for c in found:
-        model(c)
+    for i, c in enumerate(found):
+        say(f"sizing {i + 1}/{len(found)} candidates")
+        model(c).fits()
     fitting = [c for c in found if models[c].fits()]
     misses = [c for c in found if not models[c].fits()]
     offloaded = {c: v for c in misses if (v := _offloaded(c, model, cluster)) is not None}
     fitting += offloaded.values()
     rest = sorted((c for c in misses if c not in offloaded), key=lambda c: models[c].memory().total)
-    timed = fitting + rest[: max(0, top - len(fitting))]
-    ranked = rank_predictions([_predict(models[c]) for c in timed])
+    predictions, skipped = _time_leading(fitting, models, top if prune else len(fitting), say)
+    predictions += [_predict(models[c]) for c in rest[: max(0, top - len(fitting))]]
+    ranked = rank_predictions(predictions)
 
     # The layout dimension, where it can change the answer (moe.plan.layouts): the leading candidates with
     # lighter first stages, and for the first few that still do not fit, layers moved off their fullest rank.
@@ -255,7 +268,39 @@ def plan(
     for p in rank_predictions([*ranked, *more]):
         best.setdefault(dataclasses.replace(p.candidate, pipeline_layout=AUTO), p)
     misfit = (rest[0], models[rest[0]].memory().total) if rest else None
-    return Plan(list(best.values()), len(found) + len(variants), fits, misfit, run.precision)
+    out = list(best.values())
+    out[0] = _predict(models[out[0].candidate])  # the best keeps its timeline (the others' were dropped)
+    return Plan(out, len(found) + len(variants), fits, misfit, run.precision, skipped)
+
+
+def _time_leading(
+    fitting: Sequence[Candidate],
+    models: dict[Candidate, LayerCostModel],
+    top: int,
+    say: Callable[[str], None],
+) -> tuple[list[Prediction], int]:
+    """Time the fitting candidates in the order of their compute bound (:func:`moe.plan.search.step_bound`),
+    stopping once the next bound exceeds the ``top``-th step timed: every candidate left is slower than ``top``
+    timed ones, so the top ``top`` are those of timing them all. The predictions (their timelines dropped: only
+    the best's is drawn, and a search holds many) and how many were skipped."""
+    bounds = {c: _bound(models[c]) for c in fitting}
+    order = sorted(fitting, key=lambda c: (bounds[c], c))
+    steps: list[float] = []  # the fastest ``top`` steps so far, sorted
+    out = []
+    for i, c in enumerate(order):
+        if len(steps) >= top and bounds[c] > steps[top - 1]:
+            return out, len(order) - i
+        say(f"timing {i + 1}/{len(order)} fitting candidates")
+        p = dataclasses.replace(_predict(models[c]), sim=None)
+        out.append(p)
+        bisect.insort(steps, p.step_time)
+        del steps[top:]
+    return out, 0
+
+
+def _bound(model: LayerCostModel) -> float:
+    c = model.candidate
+    return step_bound(c, model, plans=stage_plans(model.cfg, c.pp, c.schedule, None, c.pipeline_layout))
 
 
 def _row(p: Prediction) -> list[str]:
@@ -313,6 +358,11 @@ def plan_table(result: Plan, top: int = 10) -> str:
     rows = [[*_row(p), "best" if p is best else why_worse(p, best)] for p in shown]
     lines.append(_table(rows, [*_HEADER, "why it loses"]))
     lines += ["", *why_not(result)]
+    if result.skipped:
+        lines.append(
+            f"skipped: {result.skipped} fitting candidates left untimed (their compute alone, without bubble or "
+            f"exposed all-to-all, is slower than the {top} plans above: moe.plan.search.step_bound)"
+        )
     return "\n".join(lines)
 
 
