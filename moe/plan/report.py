@@ -83,6 +83,9 @@ class Plan:
     """The candidate that misses memory by least and its bytes per GPU (None when every candidate fits)."""
     precision: Precision = NO_FP8
     """What every candidate was timed with (the run's)."""
+    mtp_layers: int = 0
+    """The model's MTP modules (the memory line names how they share the embedding and head only when it has
+    some)."""
     skipped: int = 0
     """Fitting candidates left untimed: their compute alone (:func:`moe.plan.search.step_bound`) is slower than
     ``top`` plans already timed, so none of them could enter the table."""
@@ -270,7 +273,7 @@ def plan(
     misfit = (rest[0], models[rest[0]].memory().total) if rest else None
     out = list(best.values())
     out[0] = _predict(models[out[0].candidate])  # the best keeps its timeline (the others' were dropped)
-    return Plan(out, len(found) + len(variants), fits, misfit, run.precision, skipped)
+    return Plan(out, len(found) + len(variants), fits, misfit, run.precision, cfg.mtp_layers, skipped)
 
 
 def _time_leading(
@@ -350,7 +353,7 @@ def plan_table(result: Plan, top: int = 10) -> str:
         f"optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, all-to-all buffers "
         f"{m.all_to_all_buffers / GIB:.1f}",
         *_host_line(m),
-        f"  memory options: {describe_options(m.options)}",
+        f"  memory options: {describe_options(m.options, mtp=result.mtp_layers > 0, offload=c.offload)}",
         f"  precision: {describe_precision(result.precision.to_dict())}",
         "",
     ]
@@ -393,12 +396,16 @@ def why_not(result: Plan) -> list[str]:
     return out
 
 
-def describe_options(options: dict) -> str:
-    """The memory options of a footprint in words."""
-    mtp = "MTP shares the embedding and head" if options.get("mtp_shares_embedding_and_head") else "MTP own copies"
+def describe_options(options: dict, *, mtp: bool = True, offload: str = "") -> str:
+    """The memory options of a footprint in words, as the trainer's job names them (``mtp``: the model has MTP
+    modules, whose sharing of the embedding and head is then named; ``offload``: the candidate's policy)."""
+    shared = "MTP shares the embedding and head" if options.get("mtp_shares_embedding_and_head") else "MTP own copies"
     return (
-        f"recompute {options.get('recompute')}, optimizer state {options.get('optimizer_state_dtype')}, {mtp}, "
-        f"FP8 activations {'on' if options.get('fp8_activations') else 'off'}"
+        f"ZeRO-1 (--zero 1: optimizer state sharded over the data-parallel ranks), recompute "
+        f"{options.get('recompute')}, optimizer state {options.get('optimizer_state_dtype')}, "
+        + (f"{shared}, " if mtp else "")
+        + f"FP8 activations {'on' if options.get('fp8_activations') else 'off'}"
+        + (f", --offload {offload}" if offload else "")
         + (", EMA on the host" if options.get("ema_on_host") else "")
     )
 
@@ -712,7 +719,7 @@ def v3_comparison(
         f"DeepSeek-V3's layout: {layout['schedule']} pp={layout['pp']} dp={layout['dp']} ep={layout['ep']} "
         f"chunks={layout['num_chunks']} comm_sms={layout['comm_sms']} on {cluster.num_gpus} x {cluster.gpu.name}, "
         f"{cluster.gpus_per_node} per node; seq {run.seq_len}, global batch {run.global_batch}\n"
-        f"memory options (the report's): {describe_options(v3['options'])}\n"
+        f"memory options (the report's): {describe_options(v3['options'], mtp=cfg.mtp_layers > 0)}\n"
         f"precision (the report's, 3.3): {describe_precision(v3['precision'])}"
     )
     return head + "\n" + _table(rows, ["", "this planner", "DeepSeek-V3 report"])

@@ -63,8 +63,8 @@ def test_one_line_per_class_of_losing_candidates(capsys: pytest.CaptureFixture[s
     with its count and its closest candidate."""
     main([*SMALL, "--top", "1000"])  # every timed candidate in the table
     text = capsys.readouterr().out
-    total = int(re.match(r"(\d+) candidates, (\d+) fit", text)[1])
-    fit = int(re.match(r"(\d+) candidates, (\d+) fit", text)[2])
+    total = int(re.search(r"^(\d+) candidates, (\d+) fit", text, flags=re.M)[1])
+    fit = int(re.search(r"^(\d+) candidates, (\d+) fit", text, flags=re.M)[2])
     counts = dict(re.findall(r"^(memory|bubble|comm|dp|close): (\d+) ", text, flags=re.M))
     assert counts and all(text.count(f"\n{k}: ") == 1 for k in counts)
     assert int(counts.get("memory", 0)) == total - fit
