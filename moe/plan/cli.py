@@ -362,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.compare_schedules:
         return _compare(args, cfg, cluster, run, measured, options)
-    progress = Progress(enabled=args.json != "-")
+    progress = Progress(enabled=args.json != "-" and sys.stderr.isatty())  # a terminal's line, not a log's
     try:
         result = plan(
             cfg, cluster, run, schedules=args.schedules, comm_sms=args.comm_sms,

@@ -363,8 +363,9 @@ def plan_table(result: Plan, top: int = 10) -> str:
     lines += ["", *why_not(result)]
     if result.skipped:
         lines.append(
-            f"skipped: {result.skipped} fitting candidates left untimed (their compute alone, without bubble or "
-            f"exposed all-to-all, is slower than the {top} plans above: moe.plan.search.step_bound)"
+            f"skipped: {result.skipped} fitting candidates left untimed (their compute and pipeline fill alone, "
+            f"without the rest of the bubble or exposed all-to-all, are slower than the {top} plans above: "
+            "moe.plan.search.step_bound)"
         )
     return "\n".join(lines)
 

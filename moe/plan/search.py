@@ -385,20 +385,26 @@ def step_bound(candidate: Candidate, model: CostModel, *, plans: Sequence[StageP
     """A lower bound on :func:`predict`'s step time from compute alone, without building or simulating the
     schedule: the busiest rank's compute (each of its modules runs every micro-batch of its path forward and
     backward; a pair, an ``I`` with its ``W``, an offload copy take at least their compute on the one compute
-    stream) plus the data-parallel reduction. No bubble, no exposed all-to-all, no P2P: a candidate whose bound
-    exceeds a step already predicted cannot beat it."""
+    stream), after the forward compute of the stages before its nearest module (the first micro-batch's way
+    there: the pipeline's fill), plus the data-parallel reduction. No other bubble, no exposed all-to-all, no P2P:
+    a candidate whose bound exceeds a step already predicted cannot beat it."""
     layout = schedule_spec(candidate.schedule).stage_layout(candidate.pp)
     num_layers = sum(len(p.layers) for p in plans)
     (ef, eb), (hf, hb) = model.embed(), model.head()
-    stage = []
+    forward, stage = [], []
     for p in plans:
         blocks = [model.block(i) for i in (*p.layers, *range(num_layers, num_layers + p.mtp))]
-        f = sum(b.compute_f for b in blocks) + ef * p.first + hf * p.last
-        stage.append(f + sum(b.compute_b for b in blocks) + eb * p.first + hb * p.last)
-    busiest = max(
-        sum(stage[layout.stage_of(r, m)] for m in range(layout.modules_per_rank)) for r in range(candidate.pp)
-    )
-    return candidate.num_chunks // len(layout.paths) * busiest + model.dp_reduce()
+        forward.append(sum(b.compute_f for b in blocks) + ef * p.first + hf * p.last)
+        stage.append(forward[-1] + sum(b.compute_b for b in blocks) + eb * p.first + hb * p.last)
+    per_path = candidate.num_chunks // len(layout.paths)
+
+    def rank(r: int) -> float:
+        # idle until a first micro-batch has come through the stages before one of its modules (its first compute
+        # holds a forward), then busy with its own compute
+        sids = [layout.stage_of(r, m) for m in range(layout.modules_per_rank)]
+        return min(sum(forward[:sid]) for sid in sids) + per_path * sum(stage[sid] for sid in sids)
+
+    return max(rank(r) for r in range(candidate.pp)) + model.dp_reduce()
 
 
 def rank_predictions(predictions: Sequence[Prediction]) -> list[Prediction]:
