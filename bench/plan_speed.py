@@ -30,6 +30,9 @@ from moe.models.config import PRESETS
 
 __all__ = ["Row", "measure", "plan_argv"]
 
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root: the child runs from it, so ``-m bench.plan_speed`` resolves wherever the caller stands."""
+
 ALIASES = {"v3": "deepseek-v3"}
 """Presets that name the same model as another: measured once, under the other name."""
 
@@ -67,7 +70,7 @@ def measure(preset: str, gpus: int, *, gpu: str = "h100", timeout: float = 120.0
     cmd = [sys.executable, "-m", "bench.plan_speed", "--child", json.dumps(plan_argv(preset, gpus, gpu, extra))]
     start = time.perf_counter()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=os.environ.copy())
     except subprocess.TimeoutExpired:
         return Row(preset, gpus, None, None, f"over {timeout:.0f} s")
     wall = time.perf_counter() - start

@@ -1,8 +1,9 @@
 """The planner's search over a cluster and what it prints: the best plan, the runners-up with why each loses,
 and the DeepSeek-V3 report set beside our numbers.
 
-:func:`plan` sizes every candidate first (memory is cheap) and times the ones that fit; when fewer than
-``top`` fit, the smallest of the rest are timed too, so the table can say by how much they miss.
+:func:`plan` sizes and times the candidates in the order of a lower bound on their step
+(:func:`moe.plan.search.step_bound`) and stops where no candidate left can enter the top ``top``; when fewer
+than ``top`` fit, the smallest of the rest are timed too, so the table can say by how much they miss.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ class Plan:
     """The model's MTP modules (the memory line names how they share the embedding and head only when it has
     some)."""
     skipped: int = 0
-    """Fitting candidates left untimed: their compute alone (:func:`moe.plan.search.step_bound`) is slower than
-    ``top`` plans already timed, so none of them could enter the table."""
+    """Candidates neither sized nor timed: their bound (:func:`moe.plan.search.step_bound`) is slower than ``top``
+    fitting plans already timed, so none of them could enter the table."""
 
     @property
     def best(self) -> Prediction:
@@ -214,7 +215,7 @@ def plan(
     """Search every candidate (:func:`moe.plan.search.candidates`: each recompute granularity of
     ``recompute``) with the memory ``options`` and rank them. SM counts the device cannot spare are dropped
     (a measured CPU "device" has one: its communication runs on a thread). A ``pipeline_layout`` other than
-    ``auto`` is searched only where the schedule has its number of stages. Fitting candidates are timed in the
+    ``auto`` is searched only where the schedule has its number of stages. Candidates are sized and timed in the
     order of a lower bound from compute alone, and those that cannot enter the top ``top`` are skipped
     (:attr:`Plan.skipped`; ``prune=False`` times them all). ``progress`` is told what the search is doing, a
     few words at a time."""
@@ -246,15 +247,8 @@ def plan(
     say = progress or (lambda text: None)
     models: dict[Candidate, LayerCostModel] = {}
     model = _sizer(cfg, cluster, run, measured, options, models)
-    for i, c in enumerate(found):
-        say(f"sizing {i + 1}/{len(found)} candidates")
-        model(c).fits()
-    fitting = [c for c in found if models[c].fits()]
-    misses = [c for c in found if not models[c].fits()]
-    offloaded = {c: v for c in misses if (v := _offloaded(c, model, cluster)) is not None}
-    fitting += offloaded.values()
-    rest = sorted((c for c in misses if c not in offloaded), key=lambda c: models[c].memory().total)
-    predictions, skipped = _time_leading(fitting, models, top if prune else len(fitting), say)
+    predictions, fitting, misses, skipped = _search_leading(found, model, cluster, top if prune else len(found), say)
+    rest = sorted(misses, key=lambda c: models[c].memory().total)
     predictions += [_predict(models[c]) for c in rest[: max(0, top - len(fitting))]]
     ranked = rank_predictions(predictions)
 
@@ -276,29 +270,40 @@ def plan(
     return Plan(out, len(found) + len(variants), fits, misfit, run.precision, cfg.mtp_layers, skipped)
 
 
-def _time_leading(
-    fitting: Sequence[Candidate],
-    models: dict[Candidate, LayerCostModel],
+def _search_leading(
+    found: Sequence[Candidate],
+    model: Callable[[Candidate], LayerCostModel],
+    cluster: Cluster,
     top: int,
     say: Callable[[str], None],
-) -> tuple[list[Prediction], int]:
-    """Time the fitting candidates in the order of their compute bound (:func:`moe.plan.search.step_bound`),
-    stopping once the next bound exceeds the ``top``-th step timed: every candidate left is slower than ``top``
-    timed ones, so the top ``top`` are those of timing them all. The predictions (their timelines dropped: only
-    the best's is drawn, and a search holds many) and how many were skipped."""
-    bounds = {c: _bound(models[c]) for c in fitting}
-    order = sorted(fitting, key=lambda c: (bounds[c], c))
+) -> tuple[list[Prediction], list[Candidate], list[Candidate], int]:
+    """Size and time the candidates in the order of their lower bound (:func:`moe.plan.search.step_bound`,
+    cheap: no schedule is built), stopping once the next bound exceeds the ``top``-th step timed: every
+    candidate left is slower than ``top`` fitting ones, so the top ``top`` are those of searching them all. A
+    candidate that does not fit is tried with offloading (:func:`_offloaded`; its copies only add to the
+    bound). Returns the predictions (their timelines dropped: only the best's is drawn, and a search holds
+    many), the fitting candidates timed (offloaded ones as run), the sized ones that do not fit even so, and how
+    many were left neither sized nor timed."""
+    bounds = {c: _bound(model(c)) for c in found}
+    order = sorted(found, key=lambda c: (bounds[c], c))
     steps: list[float] = []  # the fastest ``top`` steps so far, sorted
-    out = []
+    out, fitting, misses = [], [], []
     for i, c in enumerate(order):
         if len(steps) >= top and bounds[c] > steps[top - 1]:
-            return out, len(order) - i
-        say(f"timing {i + 1}/{len(order)} fitting candidates")
-        p = dataclasses.replace(_predict(models[c]), sim=None)
+            return out, fitting, misses, len(order) - i
+        say(f"sizing and timing {i + 1}/{len(order)} candidates, best bound first")
+        v: Candidate | None = c
+        if not model(c).fits():
+            v = _offloaded(c, model, cluster)
+            if v is None:
+                misses.append(c)
+                continue
+        fitting.append(v)
+        p = dataclasses.replace(_predict(model(v)), sim=None)
         out.append(p)
         bisect.insort(steps, p.step_time)
         del steps[top:]
-    return out, 0
+    return out, fitting, misses, 0
 
 
 def _bound(model: LayerCostModel) -> float:
@@ -344,7 +349,10 @@ def plan_table(result: Plan, top: int = 10) -> str:
     c, m = best.candidate, best.memory
     verdict = "best fitting plan" if best.fits else "NOTHING FITS; the closest plan"
     lines = [
-        f"{result.num_candidates} candidates, {result.num_fitting} fit in memory.",
+        f"{result.num_candidates} candidates, {result.num_fitting} fit in memory."
+        if not result.skipped
+        else f"{result.num_candidates} candidates, {result.num_fitting} of the {result.num_candidates - result.skipped}"
+        f" sized fit in memory ({result.skipped} skipped by their bound, below).",
         f"{verdict}: {c.describe()}",
         f"  step {seconds(best.step_time)} (pipeline {seconds(best.pipeline_time)} + dp reduction "
         f"{seconds(best.dp_reduce_time)}), {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {best.mfu:.1%}",
@@ -363,9 +371,9 @@ def plan_table(result: Plan, top: int = 10) -> str:
     lines += ["", *why_not(result)]
     if result.skipped:
         lines.append(
-            f"skipped: {result.skipped} fitting candidates left untimed (their compute and pipeline fill alone, "
+            f"skipped: {result.skipped} candidates neither sized nor timed (their compute and pipeline fill alone, "
             f"without the rest of the bubble or exposed all-to-all, are slower than the {top} plans above: "
-            "moe.plan.search.step_bound)"
+            "moe.plan.search.step_bound); the counts above are of the others"
         )
     return "\n".join(lines)
 

@@ -3,6 +3,8 @@ step it bounds, and an answer in seconds for the slowest preset (a search that e
 
 from __future__ import annotations
 
+import pytest
+
 from moe.models.config import preset
 from moe.plan.hardware import Cluster, gpu
 from moe.plan.params import stage_plans
@@ -28,3 +30,20 @@ def test_pruned_search_keeps_the_exhaustive_top_plans() -> None:
         c = p.candidate
         m = _model(cfg, cluster, run, c, None)
         assert step_bound(c, m, plans=stage_plans(cfg, c.pp, c.schedule, None, c.pipeline_layout)) <= p.step_time
+
+
+SLOWEST = ("deepseek-v3", 2048)
+"""The slowest preset and size of bench/results/plan-speed-cpu-2core-2026-11-29.json (python -m bench.plan_speed)."""
+MEASURED_S = 40.0
+"""Its wall time there (a loaded 2-core machine, the start-up included)."""
+
+
+@pytest.mark.slow
+def test_the_slowest_preset_answers_in_seconds() -> None:
+    """A search that explodes (the 21-minute run of issue 38) fails here: the slowest preset and size of the
+    benchmark, in a fresh process, within 5x its recorded time and 2 GB."""
+    from bench.plan_speed import measure
+
+    row = measure(*SLOWEST, timeout=5 * MEASURED_S)
+    assert row.seconds is not None, row.note
+    assert row.peak_mib is not None and row.peak_mib < 2048, row
