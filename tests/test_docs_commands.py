@@ -54,6 +54,10 @@ PAIRS_V = (
     '.venv/bin/python -c "from dualpipe.generators_v import pairs_per_step as n; '
     "print([[n(s, p) for p in (4, 8, 16)] for s in ('zbv', 'v-half', 'v-min')])\""
 )
+PLAN_JOB = (
+    ".venv/bin/python -m moe.plan --model qwen3-moe-tiny --gpu h100 --gpus 16 --seq-len 512 --top 3 --emit-config"
+    " job.toml && .venv/bin/python examples/train.py --config job.toml --print-config"
+)
 PLAN_CPU = (
     ".venv/bin/python -m moe.plan --costs bench/results/costs-cpu-2core-emulated-2node-400mbit-2026-11-26.json"
     " --gpus 2 --gpus-per-node 1 --seq-len 64 --global-batch-size 192 --micro-batch-size 4 --recompute off"
@@ -108,6 +112,7 @@ RUN: dict[str, Run] = {
         file="job.toml", file_text="lr = 0.001"
     ),
     PLAN_CPU: Run(output="best fitting plan: zb1p pp=2 dp=1 ep=1", file="plan.json", file_text='"num_candidates"'),
+    PLAN_JOB: Run(output="zero = 1", file="job.toml", file_text="[parallel]"),
     ".venv/bin/python -m dualpipe.simulate --schedule dualpipev --ranks 4 --chunks 10 --F 1 --B 2 --W 1 --FB 2.5": Run(
         output="makespan 59, bubble fraction 0.0699"
     ),
@@ -126,6 +131,10 @@ RUN: dict[str, Run] = {
 
 # command -> (why it is not run here, the test that runs the same job or "" where none can)
 EXCLUDED: dict[str, tuple[str, str]] = {
+    ".venv/bin/python -m bench.plan_speed --out bench/results": (
+        "every preset at 64 and 2,048 GPUs, minutes",
+        "tests/moe/plan/test_plan_speed.py::test_the_slowest_preset_answers_in_seconds",
+    ),
     "bash scripts/run.sh": (
         "sets up .venv, then trains for about 30 s",
         "tests/examples/test_launch.py::test_the_readme_main_command",

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,13 +37,38 @@ from moe.plan.hardware import GPUS, Cluster, gpu, with_overrides
 from moe.plan.measured import device_of, gpu_of, load_costs
 from moe.plan.report import RunShape, plan, plan_table, v3_comparison, v3_side_by_side
 
-__all__ = ["JSON_SCHEMA_VERSION", "main", "parse_args"]
+__all__ = ["JSON_SCHEMA_VERSION", "TOKENS_PER_GPU", "default_global_batch", "global_batch", "main", "parse_args"]
 
 JSON_SCHEMA_VERSION = 2
 """2: a row's ``recompute`` is a granularity and it has ``memory_options``; ``inputs.model_source``; the
 ``deepseek_v3`` side-by-side with ``--deepseek-v3``. Added since, without a new number (nothing removed or
 renamed): a row's and the inputs' ``pipeline_layout``, ``deepseek_v3.memory_gib_layout``, ``inputs.precision``
 and ``deepseek_v3.precision``, a row's ``memory_bytes.host`` (not in its ``total``)."""
+
+TOKENS_PER_GPU = 16384
+"""The default batch per GPU per optimizer step: 4 sequences of 4,096 tokens, so that every pipeline rank sees 4 x pp
+micro-batches (a bubble of a few percent at most for the bidirectional schedules) while the global batch grows with
+the cluster: 1M tokens on 64 GPUs, 32M on 2,048 (DeepSeek-V3's report used 15,360 x 4,096 = 63M, 30,720 per GPU)."""
+
+V3_GLOBAL_BATCH = 15360
+"""DeepSeek-V3's global batch in sequences (report, 4.2: the batch size ramps to 15,360)."""
+
+
+def default_global_batch(gpus: int, seq_len: int, micro_batch: int, tokens_per_gpu: int = TOKENS_PER_GPU) -> int:
+    """Sequences per step with ``tokens_per_gpu`` tokens on every GPU, rounded to whole micro-batches per GPU (at
+    least one): a multiple of ``gpus x micro_batch``, so every dp = gpus / pp splits it evenly."""
+    per_gpu = max(1, round(tokens_per_gpu / (seq_len * micro_batch)))
+    return per_gpu * micro_batch * gpus
+
+
+def global_batch(args: argparse.Namespace) -> int:
+    """The run's global batch: the flag's, the report's with ``--deepseek-v3``, else :func:`default_global_batch`."""
+    if args.global_batch_size is not None:
+        return args.global_batch_size
+    if args.deepseek_v3:
+        return V3_GLOBAL_BATCH
+    return default_global_batch(args.gpus, args.seq_len, args.micro_batch_size, args.tokens_per_gpu)
+
 
 _RECOMPUTE_FLAG = {"on": ("full",), "off": ("none",), "both": ("none", "full"), "all": RECOMPUTE}
 _RECOMPUTE_FLAG.update({name: (name,) for name in RECOMPUTE})
@@ -80,9 +106,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--global-batch-size",
         "--global-batch",
         type=int,
-        default=15360,
         metavar="N",
-        help="sequences per optimizer step",
+        help="sequences per optimizer step (default: --tokens-per-gpu's worth on every GPU; with --deepseek-v3 the "
+        "report's 15,360)",
+    )
+    p.add_argument(
+        "--tokens-per-gpu",
+        type=int,
+        default=TOKENS_PER_GPU,
+        metavar="N",
+        help=f"without --global-batch-size: tokens per GPU per optimizer step, rounded to whole micro-batches "
+        f"(default {TOKENS_PER_GPU:,})",
     )
     p.add_argument(
         "--micro-batch-size", "--micro-batch", type=int, default=1, metavar="N", help="sequences per micro-batch"
@@ -164,9 +198,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", metavar="FILE", help="write the result as JSON ('-' for stdout)")
     p.add_argument("--png", metavar="FILE", help="draw the best plan's pipeline timeline")
+    p.add_argument(
+        "--emit-config",
+        metavar="FILE",
+        help="write the best plan as the trainer's job file (TOML: examples/train.py --config FILE runs it), with "
+        "every option it was sized under (moe.plan.job)",
+    )
     args = p.parse_args(argv)
-    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch_size", "micro_batch_size", "top"):
-        if getattr(args, name) < 1:
+    for name in ("gpus", "gpus_per_node", "seq_len", "global_batch_size", "micro_batch_size", "tokens_per_gpu", "top"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         p.error(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
@@ -179,8 +219,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(
                 "--compare-schedules takes one --recompute granularity (none, selective or full) and one --comm-sms"
             )
-        if args.deepseek_v3 or args.png:
-            p.error("--compare-schedules prints its own table: drop --deepseek-v3 and --png")
+        if args.deepseek_v3 or args.png or args.emit_config:
+            p.error("--compare-schedules prints its own table: drop --deepseek-v3, --png and --emit-config")
     elif args.pp is not None:
         p.error("--pp is --compare-schedules's layout (the search tries every pp)")
     for name in ("pp", "ep"):
@@ -189,6 +229,52 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.expert_imbalance >= 1.0:
         p.error(f"--expert-imbalance {args.expert_imbalance}: the busiest rank over the mean is at least 1")
     return args
+
+
+class Progress:
+    """One line on stderr, rewritten in place while the search runs: shown only once it has taken
+    :attr:`DELAY` seconds (a quick answer prints none), at most every :attr:`EVERY` seconds, and erased at the
+    end."""
+
+    DELAY = 2.0
+    EVERY = 0.25
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.start = self.last = time.monotonic()
+        self.shown = False
+
+    def __call__(self, text: str) -> None:
+        now = time.monotonic()
+        if not self.enabled or now - self.start < self.DELAY or (self.shown and now - self.last < self.EVERY):
+            return
+        self.last, self.shown = now, True
+        sys.stderr.write(f"\r{text} ({now - self.start:.0f} s)\033[K")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def assumptions(args: argparse.Namespace, run: RunShape) -> str:
+    """The defaults and choices every candidate was sized and timed under, in one line."""
+    tokens = run.global_batch * run.seq_len
+    if args.global_batch_size is not None:
+        batch = f"global batch {run.global_batch:,} sequences (--global-batch-size)"
+    elif args.deepseek_v3:
+        batch = f"global batch {run.global_batch:,} sequences (the DeepSeek-V3 report's)"
+    else:
+        per_gpu = f"{args.tokens_per_gpu:,} tokens per GPU: --tokens-per-gpu"
+        batch = f"global batch {run.global_batch:,} sequences ({per_gpu})"
+    recompute = ", ".join(_RECOMPUTE_FLAG[args.recompute or "all"])
+    return (
+        f"assumed: {batch} = {tokens:,} tokens of {run.seq_len:,}-token sequences, micro-batch {run.micro_batch}, "
+        f"ZeRO-1 (optimizer state sharded over the data-parallel ranks: the trainer's --zero 1), bf16 weights with "
+        f"fp32 masters and gradients, recompute tried: {recompute}, comm SMs tried: "
+        f"{', '.join(map(str, args.comm_sms))}, schedules: {', '.join(args.schedules or sorted(SCHEDULES))}"
+    )
 
 
 def _named_model(name: str) -> tuple[MoEConfig, str]:
@@ -278,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, source = _config(args, measured)
     cluster = _cluster(args, measured)
     precision = Precision(fp8=args.fp8, fp8_dispatch=args.fp8_dispatch)
-    run = RunShape(args.seq_len, args.global_batch_size, args.micro_batch_size, precision, args.expert_imbalance)
+    run = RunShape(args.seq_len, global_batch(args), args.micro_batch_size, precision, args.expert_imbalance)
     options = MemoryOptions(
         state_dtype=args.state_dtype,
         fp8_activations=args.fp8_activations,
@@ -287,16 +373,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.compare_schedules:
         return _compare(args, cfg, cluster, run, measured, options)
+    progress = Progress(enabled=args.json != "-" and sys.stderr.isatty())  # a terminal's line, not a log's
     try:
         result = plan(
             cfg, cluster, run, schedules=args.schedules, comm_sms=args.comm_sms,
             recompute=_RECOMPUTE_FLAG[args.recompute or "all"], measured=measured, top=args.top, options=options,
-            pipeline_layout=args.pipeline_layout,
+            pipeline_layout=args.pipeline_layout, progress=progress,
         )  # fmt: skip
+        if args.deepseek_v3:
+            progress("setting DeepSeek-V3's layout beside the report")
         v3 = v3_side_by_side(cfg, cluster, run, measured) if args.deepseek_v3 else None
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    text = plan_table(result, args.top)
+    finally:
+        progress.done()
+    text = assumptions(args, run) + "\n" + plan_table(result, args.top)
     if args.deepseek_v3:
         text += "\n\n" + v3_comparison(cfg, cluster, run, measured, side=v3)
     if args.explain:
@@ -340,6 +431,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(out)
         else:
             Path(args.json).write_text(out + "\n")
+    if args.emit_config:
+        from moe.plan.job import job_toml
+
+        job = job_toml(
+            result.best, model=(args.model or "v3") if source in ("preset", "hf") else None, cfg=cfg,
+            cluster=cluster, seq_len=run.seq_len, global_batch=run.global_batch, micro_batch=run.micro_batch,
+            precision=run.precision, options=options,
+            command="python -m moe.plan " + " ".join(sys.argv[1:] if argv is None else argv),
+        )  # fmt: skip
+        Path(args.emit_config).write_text(job)
+        if args.json != "-":
+            print(f"\nwrote {args.emit_config}: examples/train.py --config {args.emit_config} runs this plan")
     if args.png:
         from dualpipe.simulate import render_png
 

@@ -63,7 +63,7 @@ from moe.optim_state import EMA_HOST_BYTES, OPTIMIZERS, shard_rows
 from moe.plan.costs import Parallelism, Workload, recompute_granularity
 from moe.plan.hardware import GPU
 from moe.plan.offload import NAMED, OffloadPolicy, parse_offload
-from moe.plan.params import ParamSpec, rank_params, rank_stages
+from moe.plan.params import ConfigKey, ParamSpec, rank_params, rank_stages
 from moe.plan.routing import expected_ranks
 
 __all__ = [
@@ -382,8 +382,27 @@ def module_activation_bytes(
 ) -> float:
     """Bytes one module (a stage's layers; its ``mtp`` MTP modules, ``None``: all of them on the last stage)
     keeps for one micro-batch between its forward and backward. The embedding (int64 ids) and the head pieces
-    never recompute whole."""
+    never recompute whole. Cached by value: a search sizes the same module for many candidates."""
     granularity = recompute_granularity(recompute)
+    key = (layers, tokens, seq_len, act_bytes, ep, first, last, granularity, fp8, mtp)
+    return _module_activation_bytes(ConfigKey.of(cfg), *key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _module_activation_bytes(
+    key: ConfigKey,
+    layers: range,
+    tokens: int,
+    seq_len: int,
+    act_bytes: int,
+    ep: int,
+    first: bool,
+    last: bool,
+    granularity: str,
+    fp8: bool,
+    mtp: int | None,
+) -> float:
+    cfg = key.cfg
     t, b = tokens, act_bytes
     mtp = cfg.mtp_layers * last if mtp is None else mtp
     blocks = list(layers) + list(range(cfg.num_layers, cfg.num_layers + mtp))
@@ -391,9 +410,7 @@ def module_activation_bytes(
         body = sum(_kept_with_recompute(cfg, i, t, b, ep) for i in blocks)
         granularity = "none"  # for the stage extras
     else:
-        body = sum(
-            sum(layer_activations(cfg, i, t, seq_len, b, ep, recompute=granularity, fp8=fp8).values()) for i in blocks
-        )
+        body = sum(_layer_bytes(key, i, t, seq_len, b, ep, granularity, fp8) for i in blocks)
     extras = [_s("embed.ids", t, INDEX)] if first else []
     if last:
         extras += _head("head.", t, cfg, b)
@@ -408,13 +425,24 @@ def _working_set(cfg: MoEConfig, layers: Sequence[int], work: Workload, ep: int)
     if work.recompute == "none":
         return 0.0
 
+    key = ConfigKey.of(cfg)
+
     def rebuilt(i: int) -> float:
-        full = sum(layer_activations(cfg, i, t, s, b, ep, fp8=fp8).values())
+        full = _layer_bytes(key, i, t, s, b, ep, "none", fp8)
         if work.recompute == "full":
             return full
-        return full - sum(layer_activations(cfg, i, t, s, b, ep, recompute="selective", fp8=fp8).values())
+        return full - _layer_bytes(key, i, t, s, b, ep, "selective", fp8)
 
     return max((rebuilt(i) for i in layers), default=0.0)
+
+
+@functools.lru_cache(maxsize=8192)
+def _layer_bytes(
+    key: ConfigKey, layer: int, tokens: int, seq_len: int, act_bytes: int, ep: int, recompute: str, fp8: bool
+) -> float:
+    """The bytes :func:`layer_activations` lists, summed (cached by value: a search asks once per rank)."""
+    acts = layer_activations(key.cfg, layer, tokens, seq_len, act_bytes, ep, recompute=recompute, fp8=fp8)
+    return sum(acts.values())
 
 
 def state_bytes(
@@ -611,6 +639,34 @@ def _offload_counts(
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
+def _rank_state(
+    key: ConfigKey,
+    pp: int,
+    dp: int,
+    ep: int,
+    schedule: str,
+    pp_rank: int,
+    modules_per_rank: int | None,
+    pipeline_layout: str,
+    mtp_shared: bool,
+    param_bytes: int,
+    master_weights: bool,
+    zero: bool,
+    optimizer: str,
+    state_dtype: str,
+) -> tuple[int, int, int, int]:
+    """:func:`state_bytes` of the parameters pipeline rank ``pp_rank`` holds, and the elements it holds optimizer
+    state for (cached by value: candidates that differ in recompute, micro-batches or warm-up hold the same)."""
+    specs = rank_params(
+        key.cfg, pp, ep, schedule, pp_rank, modules_per_rank, mtp_shared=mtp_shared, pipeline_layout=pipeline_layout
+    )
+    edp = dp // ep
+    kw = dict(param_bytes=param_bytes, master_weights=master_weights, optimizer=optimizer, state_dtype=state_dtype)
+    p, g, o = state_bytes(specs, dp=dp, edp=edp, zero=zero, **kw)
+    return p, g, o, held_elements(specs, dp=dp, edp=edp, zero=zero)
+
+
 def footprint(
     cfg: MoEConfig,
     par: Parallelism,
@@ -662,22 +718,13 @@ def footprint(
         # send + receive rows, two micro-batches in flight; in the activation dtype, which the combine's rows
         # keep (an FP8 dispatch's are smaller and use the same buffers)
         a2a = 2 * 2 * rows * cfg.hidden_size * b
-        specs = rank_params(
-            cfg, par.pp, par.ep, par.schedule, r, par.modules_per_rank, mtp_shared=work.mtp_shared, pipeline_layout=lay
-        )
-        p, g, o = state_bytes(
-            specs,
-            param_bytes=param_bytes,
-            master_weights=work.master_weights,
-            dp=par.dp,
-            edp=par.edp,
-            zero=zero,
-            optimizer=optimizer,
-            state_dtype=work.state_dtype,
+        shape = (par.pp, par.dp, par.ep, par.schedule, r, par.modules_per_rank, lay, work.mtp_shared)
+        p, g, o, held = _rank_state(
+            ConfigKey.of(cfg), *shape, param_bytes, work.master_weights, zero, optimizer, work.state_dtype
         )
         peak = max(sum(live) for live in counts[r])
         # the moving average lives on the host: no GPU bytes
-        host = EMA_HOST_BYTES * held_elements(specs, dp=par.dp, edp=par.edp, zero=zero) if work.ema else 0.0
+        host = EMA_HOST_BYTES * held if work.ema else 0.0
         fp = Footprint(r, p, g, o, acts, peak, a2a, work.memory_options(), host)
         if worst is None or fp.total > worst.total:
             worst = fp

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -22,10 +23,15 @@ from moe.plan.footprint import Footprint, footprint, offloaded_bytes
 from moe.plan.hardware import Cluster
 from moe.plan.measured import MeasuredCosts
 from moe.plan.pair import BlockTimes
-from moe.plan.params import rank_stages
+from moe.plan.params import ConfigKey, rank_stages
 from moe.plan.search import Candidate
 
 __all__ = ["LayerCostModel", "block_times"]
+
+
+@functools.lru_cache(maxsize=1024)
+def _footprint(key: ConfigKey, par: Parallelism, work: Workload, num_chunks: int, zero: bool) -> Footprint:
+    return footprint(key.cfg, par, work, num_chunks=num_chunks, zero=zero)
 
 
 def block_times(c: SubstageCosts) -> BlockTimes:
@@ -134,8 +140,10 @@ class LayerCostModel:
 
     @functools.cached_property
     def _footprint(self) -> Footprint:
-        c = self.candidate
-        return footprint(self.cfg, self.parallelism, self.workload, num_chunks=c.num_chunks, zero=self.zero)
+        # The SMs reserved for communication change no byte: candidates that differ only in them, or in overlap
+        # (not part of the parallelism), share one footprint.
+        work = dataclasses.replace(self.workload, comm_sms=0)
+        return _footprint(ConfigKey.of(self.cfg), self.parallelism, work, self.candidate.num_chunks, self.zero)
 
     def memory(self, pp_rank: int | None = None) -> Footprint:
         """The footprint of pipeline rank ``pp_rank`` (None: the fullest rank's)."""

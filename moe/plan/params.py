@@ -184,13 +184,38 @@ def stage_params(
     return out
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ConfigKey:
+    """A model config compared and hashed by value (:class:`MoEConfig` is mutable, so unhashable): what the
+    planner's caches are keyed on, so that a search sizes each shape once, not once per candidate."""
+
+    cfg: MoEConfig
+    text: str
+
+    @classmethod
+    def of(cls, cfg: MoEConfig) -> ConfigKey:
+        return cls(cfg, repr(cfg))
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ConfigKey) and self.text == other.text
+
+
 def layout_costs(cfg: MoEConfig) -> Costs:
     """What a ``pipeline_layout`` of ``auto`` balances (:func:`moe.pipeline_layout.balance`): each piece's matmul
     FLOPs per token, forward and backward (6 x the parameters a token meets, as :func:`active_params` counts
     them: the top-k of the routed experts, the head once more for every MTP module). The embedding is a lookup
     and costs nothing. Attention's score and value products are left out: every layer and MTP block has the
     same, so they change no balance between layers (they weigh the head a little less than the layers at long
-    sequences)."""
+    sequences). Cached by the config's value (a search asks once per candidate and rank)."""
+    return _layout_costs(ConfigKey.of(cfg))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_costs(key: ConfigKey) -> Costs:
+    cfg = key.cfg
 
     def flops(specs: Sequence[ParamSpec]) -> float:
         return 6.0 * sum(p.numel * cfg.top_k / cfg.num_experts if p.expert else p.numel for p in specs)

@@ -1,12 +1,14 @@
 """The planner's search over a cluster and what it prints: the best plan, the runners-up with why each loses,
 and the DeepSeek-V3 report set beside our numbers.
 
-:func:`plan` sizes every candidate first (memory is cheap) and times the ones that fit; when fewer than
-``top`` fit, the smallest of the rest are timed too, so the table can say by how much they miss.
+:func:`plan` sizes and times the candidates in the order of a lower bound on their step
+(:func:`moe.plan.search.step_bound`) and stops where no candidate left can enter the top ``top``; when fewer
+than ``top`` fit, the smallest of the rest are timed too, so the table can say by how much they miss.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from moe.plan.search import (
     predict,
     rank_predictions,
     seconds,
+    step_bound,
     why_worse,
 )
 
@@ -81,6 +84,12 @@ class Plan:
     """The candidate that misses memory by least and its bytes per GPU (None when every candidate fits)."""
     precision: Precision = NO_FP8
     """What every candidate was timed with (the run's)."""
+    mtp_layers: int = 0
+    """The model's MTP modules (the memory line names how they share the embedding and head only when it has
+    some)."""
+    skipped: int = 0
+    """Candidates neither sized nor timed: their bound (:func:`moe.plan.search.step_bound`) is slower than ``top``
+    fitting plans already timed, so none of them could enter the table."""
 
     @property
     def best(self) -> Prediction:
@@ -200,11 +209,16 @@ def plan(
     top: int = 10,
     options: MemoryOptions = TRAINER_DEFAULTS,
     pipeline_layout: str = AUTO,
+    progress: Callable[[str], None] | None = None,
+    prune: bool = True,
 ) -> Plan:
     """Search every candidate (:func:`moe.plan.search.candidates`: each recompute granularity of
     ``recompute``) with the memory ``options`` and rank them. SM counts the device cannot spare are dropped
     (a measured CPU "device" has one: its communication runs on a thread). A ``pipeline_layout`` other than
-    ``auto`` is searched only where the schedule has its number of stages."""
+    ``auto`` is searched only where the schedule has its number of stages. Candidates are sized and timed in the
+    order of a lower bound from compute alone, and those that cannot enter the top ``top`` are skipped
+    (:attr:`Plan.skipped`; ``prune=False`` times them all). ``progress`` is told what the search is doing, a
+    few words at a time."""
     comm_sms = [s for s in comm_sms if s < cluster.gpu.sms] or [0]
     found = list(
         candidates(
@@ -230,17 +244,13 @@ def plan(
             f"{cluster.num_gpus} GPUs: make --global-batch-size a multiple of --micro-batch-size x (GPUs / pp) for "
             "some pp"
         )
+    say = progress or (lambda text: None)
     models: dict[Candidate, LayerCostModel] = {}
     model = _sizer(cfg, cluster, run, measured, options, models)
-    for c in found:
-        model(c)
-    fitting = [c for c in found if models[c].fits()]
-    misses = [c for c in found if not models[c].fits()]
-    offloaded = {c: v for c in misses if (v := _offloaded(c, model, cluster)) is not None}
-    fitting += offloaded.values()
-    rest = sorted((c for c in misses if c not in offloaded), key=lambda c: models[c].memory().total)
-    timed = fitting + rest[: max(0, top - len(fitting))]
-    ranked = rank_predictions([_predict(models[c]) for c in timed])
+    predictions, fitting, misses, skipped = _search_leading(found, model, cluster, top if prune else len(found), say)
+    rest = sorted(misses, key=lambda c: models[c].memory().total)
+    predictions += [_predict(models[c]) for c in rest[: max(0, top - len(fitting))]]
+    ranked = rank_predictions(predictions)
 
     # The layout dimension, where it can change the answer (moe.plan.layouts): the leading candidates with
     # lighter first stages, and for the first few that still do not fit, layers moved off their fullest rank.
@@ -255,7 +265,50 @@ def plan(
     for p in rank_predictions([*ranked, *more]):
         best.setdefault(dataclasses.replace(p.candidate, pipeline_layout=AUTO), p)
     misfit = (rest[0], models[rest[0]].memory().total) if rest else None
-    return Plan(list(best.values()), len(found) + len(variants), fits, misfit, run.precision)
+    out = list(best.values())
+    out[0] = _predict(models[out[0].candidate])  # the best keeps its timeline (the others' were dropped)
+    return Plan(out, len(found) + len(variants), fits, misfit, run.precision, cfg.mtp_layers, skipped)
+
+
+def _search_leading(
+    found: Sequence[Candidate],
+    model: Callable[[Candidate], LayerCostModel],
+    cluster: Cluster,
+    top: int,
+    say: Callable[[str], None],
+) -> tuple[list[Prediction], list[Candidate], list[Candidate], int]:
+    """Size and time the candidates in the order of their lower bound (:func:`moe.plan.search.step_bound`,
+    cheap: no schedule is built), stopping once the next bound exceeds the ``top``-th step timed: every
+    candidate left is slower than ``top`` fitting ones, so the top ``top`` are those of searching them all. A
+    candidate that does not fit is tried with offloading (:func:`_offloaded`; its copies only add to the
+    bound). Returns the predictions (their timelines dropped: only the best's is drawn, and a search holds
+    many), the fitting candidates timed (offloaded ones as run), the sized ones that do not fit even so, and how
+    many were left neither sized nor timed."""
+    bounds = {c: _bound(model(c)) for c in found}
+    order = sorted(found, key=lambda c: (bounds[c], c))
+    steps: list[float] = []  # the fastest ``top`` steps so far, sorted
+    out, fitting, misses = [], [], []
+    for i, c in enumerate(order):
+        if len(steps) >= top and bounds[c] > steps[top - 1]:
+            return out, fitting, misses, len(order) - i
+        say(f"sizing and timing {i + 1}/{len(order)} candidates, best bound first")
+        v: Candidate | None = c
+        if not model(c).fits():
+            v = _offloaded(c, model, cluster)
+            if v is None:
+                misses.append(c)
+                continue
+        fitting.append(v)
+        p = dataclasses.replace(_predict(model(v)), sim=None)
+        out.append(p)
+        bisect.insort(steps, p.step_time)
+        del steps[top:]
+    return out, fitting, misses, 0
+
+
+def _bound(model: LayerCostModel) -> float:
+    c = model.candidate
+    return step_bound(c, model, plans=stage_plans(model.cfg, c.pp, c.schedule, None, c.pipeline_layout))
 
 
 def _row(p: Prediction) -> list[str]:
@@ -296,7 +349,10 @@ def plan_table(result: Plan, top: int = 10) -> str:
     c, m = best.candidate, best.memory
     verdict = "best fitting plan" if best.fits else "NOTHING FITS; the closest plan"
     lines = [
-        f"{result.num_candidates} candidates, {result.num_fitting} fit in memory.",
+        f"{result.num_candidates} candidates, {result.num_fitting} fit in memory."
+        if not result.skipped
+        else f"{result.num_candidates} candidates, {result.num_fitting} of the {result.num_candidates - result.skipped}"
+        f" sized fit in memory ({result.skipped} skipped by their bound, below).",
         f"{verdict}: {c.describe()}",
         f"  step {seconds(best.step_time)} (pipeline {seconds(best.pipeline_time)} + dp reduction "
         f"{seconds(best.dp_reduce_time)}), {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {best.mfu:.1%}",
@@ -305,7 +361,7 @@ def plan_table(result: Plan, top: int = 10) -> str:
         f"optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f}, all-to-all buffers "
         f"{m.all_to_all_buffers / GIB:.1f}",
         *_host_line(m),
-        f"  memory options: {describe_options(m.options)}",
+        f"  memory options: {describe_options(m.options, mtp=result.mtp_layers > 0, offload=c.offload)}",
         f"  precision: {describe_precision(result.precision.to_dict())}",
         "",
     ]
@@ -313,6 +369,12 @@ def plan_table(result: Plan, top: int = 10) -> str:
     rows = [[*_row(p), "best" if p is best else why_worse(p, best)] for p in shown]
     lines.append(_table(rows, [*_HEADER, "why it loses"]))
     lines += ["", *why_not(result)]
+    if result.skipped:
+        lines.append(
+            f"skipped: {result.skipped} candidates neither sized nor timed (their compute and pipeline fill alone, "
+            f"without the rest of the bubble or exposed all-to-all, are slower than the {top} plans above: "
+            "moe.plan.search.step_bound); the counts above are of the others"
+        )
     return "\n".join(lines)
 
 
@@ -343,12 +405,16 @@ def why_not(result: Plan) -> list[str]:
     return out
 
 
-def describe_options(options: dict) -> str:
-    """The memory options of a footprint in words."""
-    mtp = "MTP shares the embedding and head" if options.get("mtp_shares_embedding_and_head") else "MTP own copies"
+def describe_options(options: dict, *, mtp: bool = True, offload: str = "") -> str:
+    """The memory options of a footprint in words, as the trainer's job names them (``mtp``: the model has MTP
+    modules, whose sharing of the embedding and head is then named; ``offload``: the candidate's policy)."""
+    shared = "MTP shares the embedding and head" if options.get("mtp_shares_embedding_and_head") else "MTP own copies"
     return (
-        f"recompute {options.get('recompute')}, optimizer state {options.get('optimizer_state_dtype')}, {mtp}, "
-        f"FP8 activations {'on' if options.get('fp8_activations') else 'off'}"
+        f"ZeRO-1 (--zero 1: optimizer state sharded over the data-parallel ranks), recompute "
+        f"{options.get('recompute')}, optimizer state {options.get('optimizer_state_dtype')}, "
+        + (f"{shared}, " if mtp else "")
+        + f"FP8 activations {'on' if options.get('fp8_activations') else 'off'}"
+        + (f", --offload {offload}" if offload else "")
         + (", EMA on the host" if options.get("ema_on_host") else "")
     )
 
@@ -662,7 +728,7 @@ def v3_comparison(
         f"DeepSeek-V3's layout: {layout['schedule']} pp={layout['pp']} dp={layout['dp']} ep={layout['ep']} "
         f"chunks={layout['num_chunks']} comm_sms={layout['comm_sms']} on {cluster.num_gpus} x {cluster.gpu.name}, "
         f"{cluster.gpus_per_node} per node; seq {run.seq_len}, global batch {run.global_batch}\n"
-        f"memory options (the report's): {describe_options(v3['options'])}\n"
+        f"memory options (the report's): {describe_options(v3['options'], mtp=cfg.mtp_layers > 0)}\n"
         f"precision (the report's, 3.3): {describe_precision(v3['precision'])}"
     )
     return head + "\n" + _table(rows, ["", "this planner", "DeepSeek-V3 report"])

@@ -17,6 +17,7 @@ turns one into a :class:`Prediction`:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ __all__ = [
     "predict",
     "rank_predictions",
     "seconds",
+    "step_bound",
     "why_worse",
 ]
 
@@ -333,6 +335,13 @@ def _durations(schedule: Schedule, times: StageTimes, overlap: bool = True) -> t
     return out, exposed, total
 
 
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, pp: int, chunks: int, extra_warmup: int, overlap: bool) -> Schedule:
+    """:func:`dualpipe.schedule.build_schedule`, once per shape: candidates that differ in ep, recompute, SMs or
+    layout run the same schedule (a :class:`Schedule` is immutable, so they can share it)."""
+    return build_schedule(name, pp, chunks, extra_warmup=extra_warmup, overlap=overlap)
+
+
 def predict(
     candidate: Candidate,
     model: CostModel,
@@ -347,9 +356,7 @@ def predict(
     (:func:`moe.plan.params.stage_plans` of its ``pipeline_layout``); without ``overlap`` (default: the
     candidate's) each pair runs as its forward, then its backward, and the V family runs its plan unpaired."""
     overlap = candidate.overlap if overlap is None else overlap
-    schedule = build_schedule(
-        candidate.schedule, candidate.pp, candidate.num_chunks, extra_warmup=candidate.extra_warmup, overlap=overlap
-    )
+    schedule = _schedule(candidate.schedule, candidate.pp, candidate.num_chunks, candidate.extra_warmup, overlap)
     times = StageTimes(model, plans)
     durations, exposed, total = _durations(schedule, times, overlap)
     if candidate.offload:
@@ -372,6 +379,32 @@ def predict(
         fits=model.fits(),
         sim=sim,
     )
+
+
+def step_bound(candidate: Candidate, model: CostModel, *, plans: Sequence[StagePlan]) -> float:
+    """A lower bound on :func:`predict`'s step time from compute alone, without building or simulating the
+    schedule: the busiest rank's compute (each of its modules runs every micro-batch of its path forward and
+    backward; a pair, an ``I`` with its ``W``, an offload copy take at least their compute on the one compute
+    stream), after the forward compute of the stages before its nearest module (the first micro-batch's way
+    there: the pipeline's fill), plus the data-parallel reduction. No other bubble, no exposed all-to-all, no P2P:
+    a candidate whose bound exceeds a step already predicted cannot beat it."""
+    layout = schedule_spec(candidate.schedule).stage_layout(candidate.pp)
+    num_layers = sum(len(p.layers) for p in plans)
+    (ef, eb), (hf, hb) = model.embed(), model.head()
+    forward, stage = [], []
+    for p in plans:
+        blocks = [model.block(i) for i in (*p.layers, *range(num_layers, num_layers + p.mtp))]
+        forward.append(sum(b.compute_f for b in blocks) + ef * p.first + hf * p.last)
+        stage.append(forward[-1] + sum(b.compute_b for b in blocks) + eb * p.first + hb * p.last)
+    per_path = candidate.num_chunks // len(layout.paths)
+
+    def rank(r: int) -> float:
+        # idle until a first micro-batch has come through the stages before one of its modules (its first compute
+        # holds a forward), then busy with its own compute
+        sids = [layout.stage_of(r, m) for m in range(layout.modules_per_rank)]
+        return min(sum(forward[:sid]) for sid in sids) + per_path * sum(stage[sid] for sid in sids)
+
+    return max(rank(r) for r in range(candidate.pp)) + model.dp_reduce()
 
 
 def rank_predictions(predictions: Sequence[Prediction]) -> list[Prediction]:

@@ -63,8 +63,8 @@ def test_one_line_per_class_of_losing_candidates(capsys: pytest.CaptureFixture[s
     with its count and its closest candidate."""
     main([*SMALL, "--top", "1000"])  # every timed candidate in the table
     text = capsys.readouterr().out
-    total = int(re.match(r"(\d+) candidates, (\d+) fit", text)[1])
-    fit = int(re.match(r"(\d+) candidates, (\d+) fit", text)[2])
+    total = int(re.search(r"^(\d+) candidates, (\d+) fit", text, flags=re.M)[1])
+    fit = int(re.search(r"^(\d+) candidates, (\d+) fit", text, flags=re.M)[2])
     counts = dict(re.findall(r"^(memory|bubble|comm|dp|close): (\d+) ", text, flags=re.M))
     assert counts and all(text.count(f"\n{k}: ") == 1 for k in counts)
     assert int(counts.get("memory", 0)) == total - fit
@@ -254,3 +254,18 @@ def test_deepseek_v3_side_by_side_in_the_json(tmp_path: Path) -> None:
     assert off["selective"]["tokens_per_s_per_gpu"] == pytest.approx(tok["planner"], rel=1e-3)
     assert off["none"]["policy"] == "all" and off["none"]["fits"]
     assert off["none"]["tokens_per_s_per_gpu"] < 0.6 * tok["planner"]
+
+
+def test_default_global_batch_fits_the_cluster() -> None:
+    """Without ``--global-batch-size`` the batch is ``--tokens-per-gpu`` on every GPU in whole micro-batches (not
+    DeepSeek-V3's 15,360 sequences, which ``--deepseek-v3`` keeps)."""
+    from moe.plan.cli import default_global_batch, global_batch, parse_args
+
+    assert default_global_batch(64, 4096, 1) == 256  # 16,384 tokens per GPU: 4 sequences of 4,096
+    assert default_global_batch(2048, 4096, 2) == 2 * 2 * 2048  # 2 micro-batches of 2 per GPU
+    assert default_global_batch(8, 65536, 1) == 8  # at least one micro-batch per GPU
+    base = ["--gpus", "64", "--seq-len", "4096"]
+    assert global_batch(parse_args(base)) == 256
+    assert global_batch(parse_args([*base, "--tokens-per-gpu", "4096"])) == 64
+    assert global_batch(parse_args([*base, "--deepseek-v3"])) == 15360
+    assert global_batch(parse_args([*base, "--global-batch", "96"])) == 96

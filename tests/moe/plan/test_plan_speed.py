@@ -1,0 +1,49 @@
+"""The planner's pruned search: the same top plans as timing every candidate, a bound that never exceeds the
+step it bounds, and an answer in seconds for the slowest preset (a search that explodes fails here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe.models.config import preset
+from moe.plan.hardware import Cluster, gpu
+from moe.plan.params import stage_plans
+from moe.plan.report import RunShape, _model, plan
+from moe.plan.search import step_bound
+
+
+def _search(prune: bool):
+    cfg = preset("small")
+    cluster = Cluster(gpu("h100"), 16, 8)
+    return cfg, cluster, plan(cfg, cluster, RunShape(512, 64, 1), top=5, prune=prune)
+
+
+def test_pruned_search_keeps_the_exhaustive_top_plans() -> None:
+    cfg, cluster, pruned = _search(True)
+    _, _, full = _search(False)
+    assert pruned.skipped > 0 and full.skipped == 0  # the bound does skip some here
+    top = [(p.candidate, p.step_time, p.fits) for p in pruned.ranked[:5]]
+    assert top == [(p.candidate, p.step_time, p.fits) for p in full.ranked[:5]]
+    assert pruned.best.sim is not None  # the best keeps its timeline (for --png)
+    run = RunShape(512, 64, 1)
+    for p in full.ranked:  # a lower bound: never above the step it bounds
+        c = p.candidate
+        m = _model(cfg, cluster, run, c, None)
+        assert step_bound(c, m, plans=stage_plans(cfg, c.pp, c.schedule, None, c.pipeline_layout)) <= p.step_time
+
+
+SLOWEST = ("deepseek-v3", 2048)
+"""The slowest preset and size of bench/results/plan-speed-cpu-2core-2026-11-29.json (python -m bench.plan_speed)."""
+MEASURED_S = 40.0
+"""Its wall time there (a loaded 2-core machine, the start-up included)."""
+
+
+@pytest.mark.slow
+def test_the_slowest_preset_answers_in_seconds() -> None:
+    """A search that explodes (the 21-minute run of issue 38) fails here: the slowest preset and size of the
+    benchmark, in a fresh process, within 5x its recorded time and 2 GB."""
+    from bench.plan_speed import measure
+
+    row = measure(*SLOWEST, timeout=5 * MEASURED_S)
+    assert row.seconds is not None, row.note
+    assert row.peak_mib is not None and row.peak_mib < 2048, row
