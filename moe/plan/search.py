@@ -404,7 +404,9 @@ def step_bound(candidate: Candidate, model: CostModel, *, plans: Sequence[StageP
         sids = [layout.stage_of(r, m) for m in range(layout.modules_per_rank)]
         return min(sum(forward[:sid]) for sid in sids) + per_path * sum(stage[sid] for sid in sids)
 
-    return max(rank(r) for r in range(candidate.pp)) + model.dp_reduce()
+    # a hair under: the simulator sums the same seconds in another order, and a bound equal to the step (one
+    # rank, no bubble) must not come out an ulp above it
+    return (max(rank(r) for r in range(candidate.pp)) + model.dp_reduce()) * (1 - 1e-9)
 
 
 def rank_predictions(predictions: Sequence[Prediction]) -> list[Prediction]:
