@@ -33,9 +33,11 @@ def test_pruned_search_keeps_the_exhaustive_top_plans() -> None:
 
 
 SLOWEST = ("deepseek-v3", 2048)
-"""The slowest preset and size of bench/results/plan-speed-cpu-2core-2026-11-29.json (python -m bench.plan_speed)."""
-MEASURED_S = 40.0
-"""Its wall time there (a loaded 2-core machine, the start-up included)."""
+"""The slowest preset and size of bench/results/plan-speed-cpu-2core-2026-11-29.json (python -m bench.plan_speed)
+after Qwen3-235B-A22B, which still takes over a minute (docs/planner.md says why) and would cost the suite
+minutes."""
+MEASURED_S = 39.9
+"""Its wall time there (2 loaded cores, the start-up included)."""
 
 
 @pytest.mark.slow
