@@ -49,3 +49,15 @@ def test_the_slowest_preset_answers_in_seconds() -> None:
     row = measure(*SLOWEST, timeout=5 * MEASURED_S)
     assert row.seconds is not None, row.note
     assert row.peak_mib is not None and row.peak_mib < 2048, row
+
+
+def test_the_memory_line_counts_only_sized_candidates() -> None:
+    """Skipped candidates were never sized: the memory line does not count them as misses."""
+    from moe.plan.report import why_not
+
+    _, _, pruned = _search(True)
+    line = next((x for x in why_not(pruned) if x.startswith("memory:")), None)
+    misses = pruned.num_candidates - pruned.num_fitting - pruned.skipped
+    assert (line is None) == (misses == 0)
+    if line is not None:
+        assert line.startswith(f"memory: {misses} candidates")
