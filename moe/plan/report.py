@@ -390,11 +390,12 @@ def why_not(result: Plan) -> list[str]:
     and the closest of them."""
     best = result.best
     out = []
-    misses = result.num_candidates - result.num_fitting
+    misses = result.num_candidates - result.num_fitting - result.skipped  # of those sized
     if misses and result.closest_misfit is not None:
         c, need = result.closest_misfit
-        out.append(f"memory: {misses} candidates {LOSS_CLASSES['memory']} (the closest, {c.describe()}, needs "
-                   f"{need / GIB:.1f} GiB per GPU)")  # fmt: skip
+        sized = " of those sized" if result.skipped else ""
+        out.append(f"memory: {misses} candidates {LOSS_CLASSES['memory']} (the closest{sized}, {c.describe()}, "
+                   f"needs {need / GIB:.1f} GiB per GPU)")  # fmt: skip
     timed = [p for p in result.ranked[1:] if p.fits and best.fits]
     for kind in ("bubble", "comm", "dp", "close"):
         group = [p for p in timed if loss_class(p, best) == kind]

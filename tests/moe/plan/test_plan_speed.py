@@ -33,9 +33,11 @@ def test_pruned_search_keeps_the_exhaustive_top_plans() -> None:
 
 
 SLOWEST = ("deepseek-v3", 2048)
-"""The slowest preset and size of bench/results/plan-speed-cpu-2core-2026-11-29.json (python -m bench.plan_speed)."""
-MEASURED_S = 40.0
-"""Its wall time there (a loaded 2-core machine, the start-up included)."""
+"""The slowest preset and size of bench/results/plan-speed-cpu-2core-2026-11-29.json (python -m bench.plan_speed)
+after Qwen3-235B-A22B, which still takes over a minute (docs/planner.md says why) and would cost the suite
+minutes."""
+MEASURED_S = 39.9
+"""Its wall time there (2 loaded cores, the start-up included)."""
 
 
 @pytest.mark.slow
@@ -47,3 +49,15 @@ def test_the_slowest_preset_answers_in_seconds() -> None:
     row = measure(*SLOWEST, timeout=5 * MEASURED_S)
     assert row.seconds is not None, row.note
     assert row.peak_mib is not None and row.peak_mib < 2048, row
+
+
+def test_the_memory_line_counts_only_sized_candidates() -> None:
+    """Skipped candidates were never sized: the memory line does not count them as misses."""
+    from moe.plan.report import why_not
+
+    _, _, pruned = _search(True)
+    line = next((x for x in why_not(pruned) if x.startswith("memory:")), None)
+    misses = pruned.num_candidates - pruned.num_fitting - pruned.skipped
+    assert (line is None) == (misses == 0)
+    if line is not None:
+        assert line.startswith(f"memory: {misses} candidates")
