@@ -515,30 +515,6 @@ class Footprint:
         return self.total <= (1 - headroom) * gpu.hbm_bytes
 
 
-@functools.lru_cache(maxsize=256)
-def _live_counts(
-    schedule: str, pp: int, chunks: int, modules_per_rank: int | None, extra_warmup: int = 0
-) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Per rank, every distinct count of live micro-batches per local module after a compute action (``F``
-    adds one, ``B``/``I`` free one, ``FB`` both, as :func:`dualpipe.simulate.simulate` counts; cached: a
-    search asks for the same schedule shape once per candidate)."""
-    built = build_schedule(schedule, pp, chunks, modules_per_rank=modules_per_rank, extra_warmup=extra_warmup)
-    out = []
-    for actions in built.ranks:
-        live = [0] * built.layout.modules_per_rank
-        seen = {tuple(live)}
-        for a in actions:
-            if a.op in (Op.F, Op.FB):
-                live[a.module] += 1
-            if a.op in (Op.B, Op.I):
-                live[a.module] -= 1
-            elif a.op is Op.FB:
-                live[a.b_module] -= 1
-            seen.add(tuple(live))
-        out.append(tuple(sorted(seen)))
-    return tuple(out)
-
-
 def _planner_names(cfg: MoEConfig, fp8: bool) -> set[str]:
     names = {"embed.ids", "head.norm_output", *(f"head.norm_{t}" for t in ("fp32_input", "rsqrt", "fp32_output"))}
     names.add("head.norm_fp32_weight")
@@ -605,11 +581,12 @@ def _offload_counts(
     schedule: str, pp: int, chunks: int, modules_per_rank: int | None, extra_warmup: int = 0
 ) -> tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], ...]:
     """Per rank, every distinct (micro-batches whose saved tensors are on the device, micro-batches whose
-    offloadable ones are on the host), per local module, after each compute action, counted as
-    :func:`_live_counts` counts (a forward's tensors in, a backward's out) while the executor's offloader moves
+    offloadable ones are on the host), per local module, after each compute action: a forward's tensors in, a
+    backward's out (an ``FB`` both), as :func:`dualpipe.simulate.simulate` counts, while an offloader would move
     them (:func:`dualpipe.offload.reload_points`): a backward's come back at the compute action before it, a
-    forward's leave once it ends (not those :func:`~dualpipe.offload.reload_points` keeps, whose backward is one
-    of the next two compute actions: the count after it still holds them)."""
+    forward's leave once it ends (not those ``reload_points`` keeps, whose backward is one of the next two
+    compute actions: the count after it still holds them). Both together are the live micro-batches, what a run
+    without offloading holds. Cached: a search asks for the same schedule shape once per candidate."""
     built = build_schedule(schedule, pp, chunks, modules_per_rank=modules_per_rank, extra_warmup=extra_warmup)
     out = []
     for actions in built.ranks:
@@ -687,7 +664,7 @@ def footprint(
     options (recompute granularity, optimizer-state dtype, MTP sharing, FP8 caching) are ``work``'s."""
     spec = schedule_spec(par.schedule)
     chunks = num_chunks if num_chunks is not None else spec.default_chunks(par.pp)
-    counts = _live_counts(par.schedule, par.pp, chunks, par.modules_per_rank, par.extra_warmup)
+    counts = _offload_counts(par.schedule, par.pp, chunks, par.modules_per_rank, par.extra_warmup)
     t, b = work.tokens, work.act_bytes
     if pp_rank is not None and not 0 <= pp_rank < par.pp:
         raise ValueError(f"footprint: pp_rank={pp_rank} is not a rank of pp={par.pp}")
@@ -702,15 +679,11 @@ def footprint(
             )
             for sp in stages
         ]  # fmt: skip
-        if par.offload:
-            moved = offloaded_bytes(cfg, par, work, r, stages)
-            states = _offload_counts(par.schedule, par.pp, chunks, par.modules_per_rank, par.extra_warmup)[r]
-            acts = max(
-                sum(n * m + k * (m - x) for n, k, m, x in zip(full, away, modules, moved, strict=True))
-                for full, away in states
-            )
-        else:
-            acts = max(sum(n * m for n, m in zip(live, modules)) for live in counts[r])
+        moved = offloaded_bytes(cfg, par, work, r, stages) if par.offload else [0.0] * len(stages)
+        acts = max(
+            sum(n * m + k * (m - x) for n, k, m, x in zip(full, away, modules, moved, strict=True))
+            for full, away in counts[r]
+        )
         layers = [i for sp in stages for i in [*sp.layers, *range(cfg.num_layers, cfg.num_layers + sp.mtp)]]
         acts += _working_set(cfg, layers, work, par.ep)
         moe_layers = any(cfg.is_moe_layer(i) for i in layers)
@@ -722,7 +695,7 @@ def footprint(
         p, g, o, held = _rank_state(
             ConfigKey.of(cfg), *shape, param_bytes, work.master_weights, zero, optimizer, work.state_dtype
         )
-        peak = max(sum(live) for live in counts[r])
+        peak = max(sum(full) + sum(away) for full, away in counts[r])
         # the moving average lives on the host: no GPU bytes
         host = EMA_HOST_BYTES * held if work.ema else 0.0
         fp = Footprint(r, p, g, o, acts, peak, a2a, work.memory_options(), host)

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from dualpipe.schedule import build_schedule
+from dualpipe.simulate import simulate
 from moe.models.config import preset
 from moe.plan.costs import Parallelism, Workload
 from moe.plan.footprint import footprint, offloaded_bytes
@@ -31,8 +32,11 @@ def _acts(schedule: str, pp: int, offload: str, rank: int = 0) -> float:
 
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev", "dualpipe", "zbv"])
 def test_a_policy_that_moves_nothing_on_a_rank_leaves_its_count(schedule: str) -> None:
-    # the per-action walk with nothing moved counts what the footprint counts without offloading
     assert _acts(schedule, 2, "all@ranks=1", rank=0) == _acts(schedule, 2, "", rank=0)
+    # the per-action walk's live micro-batches (on the device and away together) peak where the simulator's do
+    par = Parallelism(pp=2, dp=1, ep=1, schedule=schedule, offload="all")
+    peaks = simulate(build_schedule(schedule, 2, 4)).peak_activations
+    assert [footprint(CFG, par, WORK, num_chunks=4, pp_rank=r).peak_modules for r in (0, 1)] == list(peaks)
 
 
 def test_the_peak_keeps_only_the_micro_batches_on_the_device_whole() -> None:
