@@ -408,6 +408,14 @@ class SubstageCosts:
     micro-batch's under the forward dispatch's row counts, :mod:`dualpipe.pair_order`); ``mlp_*`` is the rest."""
     shared_dX: float = 0.0
     shared_dW: float = 0.0
+    host_F: float = 0.0
+    """Host work between an MoE layer's forward pieces (issuing transfers, routing metadata), on the compute
+    stream's time but no compute: measured only (:attr:`moe.plan.measured.MeasuredCosts.host`); the analytic
+    model has the host run ahead of the GPU."""
+    host_B: float = 0.0
+    counts: float = 0.0
+    """The forward dispatch's row-count exchange, waited for before the rows start (measured only; analytic:
+    inside ``dispatch``)."""
     detail: dict[str, float] = field(default_factory=dict, compare=False)
     """Per-op seconds (``"<op>.<phase>"``) behind the sums, for tables and checks."""
 

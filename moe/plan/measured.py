@@ -74,6 +74,7 @@ from moe.plan.hardware import GPU, Cluster, with_overrides
 __all__ = [
     "COMM_FIELDS",
     "FORMAT",
+    "HOST_FIELDS",
     "VERSION",
     "MeasuredCosts",
     "apply_measured",
@@ -90,6 +91,13 @@ __all__ = [
 FORMAT = "dualpipe-moe/plan-costs"
 VERSION = 1
 COMM_FIELDS = ("dispatch", "combine")
+HOST_FIELDS = ("F", "B", "counts", "cores_per_rank", "cpu_share", "comm_cpu", "expert_imbalance")
+"""The ``host`` entry: ``F`` and ``B``, host seconds between an MoE layer's forward (backward) pieces for one
+micro-batch (issuing transfers, routing metadata); ``counts``, the forward dispatch's row-count exchange as the
+rank waits for it (latency and the wait for the group's last rank); ``cores_per_rank``, the machine's cores over
+the ranks sharing them; ``cpu_share``, the CPU a rank's compute thread used over the time it was busy;
+``comm_cpu``, the CPU seconds the communication threads used per MoE layer and micro-batch, forward and
+backward; ``expert_imbalance``, the busiest expert-parallel rank's routed-expert time over the mean."""
 _LAYER_FIELDS = frozenset(COMPUTE_FIELDS) | frozenset(COMM_FIELDS)
 PHASES = ("fwd", "dx", "dw")
 
@@ -114,6 +122,17 @@ class MeasuredCosts:
     nvlink_bytes_per_s: float | None = None
     internode_bytes_per_s: float | None = None
     ops: dict[str, float] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
+    """What the measured machine's host side costs (:data:`HOST_FIELDS`; ``bench.overlap --calibrate`` writes
+    it from CPU ranks on the emulated cluster, where the host is the device). Taken as measured, never scaled:
+    host work is per piece, not per FLOP, and the machine's cores are its own."""
+
+    def shared_cores(self) -> tuple[float, float, float] | None:
+        """``(cores per rank, cpu share, communication CPU per block)`` (:func:`moe.plan.search.cpu_bound`), or
+        None where the file does not describe the machine's cores."""
+        if "cores_per_rank" not in self.host:
+            return None
+        return self.host["cores_per_rank"], self.host.get("cpu_share", 1.0), self.host.get("comm_cpu", 0.0)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.tokens < 1 or self.tokens % self.seq_len:
@@ -144,6 +163,15 @@ class MeasuredCosts:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"costs file: {name} must be positive, got {value!r}")
+        for name, value in self.host.items():
+            if name not in HOST_FIELDS:
+                raise ValueError(f"costs file: unknown field {name!r} in 'host'; known: {', '.join(HOST_FIELDS)}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"costs file: host.{name} must be a number >= 0, got {value!r}")
+        if not 0 < self.host.get("cpu_share", 1.0) <= 1 or not self.host.get("cores_per_rank", 1.0) > 0:
+            raise ValueError("costs file: host.cpu_share must be in (0, 1] and host.cores_per_rank positive")
+        if not self.host.get("expert_imbalance", 1.0) >= 1:
+            raise ValueError("costs file: host.expert_imbalance is the busiest rank over the mean: at least 1")
         known = measured_ops(self) if self.ops else {}
         for key, value in self.ops.items():
             name, _, phase = key.rpartition(".")
@@ -172,8 +200,8 @@ class MeasuredCosts:
         out = {"format": FORMAT, "version": VERSION}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "ops" and not value:
-                continue  # a file without single ops reads as version 1 always did
+            if f.name in ("ops", "host") and not value:
+                continue  # a file without single ops or host costs reads as version 1 always did
             out[f.name] = dataclasses.asdict(value) if isinstance(value, MoEConfig) else value
         return out
 
@@ -344,6 +372,9 @@ def apply_measured(
             if any(op.fp8 for op in subs.get(name.rpartition("_")[0], [])):
                 raise ValueError(_FP8_REFUSED.format(what=f"{'moe' if analytic.moe else 'dense'}.{name}"))
     changes = {name: scale_field(measured, name, cfg, cluster, par, work, moe=analytic.moe) for name in entry}
+    if analytic.moe:  # the host work between an MoE layer's pieces; the row counts where there is an all-to-all
+        taken = (("host_F", "F"), ("host_B", "B"), *((("counts", "counts"),) if par.ep > 1 else ()))
+        changes.update({f: measured.host[k] for f, k in taken if k in measured.host})
     if _shared_inside_mlp(entry):
         changes.update(shared_F=0.0, shared_dX=0.0, shared_dW=0.0)
     return dataclasses.replace(analytic, **changes)

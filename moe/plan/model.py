@@ -48,6 +48,9 @@ def block_times(c: SubstageCosts) -> BlockTimes:
         shared_f=c.shared_F,
         shared_dx=c.shared_dX,
         shared_dw=c.shared_dW,
+        host_f=c.host_F,
+        host_b=c.host_B,
+        counts=c.counts,
     )
 
 
@@ -131,6 +134,9 @@ class LayerCostModel:
 
     def dp_reduce(self) -> float:
         return self._moe.dp_reduce
+
+    def shared_cores(self) -> tuple[float, float, float] | None:
+        return self.measured.shared_cores() if self.measured is not None else None
 
     def offload_seconds(self, rank: int) -> list[float]:
         c, par = self.candidate, self.parallelism

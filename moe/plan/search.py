@@ -132,6 +132,10 @@ class CostModel(Protocol):
     def model_flops(self) -> float:
         """Model FLOPs of one step of the global batch (no recompute), for MFU."""
 
+    def shared_cores(self) -> tuple[float, float, float] | None:
+        """``(cores per rank, cpu share, communication CPU seconds per block)`` of a machine whose ranks share
+        its cores (:func:`cpu_bound`), or None (a GPU: every rank has its own)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
@@ -151,6 +155,11 @@ class Prediction:
     memory: object
     fits: bool
     sim: SimResult = field(repr=False, compare=False)
+    hidden_in_flight: float = 0.0
+    """All-to-all hidden as a recorded run measures it (:func:`dualpipe.events.hidden_fraction`): of the time
+    the transfers are in flight (issue to use), the share under compute (:meth:`moe.plan.pair.in_flight`)."""
+    cpu_bound: float = 0.0
+    """The least pipeline time the cores of a machine whose ranks share them allow (:func:`cpu_bound`; 0: none)."""
 
     def to_dict(self) -> dict:
         c = self.candidate
@@ -287,18 +296,41 @@ class StageTimes:
     def alone(self, stage: int) -> ChunkTimes:
         return self.pair(stage, stage)
 
+    def half_blocks(self, stage: int) -> float:
+        """Half the blocks of ``stage``: a forward's (or a backward's) share of a micro-batch's pass."""
+        return len(self.blocks[stage]) / 2
 
-def _durations(schedule: Schedule, times: StageTimes, overlap: bool = True) -> tuple[list[list[float]], float, float]:
-    """Per rank, the duration of each compute action; and the step's exposed and total all-to-all seconds.
+
+@dataclass(slots=True)
+class _Tally:
+    """What :func:`_durations` adds up over a schedule's compute actions."""
+
+    durations: list[list[float]] = field(default_factory=list)
+    """Per rank, each compute action's seconds."""
+    exposed: float = 0.0
+    """All-to-all seconds left exposed, the step's (:attr:`Prediction.exposed_a2a_fraction`)."""
+    total: float = 0.0
+    """All-to-all seconds, the step's."""
+    flight: float = 0.0
+    """All-to-all in flight and, of it, under compute (:attr:`moe.plan.pair.ChunkTimes.flight`)."""
+    covered: float = 0.0
+    busy: list[float] = field(default_factory=list)
+    """Per rank, its compute stream's busy seconds (compute and host work, no waits)."""
+    blocks: list[float] = field(default_factory=list)
+    """Per rank, the blocks it runs a micro-batch through, forward and backward each counting a half."""
+
+
+def _durations(schedule: Schedule, times: StageTimes, overlap: bool = True) -> _Tally:
+    """Per rank, the duration of each compute action; and the step's all-to-all terms (:class:`_Tally`).
     Without ``overlap`` a pair runs as a lone forward, then a lone backward (``overlap=False`` in the executor).
     A ``deferred`` pair (ZB1P's) costs the pair less its backward stage's ``W`` and queues that ``W`` as an
     ``I`` does; its backward half's all-to-all counts as exposed, as an ``I``'s does (at most all of the pair's)."""
     layout = schedule.layout
-    out: list[list[float]] = []
-    exposed = total = 0.0
+    out = _Tally()
     for rank, actions in enumerate(schedule.ranks):
         deferred: list[int] = []  # stages whose weight gradients an I left for a W (FIFO)
-        mine = []
+        mine: list[float] = []
+        busy = blocks = 0.0
         for a in actions:
             if not a.op.is_compute:
                 continue
@@ -306,17 +338,24 @@ def _durations(schedule: Schedule, times: StageTimes, overlap: bool = True) -> t
             if a.op is Op.F:
                 t = times.alone(stage)
                 mine.append(t.F)
-                exposed += t.exposed_f
-                total += t.comm_f
+                out.exposed += t.exposed_f
+                out.total += t.comm_f
+                out.flight, out.covered = out.flight + t.flight[0], out.covered + t.covered[0]
+                busy, blocks = busy + t.F - t.exposed_f, blocks + times.half_blocks(stage)
             elif a.op in (Op.B, Op.I):
                 t = times.alone(stage)
                 if a.op is Op.I:  # dX alone: the dW that would hide part of its transfers comes later
                     deferred.append(stage)
                 mine.append(t.B if a.op is Op.B else t.B - t.W)
-                exposed += t.exposed_b if a.op is Op.B else t.comm_f
-                total += t.comm_f
+                out.exposed += t.exposed_b if a.op is Op.B else t.comm_f
+                out.total += t.comm_f
+                out.flight, out.covered = out.flight + t.flight[1], out.covered + t.covered[1]
+                busy += t.B - t.exposed_b - (0.0 if a.op is Op.B else t.W)
+                blocks += times.half_blocks(stage)
             elif a.op is Op.W:
-                mine.append(times.alone(deferred.pop(0)).W)
+                w = times.alone(deferred.pop(0)).W
+                mine.append(w)
+                busy += w
             else:  # FB; a deferred one's backward half is an I: its W comes later, its transfers count as an I's
                 b_stage = layout.stage_of(rank, a.b_module)
                 f, b = times.alone(stage), times.alone(b_stage)
@@ -326,13 +365,23 @@ def _durations(schedule: Schedule, times: StageTimes, overlap: bool = True) -> t
                 if overlap:
                     t = times.pair(stage, b_stage)
                     mine.append(t.FB - w)
-                    exposed += min(t.exposed_fb + b.comm_f, f.comm_f + b.comm_f) if a.deferred else t.exposed_fb
+                    out.exposed += min(t.exposed_fb + b.comm_f, f.comm_f + b.comm_f) if a.deferred else t.exposed_fb
+                    out.flight, out.covered = out.flight + t.flight[2], out.covered + t.covered[2]
+                    busy += t.FB - t.exposed_fb - w
                 else:
                     mine.append(f.F + b.B - w)
-                    exposed += f.exposed_f + (b.comm_f if a.deferred else b.exposed_b)
-                total += f.comm_f + b.comm_f
-        out.append(mine)
-    return out, exposed, total
+                    out.exposed += f.exposed_f + (b.comm_f if a.deferred else b.exposed_b)
+                    out.flight, out.covered = (
+                        out.flight + f.flight[0] + b.flight[1],
+                        out.covered + f.covered[0] + b.covered[1],
+                    )
+                    busy += f.F - f.exposed_f + b.B - b.exposed_b - w
+                out.total += f.comm_f + b.comm_f
+                blocks += times.half_blocks(stage) + times.half_blocks(b_stage)
+        out.durations.append(mine)
+        out.busy.append(busy)
+        out.blocks.append(blocks)
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -358,17 +407,20 @@ def predict(
     overlap = candidate.overlap if overlap is None else overlap
     schedule = _schedule(candidate.schedule, candidate.pp, candidate.num_chunks, candidate.extra_warmup, overlap)
     times = StageTimes(model, plans)
-    durations, exposed, total = _durations(schedule, times, overlap)
+    tally = _durations(schedule, times, overlap)
+    exposed, total, durations = tally.exposed, tally.total, tally.durations
     if candidate.offload:
         durations = with_copies(schedule, durations, [model.offload_seconds(r) for r in range(candidate.pp)])
     sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
+    cpu = cpu_bound(model, tally)
+    pipeline = max(sim.makespan, cpu)
     reduce = model.dp_reduce()
-    step = sim.makespan + reduce
+    step = pipeline + reduce
     memory = model.memory()
     return Prediction(
         candidate=candidate,
         step_time=step,
-        pipeline_time=sim.makespan,
+        pipeline_time=pipeline,
         dp_reduce_time=reduce,
         tokens_per_s_per_gpu=tokens_per_step / step / num_gpus,
         mfu=model.model_flops() / (step * num_gpus * peak_flops),
@@ -378,7 +430,36 @@ def predict(
         memory=memory,
         fits=model.fits(),
         sim=sim,
+        hidden_in_flight=_hidden_in_flight(tally, sim, cpu),
+        cpu_bound=cpu,
     )
+
+
+def _hidden_in_flight(tally: _Tally, sim: SimResult, cpu: float) -> float:
+    """The share of the all-to-all in flight that compute covers (:attr:`Prediction.hidden_in_flight`). Where
+    the cores, not the critical path, set the step (``cpu`` above the makespan), the pieces already carry the
+    sharing they were measured under; the time the cores add is time the ranks wait, for their peers'
+    all-to-alls and for their pipeline neighbours, in the proportion the timeline waits for each."""
+    flight = tally.flight
+    ranks = len(tally.busy)
+    extra = max(0.0, cpu - sim.makespan) * ranks
+    if extra > 0 and tally.exposed + sum(sim.idle) > 0:
+        flight += extra * tally.exposed / (tally.exposed + sum(sim.idle))
+    return tally.covered / flight if flight > 0 else 0.0
+
+
+def cpu_bound(model: CostModel, tally: _Tally) -> float:
+    """The least step a machine whose ranks share its cores allows (0 where they do not: a GPU, or a costs file
+    without the machine's cores): every rank's compute thread and its communication threads together use
+    at most the cores there are, ``cores_per_rank`` each on average. A rank's compute thread uses
+    ``cpu_share`` of a core while it is busy (as measured: under the calibration's sharing); its
+    communication threads ``comm_cpu`` a block's forward and backward."""
+    shared = model.shared_cores()
+    if shared is None:
+        return 0.0
+    cores_per_rank, share, comm_cpu = shared
+    demand = [busy * share + blocks * comm_cpu for busy, blocks in zip(tally.busy, tally.blocks)]
+    return sum(demand) / len(demand) / cores_per_rank
 
 
 def step_bound(candidate: Candidate, model: CostModel, *, plans: Sequence[StagePlan]) -> float:

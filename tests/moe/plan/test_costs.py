@@ -165,7 +165,9 @@ def test_v3_costs_are_sane_on_every_profile(name: str) -> None:
     c = substage_costs(PRESETS["v3"], cluster, par, Workload(seq_len=4096, micro_batch=1))
     for f in dataclasses.fields(c):
         value = getattr(c, f.name)
-        if isinstance(value, float):
+        if f.name in ("host_F", "host_B", "counts"):  # measured only: the host runs ahead of the GPU
+            assert value == 0.0, f.name
+        elif isinstance(value, float):
             assert 0 < value < 60, f.name  # seconds: positive, and nothing absurd for one micro-batch
     # backward GEMM work is about twice forward
     assert 1.5 < c.B / c.F < 3.0

@@ -27,19 +27,23 @@ class _Same:
     def pair(self, f_stage: int, b_stage: int) -> ChunkTimes:
         return _T
 
+    def half_blocks(self, stage: int) -> float:
+        return 0.5
+
 
 def test_a_deferred_pair_costs_the_pair_less_its_w_and_queues_the_w() -> None:
     schedule = build_schedule("zb1p", 2, 4, extra_warmup=1)
     last = [str(a) for a in schedule.ranks[1] if a.op.is_compute]
     assert last == ["F0.0", "(F0.1&I0.0)", "(F0.2&I0.1)", "W", "(F0.3&I0.2)", "W", "I0.3", "W", "W"]
-    durations, exposed, total = _durations(schedule, _Same())
+    tally = _durations(schedule, _Same())
+    durations, exposed, total = tally.durations, tally.exposed, tally.total
     # a pair 3.5 - W 1 = 2.5; its W (1) later, as an I's (B - W = 2)
     assert durations[1] == [1.0, 2.5, 2.5, 1.0, 2.5, 1.0, 2.0, 1.0, 1.0]
     assert durations[0] == [1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0]
     # rank 0: 4 F (0.5 each) and 4 I (all 0.5 exposed); rank 1: F 0.5, 3 pairs 0.1 + the I half's 0.5, I 0.5
     assert exposed == pytest.approx(4 * 0.5 + 4 * 0.5 + 0.5 + 3 * 0.6 + 0.5)
     assert total == pytest.approx(16 * 0.5)
-    plain, _, _ = _durations(schedule, _Same(), overlap=False)
+    plain = _durations(schedule, _Same(), overlap=False).durations
     assert plain[1] == [1.0, 3.0, 3.0, 1.0, 3.0, 1.0, 2.0, 1.0, 1.0]  # F + (B - W), then the W
 
 

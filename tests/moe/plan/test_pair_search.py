@@ -69,6 +69,9 @@ class _Uniform:
     def model_flops(self) -> float:
         return 1.0
 
+    def shared_cores(self) -> None:
+        return None
+
 
 def _one_layer_each(stages: int) -> list[StagePlan]:
     text = "|".join(["Et", *["t"] * (stages - 2), "tL"])
