@@ -64,12 +64,13 @@ from pathlib import Path
 import torch
 
 from bench import process_tree
-from bench.overlap.costs import calibration_costs
+from bench.overlap.costs import calibration_costs, expert_imbalance, machine_costs
 from bench.overlap.report import breakdown, collect, cpu_floor, loss_check, rows_json, summarise, table, targets
 from bench.overlap.run import CALIBRATION_MODE, MODES, WorkerOptions
 from bench.overlap.traffic import FP8_SUFFIX, fp8_comparison, fp8_table, traffic, traffic_table
+from moe.plan.measured import MeasuredCosts
 
-__all__ = ["main"]
+__all__ = ["main", "measured_costs_of"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -230,17 +231,18 @@ def _calibration(rank_files: list[dict]) -> dict | None:
     return {"compute_ms_per_rank_step": c, "a2a_ms_per_rank_step": a, "a2a_over_compute": a / c if c else None}
 
 
-def _write_costs(
-    args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict], cluster: dict | None, device: str
-) -> Path:
-    """The calibration's sub-stage medians in the planner's costs format (:mod:`bench.overlap.costs`)."""
+def measured_costs_of(opts: WorkerOptions, rank_files: list[dict], cluster: dict | None, device: str) -> MeasuredCosts:
+    """The calibration's sub-stage medians in the planner's costs format (:mod:`bench.overlap.costs`), with
+    the host's share where CPU ranks ran (:func:`bench.overlap.costs.machine_costs`)."""
     from bench.overlap.run import model_config
-    from moe.plan.measured import save_costs
 
-    steps = [list(per_rank.values()) for _, per_rank in collect(rank_files).get(CALIBRATION_MODE, [])]
+    by_step = [per_rank for _, per_rank in collect(rank_files).get(CALIBRATION_MODE, [])]
     world = opts.pp * opts.ep
-    costs = calibration_costs(
-        steps,
+    machine = {"expert_imbalance": expert_imbalance(by_step, opts.pp)} if opts.ep > 1 else {}
+    if rank_files[0]["device"] == "cpu":  # CPU ranks share the machine's cores (GPUs have their own)
+        machine.update(machine_costs(rank_files, by_step, CALIBRATION_MODE))
+    return calibration_costs(
+        [list(per_rank.values()) for per_rank in by_step],
         cfg=model_config(opts),
         seq_len=opts.seq_len,
         micro_batch=opts.micro_batch,
@@ -251,13 +253,28 @@ def _write_costs(
         act_bytes=rank_files[0]["act_bytes"],
         device=device,
         rate=cluster["rate"] if cluster else None,
+        machine=machine,
     )
+
+
+def _write_costs(
+    args: argparse.Namespace, opts: WorkerOptions, rank_files: list[dict], cluster: dict | None, device: str
+) -> Path:
+    """:func:`measured_costs_of`, written where ``--costs-out`` (or ``--out``) says."""
+    from moe.plan.measured import save_costs
+
+    costs = measured_costs_of(opts, rank_files, cluster, device)
     today = datetime.date.today().isoformat()
     path = Path(args.costs_out) if args.costs_out else Path(args.out) / f"costs-{device}-{today}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     save_costs(path, costs)
     fields = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(costs.moe.items()))
-    print(f"costs (ms, one MoE layer, one micro-batch of {costs.tokens} tokens): {fields}\nwrote {path}")
+    host = ", ".join(f"{k} {costs.host[k] * 1e3:.2f}" for k in ("F", "B", "counts") if k in costs.host)
+    machine = ", ".join(f"{k} {v:.3g}" for k, v in costs.host.items() if k not in ("F", "B", "counts"))
+    print(
+        f"costs (ms, one MoE layer, one micro-batch of {costs.tokens} tokens): {fields}\n"
+        f"host between pieces (ms): {host or '-'}; machine: {machine or '-'}\nwrote {path}"
+    )
     return path
 
 

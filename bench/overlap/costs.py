@@ -35,11 +35,19 @@ import re
 import statistics
 from collections.abc import Iterable, Sequence
 
-from bench.overlap.stats import RankSteps
+from bench.overlap.stats import RankSteps, step_parts
 from moe.models.config import MoEConfig
 from moe.plan.measured import MeasuredCosts
 
-__all__ = ["SPAN_FIELDS", "calibration_costs", "link_rates", "rate_bytes_per_s", "substage_seconds"]
+__all__ = [
+    "SPAN_FIELDS",
+    "calibration_costs",
+    "expert_imbalance",
+    "link_rates",
+    "machine_costs",
+    "rate_bytes_per_s",
+    "substage_seconds",
+]
 
 
 SPAN_FIELDS = {
@@ -83,13 +91,13 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _chunk_windows(r: RankSteps) -> list[tuple[float, float]]:
+def _chunk_windows(r: RankSteps) -> list[tuple[tuple[float, float], str]]:
     """The innermost compute actions: a lone chunk, either half of a pair that runs them one after the
     other (recorded nested in the pair), or an overlapped pair (nothing nested): the windows whose host
-    time the sub-stages account for."""
+    time the sub-stages account for, each with its op."""
     halves = [a for a in r.actions if a.op in ("F", "B", "I")]
     pairs = [a for a in r.actions if a.op == "FB" and not any(a.start <= h.start and h.end <= a.end for h in halves)]
-    return [(a.start, a.end) for a in halves + pairs]
+    return [((a.start, a.end), a.op) for a in halves + pairs]
 
 
 def _segment_time(r: RankSteps, window: tuple[float, float]) -> list[tuple[list, float]]:
@@ -112,55 +120,114 @@ def _segment_time(r: RankSteps, window: tuple[float, float]) -> list[tuple[list,
     return out
 
 
-def _step_fields(ranks: Iterable[RankSteps]) -> tuple[dict[str, float], dict[str, int], dict[str, tuple[float, int]]]:
-    """One step's totals: seconds per field, how many instances (micro-batch x layer) of each, and per
-    all-to-all kind (``name.direction``) its seconds blocked on and count."""
+def _blocks(r: RankSteps, window: tuple[float, float], op: str) -> int:
+    """The blocks a lone forward (``op`` F) or backward runs in ``window``: its attention pieces."""
+    name, direction = ("attn", "fwd") if op == "F" else ("attn.dx", "bwd")
+    t0, t1 = window
+    return sum(1 for c in r.compute if c.name == name and c.direction == direction and t0 <= c.start and c.end <= t1)
+
+
+def _step_fields(
+    ranks: Iterable[RankSteps],
+) -> tuple[dict[str, float], dict[str, int], dict[str, tuple[float, int]], dict[str, tuple[float, int]]]:
+    """One step's totals: seconds per field (the recorded spans), how many instances (micro-batch x layer)
+    of each, per all-to-all kind (``name.direction``) its seconds blocked on and count, and per direction
+    (``F``, ``B``) the host seconds between the pieces and the blocks they ran."""
     total: dict[str, float] = {}
     count: dict[str, int] = {}
     comm: dict[str, tuple[float, int]] = {}
+    host: dict[str, tuple[float, int]] = {}
     for r in ranks:
-        for window in _chunk_windows(r):
-            for spans, seconds in _segment_time(r, window):
-                recorded = sum(c.end - c.start for c in spans)
+        for window, op in _chunk_windows(r):
+            pieces = _segment_time(r, window)
+            recorded = 0.0
+            for spans, _ in pieces:
                 for c in spans:
                     part = PART_FIELDS.get((c.name, c.direction))
                     key = part or SPAN_FIELDS.get((c.name, c.direction))
-                    if key is None or recorded <= 0:
+                    if key is None:
                         continue
-                    total[key] = total.get(key, 0.0) + seconds * (c.end - c.start) / recorded
+                    total[key] = total.get(key, 0.0) + (c.end - c.start)
+                    recorded += c.end - c.start
                     if part is None:
                         count[key] = count.get(key, 0) + 1
+            if op in ("F", "B"):
+                t, n = host.get(op, (0.0, 0))
+                host[op] = (t + sum(seconds for _, seconds in pieces) - recorded, n + _blocks(r, window, op))
         for c in r.comm:
             kind = f"{c.name}.{c.direction}"
             t, n = comm.get(kind, (0.0, 0))
             comm[kind] = (t + c.exposed, n + 1)
-    return total, count, comm
+    return total, count, comm, host
 
 
 def substage_seconds(steps: Iterable[Iterable[RankSteps]]) -> dict[str, float]:
     """One layer's sub-stage seconds for one micro-batch (see the module docstring), from the spans of
-    blocking (non-overlapped) steps, each step's ranks together; a kind nobody recorded is left out.
+    blocking (non-overlapped) steps, each step's ranks together; a kind nobody recorded is left out. Besides
+    the planner's layer fields: ``host_F`` and ``host_B``, the host work between a block's forward (backward)
+    pieces, and ``counts``, the forward dispatch's row-count exchange as the rank waited for it.
 
     Per step, each field is its mean over the step's instances: the step is a sum of many sub-stages, and
     the mean is what a sum costs per term (a median would drop the descheduled instances a shared machine
     has, and those are paid); then the median over steps, which a disturbed step does not move."""
     per_step: dict[str, list[float]] = {}
     for ranks in steps:
-        total, count, comm = _step_fields(ranks)
+        total, count, comm, host = _step_fields(ranks)
         for key, seconds in total.items():
             if count.get(key):
                 per_step.setdefault(key, []).append(seconds / count[key])
-        # A transfer's duration is what a lone forward waits for it (the row-count exchange included): the
-        # forward computes nothing while it flies. A lone backward runs the MLP's dW under its dispatch, so
-        # its wait is less than the transfer; the planner's two-stream model puts that dW there itself.
-        d_t = sum(comm.get(k, (0.0, 0))[0] for k in ("counts.fwd", "dispatch.fwd"))
-        d_n = comm.get("dispatch.fwd", (0.0, 0))[1]
-        c_t, c_n = comm.get("combine.fwd", (0.0, 0))
-        if d_n:
-            per_step.setdefault("dispatch", []).append(d_t / d_n)
-        if c_n:
-            per_step.setdefault("combine", []).append(c_t / c_n)
+        for op, (seconds, blocks) in host.items():
+            if blocks:
+                per_step.setdefault(f"host_{op}", []).append(max(0.0, seconds) / blocks)
+        # A transfer's duration is what a lone forward waits for it: the forward computes nothing while it
+        # flies. A lone backward runs the MLP's dW under its dispatch, so its wait is less than the transfer;
+        # the planner's two-stream model puts that dW there itself. The row counts are waited for apart.
+        for field_name, kind in (("counts", "counts.fwd"), ("dispatch", "dispatch.fwd"), ("combine", "combine.fwd")):
+            t, n = comm.get(kind, (0.0, 0))
+            if n:
+                per_step.setdefault(field_name, []).append(t / n)
     return {k: _median(v) for k, v in per_step.items() if v}
+
+
+def expert_imbalance(steps: Iterable[dict[int, RankSteps]], pp: int) -> float:
+    """The busiest expert-parallel rank's routed-expert time (its ``mlp`` pieces, forward and backward) over
+    its group's mean: per step the mean over the groups (one per pipeline rank), then the median over steps."""
+    per_step = []
+    for ranks in steps:
+        ep = len(ranks) // pp
+        ratios = []
+        for p in range(pp):
+            mlp = [
+                sum(c.end - c.start for c in ranks[e * pp + p].compute if c.name.startswith("mlp")) for e in range(ep)
+            ]
+            if sum(mlp) > 0:
+                ratios.append(max(mlp) * ep / sum(mlp))
+        if ratios:
+            per_step.append(statistics.fmean(ratios))
+    return _median(per_step) or 1.0
+
+
+def machine_costs(rank_files: Sequence[dict], steps: Sequence[dict[int, RankSteps]], mode: str) -> dict[str, float]:
+    """How the ranks share the machine's cores in ``mode``'s timed steps: ``cores_per_rank``, ``cpu_share``
+    (the compute threads' CPU over the time they were busy: computing or doing host work, never waiting) and
+    ``comm_cpu`` (the other threads' CPU, gloo's transfers, per block a micro-batch ran forward and backward)."""
+    cpu = thread = 0.0
+    for record in rank_files:
+        for s in record["steps"]:
+            if s["mode"] == mode and not s["warmup"]:
+                cpu, thread = cpu + s["cpu_s"], thread + s["thread_s"]
+    busy = passes = 0
+    for ranks in steps:
+        for r in ranks.values():
+            parts = step_parts(r)
+            busy += parts.compute + parts.host
+            passes += sum(1 for c in r.compute if (c.name, c.direction) == ("attn", "fwd"))
+    world = len(rank_files)
+    return {
+        "cores_per_rank": rank_files[0]["cores"] / world,
+        "cpu_share": min(1.0, thread / busy),
+        "comm_cpu": (cpu - thread) / passes,
+    }
 
 
 def link_rates(rate: str | None, ranks_per_node: int, ep: int) -> float | None:
@@ -184,15 +251,21 @@ def calibration_costs(
     act_bytes: int,
     device: str,
     rate: str | None,
+    machine: dict[str, float] | None = None,
     source: str = "bench.overlap --calibrate",
 ) -> MeasuredCosts:
     """The planner's costs file for one calibration run. ``ranks_per_node``: ranks sharing one node's link;
     ``ep_ranks_per_node``: ranks of one expert-parallel group on one node (1 on the emulated cluster's
-    layouts); ``rate``: the tbf rate, None on loopback."""
+    layouts); ``rate``: the tbf rate, None on loopback; ``machine``: the file's ``host`` entries of the
+    machine (:func:`machine_costs`, ``expert_imbalance``)."""
     measured = substage_seconds(steps)
+    host = {k: measured.pop(f"host_{k}") for k in ("F", "B") if f"host_{k}" in measured}
     internode = link_rates(rate, ranks_per_node, ep) if ep_ranks_per_node == 1 else None
+    counts = measured.pop("counts", None)
     if internode is None:
         measured = {k: v for k, v in measured.items() if k not in ("dispatch", "combine")}
+    elif counts is not None:
+        host["counts"] = counts
     return MeasuredCosts(
         config=cfg,
         seq_len=seq_len,
@@ -207,4 +280,5 @@ def calibration_costs(
         comm_sms=0,
         recompute=False,
         internode_bytes_per_s=internode,
+        host={**host, **(machine or {})},
     )
