@@ -158,6 +158,10 @@ EXCLUDED: dict[str, tuple[str, str]] = {
         "4 ranks, tens of seconds",
         "tests/examples/test_launch.py::test_the_minimal_dualpipev_example_learns",
     ),
+    ".venv/bin/python -m moe.plan --published": (
+        "every published run rerun, tens of seconds",
+        "tests/moe/plan/test_published.py::test_the_cli_prints_the_table_and_writes_the_json",
+    ),
     PLAN_V3: (
         "one to three minutes of CPU",
         "tests/moe/plan/test_cli.py::test_deepseek_v3_side_by_side_in_the_json",

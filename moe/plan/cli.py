@@ -15,7 +15,8 @@ stages balanced by cost (``auto``) and at :data:`moe.plan.report.V3_LAYOUT`. ``-
 stages' contents as the trainer's flag does; ``--fp8``, ``--fp8-dispatch`` and ``--fp8-activations`` are the
 trainer's flags of the same names (:class:`moe.plan.costs.Precision`). ``--compare-schedules --pp P --ep E``
 prints, instead of the search, every registered schedule at that one layout with and without overlap
-(:mod:`moe.plan.compare`).
+(:mod:`moe.plan.compare`). ``--published`` prints, instead of the search, every published training run the
+planner can express at its own layout beside the published figures (:mod:`moe.plan.reruns`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ JSON_SCHEMA_VERSION = 2
 """2: a row's ``recompute`` is a granularity and it has ``memory_options``; ``inputs.model_source``; the
 ``deepseek_v3`` side-by-side with ``--deepseek-v3``. Added since, without a new number (nothing removed or
 renamed): a row's and the inputs' ``pipeline_layout``, ``deepseek_v3.memory_gib_layout``, ``inputs.precision``
-and ``deepseek_v3.precision``, a row's ``memory_bytes.host`` (not in its ``total``)."""
+and ``deepseek_v3.precision``, a row's ``memory_bytes.host`` (not in its ``total``); with ``--published`` a document of
+its own (``published``: one row per run, ``skipped``)."""
 
 TOKENS_PER_GPU = 16384
 """The default batch per GPU per optimizer step: 4 sequences of 4,096 tokens, so that every pipeline rank sees 4 x pp
@@ -191,6 +193,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--deepseek-v3", action="store_true", help="also set the V3 report's layout beside its figures")
     p.add_argument(
+        "--published",
+        action="store_true",
+        help="instead of the search: every published training run the planner can express (moe.plan.published), "
+        "each at its own layout, precision and device, beside its published tokens/s/GPU and memory, with its "
+        "sources and, past 20%%, the gap in terms (moe.plan.reruns); takes no model or cluster flags",
+    )
+    p.add_argument(
         "--explain",
         action="store_true",
         help="print the efficiency-table entries the best plan used (moe/plan/efficiency.py): value and source, or "
@@ -223,6 +232,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error("--compare-schedules prints its own table: drop --deepseek-v3, --png and --emit-config")
     elif args.pp is not None:
         p.error("--pp is --compare-schedules's layout (the search tries every pp)")
+    if args.published and (args.compare_schedules or args.deepseek_v3 or args.png or args.emit_config or args.costs):
+        p.error("--published reruns the published runs at their own layouts: drop --compare-schedules, --deepseek-v3, "
+                "--png, --emit-config and --costs")  # fmt: skip
     for name in ("pp", "ep"):
         if (getattr(args, name) or 1) < 1:
             p.error(f"--{name} must be positive")
@@ -355,8 +367,29 @@ def _compare(args: argparse.Namespace, cfg: MoEConfig, cluster: Cluster, run: Ru
     return 0
 
 
+def _published(args: argparse.Namespace) -> int:
+    """``--published``: the table of :mod:`moe.plan.reruns`, and its rows with ``--json``."""
+    from moe.plan.published import SKIPPED
+    from moe.plan.reruns import published_side_by_side, published_table
+
+    rows = published_side_by_side()
+    if args.json != "-":
+        print(published_table(rows))
+    if args.json:
+        doc = {"schema": JSON_SCHEMA_VERSION, "published": rows,
+               "skipped": [{"run": name, "why": why} for name, why in SKIPPED]}  # fmt: skip
+        out = json.dumps(doc, indent=1)
+        if args.json == "-":
+            print(out)
+        else:
+            Path(args.json).write_text(out + "\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.published:
+        return _published(args)
     try:
         measured = load_costs(args.costs) if args.costs else None
     except ValueError as exc:

@@ -24,6 +24,7 @@ from moe.plan.layouts import memory_descent, shifts
 from moe.plan.measured import MeasuredCosts
 from moe.plan.model import LayerCostModel
 from moe.plan.params import auto_layout, stage_plans
+from moe.plan.published import DEEPSEEK_V3_REPORT
 from moe.plan.search import (
     LOSS_CLASSES,
     OFFLOAD_TRIES,
@@ -433,25 +434,16 @@ def describe_precision(precision: dict, *, short: bool = False) -> str:
     return f"{gemms}, dispatch and combine in the activation dtype"
 
 
-# DeepSeek-V3 technical report (arXiv 2412.19437): the numbers the planner is set beside, never fitted to.
 V3_REPORT = {
-    # 3.2: DualPipe over 16-way PP, 64-way EP over 8 nodes, ZeRO-1 DP; 3.2.2: 20 of 132 SMs communicate.
-    # 3.2.3 and 3.3.3: what fits the 80 GB of an H800 (each a planner option, modelled as footprint.py says;
-    # fp8_activations caches the routed experts' inputs in FP8 as the report does, but keeps the output
-    # projection's input in bf16 where the report uses E5M6).
-    "layout": Candidate("dualpipe", 16, 128, 64, 120, 20, "selective"),
-    "options": MemoryOptions(state_dtype="bfloat16", fp8_activations=True, mtp_shared=True),
-    # 3.3: FP8 GEMMs (Fprop, Dgrad, Wgrad) for the linears, 1x128 / 128x128 tiles; 3.3.4: the activation before
-    # the MoE up-projections dispatched in FP8 (and the gradient before the down-projections), combine in bf16.
-    "precision": Precision(fp8=True),
-    # 3.2.2: "the computation-to-communication ratio is approximately 1:1" for cross-node EP.
-    "compute_to_a2a": 1.0,
-    # Table 1: 2664K H800 GPU hours of pre-training for 14.8T tokens (section 4.1):
-    # 14.8e12 / (2.664e6 x 3600 s) = 1,543 tokens/s per GPU; the same as "180K H800 GPU hours per trillion
-    # tokens" (section 1: 2664K / 14.8 = 180K).
-    "tokens_per_s_per_gpu": 14.8e12 / (2.664e6 * 3600),
-    "hbm_gb": 80,
+    "layout": DEEPSEEK_V3_REPORT.layout,
+    "options": DEEPSEEK_V3_REPORT.options,
+    "precision": DEEPSEEK_V3_REPORT.precision,
+    "compute_to_a2a": DEEPSEEK_V3_REPORT.figures["compute_to_a2a"],
+    "tokens_per_s_per_gpu": DEEPSEEK_V3_REPORT.tokens_per_s_per_gpu,
+    "hbm_gb": DEEPSEEK_V3_REPORT.memory_gb,
 }
+"""The DeepSeek-V3 report's figures the side-by-side sets the planner beside, never fitted to: the record of
+:data:`moe.plan.published.DEEPSEEK_V3_REPORT` (with its sources), by the names :func:`v3_side_by_side` reads."""
 
 V3_LAYOUT = "Et*3|(t*4|)*14t*2mL"
 """The report's 16 DualPipe stages with lighter ends, set beside the even split: Megatron-Core's published
