@@ -140,10 +140,10 @@ def _forward_ops(blocks: Sequence[BlockTimes], tag: str) -> list[dict[str, list[
     out, prev = [], None
     for i, b in enumerate(blocks):
         p = f"{tag}{i}."
-        counts = []
-        if b.counts > 0:  # exchanged from the issue on, waited for where the rows start
-            counts = [_Op(p + "counts", "comm", 0.0, (p + "attn",))]
         host_d = _host(p, "host_dispatch", b.host_f / 2, p + "attn")
+        counts = []
+        if b.counts > 0:  # exchanged from the issue (after its host work) on, waited for where the rows start
+            counts = [_Op(p + "counts", "comm", 0.0, (host_d[-1].name if host_d else p + "attn",))]
         waited = [_Op(p + "wait_counts", "compute", b.counts, (p + "counts",), work=False, uses=p + "counts")]
         dispatch_after = waited[0].name if counts else (host_d[-1].name if host_d else p + "attn")
         host_c = _host(p, "host_combine", b.host_f / 2, p + "mlp")

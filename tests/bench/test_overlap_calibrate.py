@@ -7,6 +7,7 @@ and no test asserts it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ from bench.overlap.costs import calibration_costs, link_rates, rate_bytes_per_s,
 from bench.overlap.run import CALIBRATION_MODE, WorkerOptions, model_config
 from bench.overlap.stats import parse_events
 from moe.plan.costs import COMPUTE_FIELDS
-from moe.plan.measured import load_costs
+from moe.plan.measured import MeasuredCosts, load_costs
 
 
 def _ev(name, direction, layer, edge, t):
@@ -226,3 +227,47 @@ def test_the_benchmark_and_the_calibration_import_in_one_direction() -> None:
     assert not any(m.startswith("bench.overlap.calibrate") for m in imports("cli"))
     assert "bench.overlap.costs" in imports("cli") and "bench.overlap.cli" in imports("calibrate")
     assert not {"bench.overlap.cli", "bench.overlap.calibrate"} & imports("costs")
+
+
+RECORDED = sorted((Path(__file__).resolve().parents[2] / "bench" / "results").glob("calibration-*-idle-*.json"))
+"""The idle calibration runs kept in bench/results (``python -m bench.overlap.calibrate``): each has its costs
+file, the measured rows of both modes and the setup."""
+
+
+def test_idle_runs_of_two_configurations_are_recorded():
+    setups = {(json.loads(p.read_text())["setup"]["pp"], json.loads(p.read_text())["setup"]["ep"]) for p in RECORDED}
+    assert {(1, 2), (2, 2)} <= setups
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
+def test_the_planner_predicts_a_recorded_run_within_the_margins(path):
+    """Deterministic: the planner, given the run's own costs file (what the no-overlap steps measured), predicts
+    the overlapped steps the run measured, step within 10% and hidden fraction within 0.05; and it still
+    predicts what the record says it did (a change to the model shows here first)."""
+    record = json.loads(path.read_text())
+    costs = MeasuredCosts.from_json(record["costs"])
+    got = compare(Setup(**record["setup"]), costs, {"rows": record["rows"]}, memory_bytes=record["memory_bytes"])
+    assert abs(got["ratio"]["step"] - 1) <= MARGIN, got["ratio"]
+    assert abs(got["error"]["hidden_points"]) <= HIDDEN_MARGIN, got["error"]
+    assert got["predicted"]["pipeline_ms"] == pytest.approx(record["predicted"]["pipeline_ms"], rel=1e-6)
+    assert got["predicted"]["hidden"] == pytest.approx(record["predicted"]["hidden"], abs=1e-6)
+
+
+def test_the_machine_and_the_imbalance_from_recorded_steps():
+    from bench.overlap.costs import expert_imbalance, machine_costs
+
+    heavy = _lone_step()
+    light = parse_events([_ev("step", "m", 0, e, t) for e, t in (("begin", 0.0), ("end", 14.0))]
+                         + [_ev("mlp", "fwd", 0, e, t) for e, t in (("begin", 4.0), ("end", 5.0))])  # fmt: skip
+    # ep = 2 at pp = 1: the heavy rank's routed experts ran 2 + 1 + 1 s, the light one's 1 s
+    assert expert_imbalance([{0: heavy, 1: light}], pp=1) == pytest.approx(4.0 * 2 / 5.0)
+    assert expert_imbalance([{0: heavy, 1: heavy}], pp=1) == 1.0
+    # each rank busy 8.7 s of its 14 s step (7.0 computing, 1.7 of host work; 5.3 waiting), using half a core
+    # meanwhile, and its communication threads 1 s of CPU for its one block
+    files = [
+        {"cores": 2, "steps": [{"mode": "m", "warmup": False, "cpu_s": 4.35 + 1.0, "thread_s": 4.35},
+                               {"mode": "m", "warmup": True, "cpu_s": 99.0, "thread_s": 99.0}]}
+        for _ in range(2)
+    ]  # fmt: skip
+    got = machine_costs(files, [{0: _lone_step(), 1: _lone_step()}], "m")
+    assert got == pytest.approx({"cores_per_rank": 1.0, "cpu_share": 0.5, "comm_cpu": 1.0})
