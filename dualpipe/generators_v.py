@@ -242,6 +242,25 @@ def _queue_peaks(plan: Plan) -> list[int]:
 
 
 _NEVER = 1 << 30  # the end (and start) of a pass not yet run
+
+
+class _Since(dict):
+    """The end slots of a trial run (:meth:`_Squeeze.resume`): its own, written here, over ``base`` 's for the
+    passes the producing rank had begun in ``base`` before the trial took it over (``since``; a rank not taken
+    over still runs as in ``base``, so all of ``base`` 's passes of it count); the others have not run yet
+    (``_NEVER``). Reading through saves copying every pass's clock for each trial pair (quadratic in the plan's
+    length)."""
+
+    __slots__ = ("base_began", "base_end", "rank_of", "since")
+
+    def __init__(self, base: _Squeeze, since: list[int]) -> None:
+        super().__init__()
+        self.base_end, self.base_began, self.since, self.rank_of = base.end, base.began, since, base.rank_of
+
+    def __missing__(self, x: int) -> int:
+        return self.base_end[x] if self.base_began[x] < self.since[self.rank_of[x]] else _NEVER
+
+
 _REJOIN = 4
 """A trial pair must put the run back on the track of the run without it (the same state at the same slot),
 or end the step, within this many slots per rank. Refusing the others costs pairs, never time; being greedy,
@@ -260,6 +279,11 @@ class _Squeeze:
     the ``W`` s filling the waits: a rank runs a ``W`` when its next pass cannot start yet, or first once
     ``backlog[r]`` are queued (so the weight-gradient inputs a rank holds never exceed the unpaired plan's).
     Passes are numbered (``ids``, shared by a run and its trials) so the clocks are lists, not dicts.
+
+    A trial (:meth:`resume`: another run's orders but one rank's, from a slot of that run on) runs only the
+    ranks it has taken over (``woken``): the changed rank, then each rank whose next pass has an input that
+    is ready at another slot than in the other run. Every other rank does what it did there, slot for slot (its
+    state and its inputs are the same), so its state is read from that run (:meth:`blend`), not recomputed.
     """
 
     def __init__(
@@ -267,8 +291,15 @@ class _Squeeze:
     ) -> None:
         self.n, self.orders, self.backlog = n, orders, backlog
         self.ids = {} if ids is None else ids
+        self.rank_of: dict[int, int] = {}  # pass id -> the rank that runs it
         self.info = [[self.describe(r, a) for a in order] for r, order in enumerate(orders)]
         self.work = [self.remaining(row) for row in self.info]
+        # per rank, the other ranks that wait for its passes
+        fed: list[set[int]] = [set() for _ in range(n)]
+        for q, row in enumerate(self.info):
+            for x in (x for entry in row for x in entry[1]):
+                fed[self.rank_of[x]].add(q)
+        self.feeds = [sorted(f - {p}) for p, f in enumerate(fed)]
         self.reset()
 
     def describe(self, r: int, a: Action) -> tuple[tuple[int, ...], tuple[int, ...], int, bool]:
@@ -277,6 +308,8 @@ class _Squeeze:
         needs = [x for x in (_input_of(*p, self.n) for p in mine) if x is not None and x not in mine]
         number = self.ids.setdefault
         own = tuple(number(p, len(self.ids)) for p in mine)
+        for x in own:
+            self.rank_of[x] = r
         return own, tuple(number(x, len(self.ids)) for x in needs), _slots(a), a.op is Op.I
 
     def remaining(self, row: list[tuple]) -> list[int]:
@@ -294,43 +327,144 @@ class _Squeeze:
         self.t, self.left = 0, sum(map(len, self.orders))  # the order actions not started yet
         self.plan: list[list[Action]] = [[] for _ in range(n)]
         self.starts: list[list[int]] = [[] for _ in range(n)]
+        self.lazy = False
 
     def variant(self, r: int, order: list[Action], pair: Action, keep: list[int]) -> _Squeeze:
         """A run of the same orders but rank ``r``'s, ``order`` (``keep``: the index of each of its actions in
         the old order, -1 for ``pair``), not yet started."""
         new = object.__new__(_Squeeze)
-        new.n, new.backlog, new.ids = self.n, self.backlog, self.ids
+        new.n, new.backlog, new.ids, new.rank_of, new.feeds = self.n, self.backlog, self.ids, self.rank_of, self.feeds
         new.orders = [*self.orders[:r], order, *self.orders[r + 1 :]]
         row = [self.describe(r, pair) if o < 0 else self.info[r][o] for o in keep]
         new.info = [*self.info[:r], row, *self.info[r + 1 :]]
         new.work = [*self.work[:r], new.remaining(row), *self.work[r + 1 :]]
         return new
 
-    def resume(self, base: _Squeeze, state: tuple, t0: int) -> None:
-        """Start at slot ``t0`` with everything before it as ``base`` ran it (``state``: base's at ``t0``)."""
+    def resume(self, base: _Squeeze, state: tuple, t0: int, r: int) -> None:
+        """Start at slot ``t0`` with everything before it as ``base`` ran it (``state``: base's at ``t0``),
+        running rank ``r`` (the one whose order differs) and, lazily, the ranks it delays or hastens."""
         n = self.n
         self.pos, self.queued, self.free, self.last = (list(state[k * n : (k + 1) * n]) for k in range(4))
-        self.t, self.left = t0, sum(map(len, self.orders)) - sum(self.pos)
-        self.end = [e if b < t0 else _NEVER for e, b in zip(base.end, base.began, strict=True)]
-        self.began = [b if b < t0 else _NEVER for b in base.began]
-        cut = [bisect.bisect_left(s, t0) for s in base.starts]
-        self.plan = [p[:c] for p, c in zip(base.plan, cut, strict=True)]
-        self.starts = [s[:c] for s, c in zip(base.starts, cut, strict=True)]
+        self.t, self.left, self.base, self.lazy = t0, 0, base, True
+        self.since = [_NEVER] * n  # the slot each rank was taken over at
+        # no copy of every pass's clock (a trial runs a few slots): the passes this run starts are kept apart,
+        # and the others read as ``base`` had them (:class:`_Since`)
+        self.end, self.began = _Since(base, self.since), {}
+        self.plan: list[list[Action]] = [None] * n  # type: ignore[list-item]  # a rank's own once taken over
+        self.starts: list[list[int]] = [None] * n  # type: ignore[list-item]
+        self.synced = [t0] * n  # a rank let go: the slot from which it ran as in base again
+        self.woken: list[int] = []
+        self.wake(r, state)
+
+    def wake(self, q: int, state: tuple) -> None:
+        """Take rank ``q`` over at slot ``t`` (``state``: ``base`` 's then, which is this run's for ``q``)."""
+        n, t, base = self.n, self.t, self.base
+        self.pos[q], self.queued[q], self.free[q], self.last[q] = state[q::n]
+        self.since[q] = t
+        c = bisect.bisect_left(base.starts[q], t)
+        if self.plan[q] is None:
+            self.plan[q], self.starts[q] = base.plan[q][:c], base.starts[q][:c]
+        else:  # let go before (:meth:`let_go`): as base ran it since
+            b = bisect.bisect_left(base.starts[q], self.synced[q])
+            self.plan[q] += base.plan[q][b:c]
+            self.starts[q] += base.starts[q][b:c]
+        bisect.insort(self.woken, q)
+
+    def let_go(self, state: tuple, r: int) -> None:
+        """Stop running the taken-over ranks but ``r`` whose state is ``base`` 's at slot ``t`` again
+        (``state``): from there on they do what they did in ``base`` (their passes so far have ended, or end
+        when base's did, so they are ready for the ranks they feed as in base)."""
+        n, t, since, synced = self.n, self.t, self.since, self.synced
+        pos, queued, free, last = self.pos, self.queued, self.free, self.last
+        keep = []
+        for q in self.woken:
+            if (
+                q == r
+                or pos[q] != state[q]
+                or queued[q] != state[n + q]
+                or free[q] != state[2 * n + q]
+                or max(last[q], t) != state[3 * n + q]
+            ):
+                keep.append(q)
+            else:
+                since[q], synced[q] = _NEVER, t
+        self.woken = keep
+
+    def wake_all(self, state: tuple) -> None:
+        """Take every rank over at slot ``t`` and run them all from now on (``state``: ``base`` 's then)."""
+        for q in range(self.n):
+            if self.since[q] == _NEVER:
+                self.wake(q, state)
+        self.lazy, self.left = False, sum(map(len, self.orders)) - sum(self.pos)
+
+    def wake_next(self, state: tuple) -> None:
+        """Take over, at slot ``t``, each rank a taken-over rank feeds whose next pass would find its inputs
+        otherwise than it did in ``base`` (``state``: base's at ``t``); a rank busy then, or with the same
+        inputs ready, does what it did in ``base``."""
+        n, t, end, base_end = self.n, self.t, self.end, self.base.end
+        for p in list(self.woken):
+            for q in self.feeds[p]:
+                if self.since[q] != _NEVER or state[2 * n + q] > t:
+                    continue
+                i, row = state[q], self.info[q]
+                if i < len(row) and any((end[x] > t) != (base_end[x] > t) for x in row[i][1]):
+                    self.wake(q, state)
+
+    def snapshot(self) -> tuple:
+        """What :meth:`blend` needs of slot ``t`` (kept until the trial is known to be taken)."""
+        return self.t, tuple(self.woken), (*self.pos, *self.queued, *self.free, *self.last)
+
+    def blend(self, state: tuple, snapshot: tuple) -> tuple[int, ...]:
+        """This run's :meth:`state` at a slot: ``base`` 's then (``state``) but for the ranks taken over then
+        (``snapshot``: :meth:`snapshot` 's then)."""
+        n = self.n
+        t, woken, mine = snapshot
+        out = list(state)
+        for q in woken:
+            out[q], out[n + q], out[2 * n + q], e = mine[q::n]
+            out[3 * n + q] = e if e > t else t
+        return tuple(out)
+
+    def back_on_track(self, state: tuple, r: int, shift: int) -> bool:
+        """Whether this run's state at slot ``t`` is ``base`` 's (``state``), rank ``r`` ``shift`` actions
+        behind, given that only the ranks taken over can differ."""
+        n, t = self.n, self.t
+        return (
+            self.woken == [r]
+            and self.pos[r] + shift == state[r]
+            and self.queued[r] == state[n + r]
+            and self.free[r] == state[2 * n + r]
+            and max(self.last[r], t) == state[3 * n + r]
+        )
 
     def adopt(self, base: _Squeeze, t: int, r: int, shift: int) -> None:
         """Finish as ``base`` does from slot ``t`` on (the state is the same there; rank ``r``'s order is
         ``shift`` actions shorter)."""
         for q in range(self.n):
-            c = bisect.bisect_left(base.starts[q], t)
+            if self.plan[q] is None:  # never taken over: base's run throughout (base is dropped)
+                self.plan[q], self.starts[q] = base.plan[q], base.starts[q]
+                continue
+            c = bisect.bisect_left(base.starts[q], t if self.since[q] != _NEVER else self.synced[q])
             self.plan[q] += base.plan[q][c:]
             self.starts[q] += base.starts[q][c:]
-        self.end = [e if b >= t else mine for e, b, mine in zip(base.end, base.began, self.end, strict=True)]
-        self.began = [b if b >= t else mine for b, mine in zip(base.began, self.began, strict=True)]
+        self.settle(base)  # the passes base starts from t on are those this run has not started
         self.pos = [len(o) for o in self.orders]
         self.queued, self.free, self.last, self.t, self.left = [0] * self.n, list(base.free), list(base.last), base.t, 0
         self.states += [(*s[:r], s[r] - shift, *s[r + 1 :]) for s in base.states[t:]]
         self.final = base.final
         self.result = (tuple(map(tuple, self.plan)), self.starts, base.result[2])
+        self.lazy = False
+
+    def settle(self, base: _Squeeze) -> None:
+        """Make the clocks of a resumed run whole lists again, taking over ``base`` 's (``base`` is dropped): the
+        passes this run started since it resumed get their slots, every other keeps ``base`` 's (those started
+        before the resume, and those ``base`` starts where this run rejoined it or has not reached)."""
+        end, began = base.end, base.began
+        for x, e in self.end.items():
+            end[x] = e
+        for x, b in self.began.items():
+            began[x] = b
+        self.end, self.began, self.base = end, began, None
 
     def state(self) -> tuple[int, ...]:
         """What decides the rest of the run at slot ``t``, flat: every rank's position, then its queued ``W`` s,
@@ -338,21 +472,23 @@ class _Squeeze:
         t = self.t
         return (*self.pos, *self.queued, *self.free, *(e if e > t else t for e in self.last))
 
-    def done(self) -> bool:
-        return not self.left
+    def bound(self, state: tuple | None = None) -> int:
+        """No rank can end before this slot (its own remaining work, back to back); from ``state`` if given
+        (:meth:`state` 's layout)."""
+        t, n = self.t, self.n
+        pos, queued, free = (
+            (self.pos, self.queued, self.free) if state is None else (state[:n], state[n:], state[2 * n :])
+        )
+        return max((f if f > t else t) + w[p] + q for f, w, p, q in zip(free, self.work, pos, queued))
 
-    def bound(self) -> int:
-        """No rank can end before this slot (its own remaining work, back to back)."""
-        t = self.t
-        return max((f if f > t else t) + w[p] + q for f, w, p, q in zip(self.free, self.work, self.pos, self.queued))
-
-    def step(self) -> None:
-        """Run slot ``t``. A slot where no rank is busy and none starts anything is a deadlock (the orders
-        wait on each other): ``AssertionError``."""
-        t, end, began, backlog = self.t, self.end, self.began, self.backlog
+    def step(self, ranks: list[int] | None = None) -> None:
+        """Run slot ``t`` on every rank, or on ``ranks`` (a trial's, :meth:`wake`). A slot where no rank is busy
+        and none starts anything is a deadlock (the orders wait on each other): ``AssertionError``."""
+        t, end, began, backlog, info = self.t, self.end, self.began, self.backlog, self.info
         free, pos, queued, last = self.free, self.pos, self.queued, self.last
         started = busy = False
-        for r, row in enumerate(self.info):
+        for r in range(self.n) if ranks is None else ranks:
+            row = info[r]
             if free[r] > t:
                 busy = True
                 continue
@@ -384,7 +520,7 @@ class _Squeeze:
             self.plan[r].append(a)
             self.starts[r].append(t)
             free[r] = t + slots
-        if not started and not busy and self.left:
+        if ranks is None and not started and not busy and self.left:
             raise AssertionError(f"V plan stuck at slot {t}")
         self.t = t + 1
 
@@ -409,20 +545,24 @@ class _Squeeze:
         return tuple(map(tuple, self.plan)), self.starts, max(makespan, *self.free)
 
 
-def _fold(order: list[Action], i: int, fill: bool) -> tuple[list[Action], Action, list[int]] | None:
-    """``order`` with ``order[i]`` and the next pass after it (``W`` s skipped) as one pair, the pair, and the
-    index in ``order`` of each action kept (-1: the pair); None where they are not a forward and an input
-    gradient of two micro-batches. Without ``fill`` the ``W`` that would have popped the input gradient's
-    weight gradient goes too (the pair's full backward computes it)."""
+def _pair_at(order: list[Action], i: int) -> tuple[Action, int] | None:
+    """The pair of ``order[i]`` and the next pass after it (``W`` s skipped), and that pass's index; None where
+    they are not a forward and an input gradient of two micro-batches."""
     x = order[i]
     j = next((k for k in range(i + 1, len(order)) if order[k].op is not Op.W), None)
     if j is None or {x.op, order[j].op} != {Op.F, Op.I} or x.chunk == order[j].chunk:
         return None
     f, b = (x, order[j]) if x.op is Op.F else (order[j], x)
-    pair = Action(Op.FB, f.module, f.chunk, b_module=b.module, b_chunk=b.chunk)
+    return Action(Op.FB, f.module, f.chunk, b_module=b.module, b_chunk=b.chunk), j
+
+
+def _fold(order: list[Action], i: int, pair: Action, j: int, fill: bool) -> tuple[list[Action], Action, list[int]]:
+    """``order`` with ``order[i]`` and ``order[j]`` as ``pair`` (:func:`_pair_at`), the pair, and the index in
+    ``order`` of each action kept (-1: the pair). Without ``fill`` the ``W`` that would have popped the input
+    gradient's weight gradient goes too (the pair's full backward computes it)."""
     keep = [*range(i), -1, *range(i + 1, j), *range(j + 1, len(order))]
     if not fill:  # FIFO: the k-th I is popped by the k-th W
-        k = sum(a.op is Op.I for a in order[: i if b is x else j])
+        k = sum(a.op is Op.I for a in order[: i if order[i].op is Op.I else j])
         del keep[[n for n, o in enumerate(keep) if o >= 0 and order[o].op is Op.W][k]]
     return [pair if o < 0 else order[o] for o in keep], pair, keep
 
@@ -432,13 +572,14 @@ def _unpaired(n: int, plan: Plan) -> tuple[Plan, list[list[int]]]:
     return _Squeeze(n, [list(order) for order in plan], None).run()[:2]
 
 
-def _pair(n: int, plan: Plan) -> tuple[Plan, list[list[int]]]:
+def _pair(n: int, plan: Plan, lazy: bool = True) -> tuple[Plan, list[list[int]]]:
     """Fold adjacent forwards and input gradients of two micro-batches on a rank into overlapped pairs where
     the step still ends by the unpaired plan's last slot (see the module docstring), with the ``W`` s where
     the plan put them and with the ``W`` s filling the waits; the one with more pairs. Returns the plan and
-    every action's start slot."""
-    kept = _pair_orders(n, plan, fill=False, limit=None)
-    filled = _pair_orders(n, plan, fill=True, limit=kept[2])
+    every action's start slot. ``lazy=False`` runs every rank of every trial (:func:`_fits`; the same plan,
+    slower: the check of the lazy one)."""
+    kept = _pair_orders(n, plan, fill=False, limit=None, lazy=lazy)
+    filled = _pair_orders(n, plan, fill=True, limit=kept[2], lazy=lazy)
     return max(kept, filled, key=_pairs_within(kept[2]))[:2]
 
 
@@ -451,7 +592,9 @@ def _pairs_within(limit: int) -> Callable[[tuple[Plan, list[list[int]], int]], t
     return key
 
 
-def _pair_orders(n: int, plan: Plan, fill: bool, limit: int | None) -> tuple[Plan, list[list[int]], int]:
+def _pair_orders(
+    n: int, plan: Plan, fill: bool, limit: int | None, lazy: bool = True
+) -> tuple[Plan, list[list[int]], int]:
     """Pair greedily, in the order the unpaired plan starts its passes, every forward or input gradient with
     the next pass on its rank where the step then still ends by ``limit`` (None: the unpaired step's end).
     Returns the plan, every action's start slot and the makespan in slots."""
@@ -470,11 +613,11 @@ def _pair_orders(n: int, plan: Plan, fill: bool, limit: int | None) -> tuple[Pla
         if i is None:
             continue  # already folded into a pair
         t0 = base.began[base.info[r][i][0][0]]
-        folded = _fold(base.orders[r], i, fill)
-        if folded is None or not _ready(base, r, base.describe(r, folded[1]), t0):
+        found = _pair_at(base.orders[r], i)  # the order is rebuilt only for a pair whose inputs are there
+        if found is None or not _ready(base, r, base.describe(r, found[0]), t0):
             continue
-        trial = base.variant(r, *folded)
-        if _fits(trial, base, run, t0, limit, r):
+        trial = base.variant(r, *_fold(base.orders[r], i, *found, fill))
+        if _fits(trial, base, run, t0, limit, r, lazy):
             base, run = trial, (*trial.result, trial.states)
             at[r] = {id(a): i for i, a in enumerate(base.orders[r]) if a.op is not Op.FB}
     return run[0], run[1], run[2]
@@ -486,13 +629,16 @@ def _ready(base: _Squeeze, r: int, pair: tuple, t0: int) -> bool:
     return all(base.end[x] <= t0 for x in pair[1])
 
 
-def _fits(trial: _Squeeze, base: _Squeeze, run: tuple, t0: int, limit: int, r: int) -> bool:
+def _fits(trial: _Squeeze, base: _Squeeze, run: tuple, t0: int, limit: int, r: int, lazy: bool = True) -> bool:
     """Whether ``trial`` (``base`` with one more pair, at the pass ``base`` starts at ``t0`` on rank ``r``)
     still ends by ``limit``: run from ``t0``, everything before it as in ``base``, until it ends or its state
     is ``base``'s at the same slot again (the rest is then ``base``'s), within ``_REJOIN`` slots a rank. On
-    success ``trial`` holds its run."""
+    success ``trial`` holds its run. Only the ranks the pair changes are run (:class:`_Squeeze`), until
+    ``base`` 's last slot, from which on every rank is (from the start without ``lazy``)."""
     states = run[3]
-    trial.resume(base, states[t0], t0)
+    trial.resume(base, states[t0], t0, r)
+    if not lazy:
+        trial.wake_all(states[t0])
     order, old = trial.orders[r], base.orders[r]
     shift = len(old) - len(order)
     same = 0  # the trial's order ends as the old one does for this many actions
@@ -500,18 +646,52 @@ def _fits(trial: _Squeeze, base: _Squeeze, run: tuple, t0: int, limit: int, r: i
         same += 1
     tail = len(order) - same
     trial.states = states[:t0]
-    while trial.left:
+    seen: list[tuple] = []  # the lazy slots' snapshots, blended into states once the trial is taken
+
+    def blended() -> list[tuple]:
+        return [trial.blend(states[snap[0]], snap) for snap in seen]
+
+    total = sum(map(len, trial.orders))
+    while True:
         t = trial.t
-        state = trial.state()
-        if trial.pos[r] > tail and t < len(states) and (*state[:r], state[r] + shift, *state[r + 1 :]) == states[t]:
+        if trial.lazy:
+            trial.let_go(states[t], r)
+            now = states[t]
+            if (
+                t >= len(states) - 1
+                or (  # rank r is never let go: done only with it
+                    trial.pos[r] == len(order)
+                    and sum(now[: trial.n]) + sum(trial.pos[q] - now[q] for q in trial.woken) == total
+                )
+            ):
+                # base's last slot, or done before base (whose state at t is still at hand): run every rank
+                trial.states += blended()
+                seen = []
+                trial.wake_all(states[t])
+        if not trial.lazy:
+            if not trial.left:
+                break
+            state = trial.state()
+            back = t < len(states) and (*state[:r], state[r] + shift, *state[r + 1 :]) == states[t]
+        else:
+            back = trial.back_on_track(states[t], r, shift)
+        if back and trial.pos[r] > tail:
             if base.final > limit:  # rejoined: the rest is base's
                 return False
+            trial.states += blended()
             trial.adopt(base, t, r, shift)
             return True
-        trial.states.append(state)
         if t - t0 > _REJOIN * trial.n:  # not back on the base run's track: refused, as if it ended late
             return False
-        if (t - t0) % 8 == 7 and trial.bound() > limit:  # the bound never falls: checked now and then
+        if trial.lazy:
+            seen.append(trial.snapshot())
+            if (t - t0) % 8 == 7 and trial.bound(trial.blend(states[t], seen[-1])) > limit:
+                return False  # the bound never falls: checked now and then
+            trial.wake_next(states[t])
+            trial.step(trial.woken)  # a stuck trial is never back on track: refused by the limits
+            continue
+        trial.states.append(state)
+        if (t - t0) % 8 == 7 and trial.bound() > limit:
             return False
         try:
             trial.step()
@@ -520,6 +700,7 @@ def _fits(trial: _Squeeze, base: _Squeeze, run: tuple, t0: int, limit: int, r: i
     trial.final = trial.bound()
     if trial.final > limit:
         return False
+    trial.settle(base)
     trial.result = trial.finish()
     return True
 

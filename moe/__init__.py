@@ -25,7 +25,6 @@ from moe.models.config import PRESETS, MoEConfig, preset
 from moe.models.model import MoEModel, lm_loss, next_token_batch
 from moe.models.stage import MoEStage
 from moe.parallel import ParallelConfig, ParallelLayout, build_stages, init_layout
-from moe.train.grad_sync import balance_routers, reduce_gradients
 
 __all__ = [
     "PRESETS",
@@ -44,3 +43,13 @@ __all__ = [
     "preset",
     "reduce_gradients",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The trainer's gradient helpers, imported on first use: ``import moe`` (the planner's, the converter's)
+    need not load the trainer and its checkpointing (``torch.distributed.checkpoint``, most of a second)."""
+    if name in ("balance_routers", "reduce_gradients"):
+        from moe.train import grad_sync
+
+        return getattr(grad_sync, name)
+    raise AttributeError(f"module 'moe' has no attribute {name!r}")

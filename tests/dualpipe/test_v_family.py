@@ -124,3 +124,19 @@ PAIRS = {
 def test_pairs_per_step(name: str) -> None:
     assert {p: pairs_per_step(name, p) for p in (4, 8, 16)} == PAIRS[name]
     assert pairs_per_step(name, 4) == pairs_per_step(name, 4, 8)  # the default is 2p micro-batches
+
+
+@pytest.mark.parametrize("name", ["zbv", "v-half", "v-min"])
+def test_lazy_pairing_trials_plan_what_running_every_rank_plans(name: str) -> None:
+    """A trial pair runs only the ranks it changes (the others are read from the run it departs from): the
+    paired plan and its slots are those of trials that run every rank, on shapes where pairs are refused as well
+    as taken."""
+    from dualpipe.generators_v import _pair
+
+    pairs = 0
+    for n, m in ((3, 9), (4, 16), (6, 12), (8, 24)):
+        plan = _plan(name, n, m)
+        lazy, eager = _pair(n, plan), _pair(n, plan, lazy=False)
+        assert lazy == eager, (name, n, m)
+        pairs += sum(a.op is Op.FB for order in lazy[0] for a in order)
+    assert pairs > 0
