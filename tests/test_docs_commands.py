@@ -246,6 +246,10 @@ EXCLUDED: dict[str, tuple[str, str]] = {
         "tests/bench/test_overlap_traffic.py",
     ),
     ".venv/bin/python -m bench.overlap.calibrate": (ROOT_CLUSTER, "tests/bench/test_overlap_calibrate.py"),
+    ".venv/bin/python -m bench.overlap.calibrate --pp 2 --ep 2": (
+        ROOT_CLUSTER,
+        "tests/bench/test_overlap_calibrate.py",
+    ),
     # GPUs
     "bash bench/gpu_session.sh": (GPU, "tests/bench/test_gpu_session.py"),
     "bash bench/cluster_session.sh": ("needs 2 or more GPUs", "tests/bench/test_gpu_session.py"),

@@ -15,15 +15,16 @@ mode's measured F + B against the planner's; the sum, because the planner takes 
 directions and the runtime's forward one also exchanges row counts).
 
 The report prints each comparison as measured, predicted and their ratio (predicted / measured), marked
-within or outside :data:`MARGIN`, with the machine's load average before and after the run: the measured
-times are the machine's, and a busy neighbour slows the CPU ranks unevenly. What it has shown on a 2-core
-machine (2026-11-26): idle, the overlapped step predicted 11% under (1,402 against 1,570 ms); beside another
-busy process the step's gap grows past 30% (a ratio of 0.67 at a load average of 3); the lone chunk within 4%
-in all five runs saved from 2026-11-23 to -26, at load averages from 0.5 to 4.3. The hidden fraction is
-predicted 0.96 where runs measure 0.74-0.77: the costs fold the host work between pieces (issuing transfers,
-routing metadata: about 10% of a CPU rank's step) into the compute a transfer hides under, and the planner
-takes the expert-parallel ranks as equally loaded (here one rank's experts get ~13% more tokens, and the
-other waits ~3% of the step for it); neither is modelled yet.
+within or outside :data:`MARGIN` (the step, 10%) and :data:`HIDDEN_MARGIN` (the hidden fraction, 0.05), with
+the machine's load average before and after the run: the measured times are the machine's, and a busy
+neighbour slows the CPU ranks unevenly. The hidden fraction is predicted as the run measures it
+(:attr:`moe.plan.search.Prediction.hidden_in_flight`: of the transfers' time from issue to use, the share under
+compute). What the costs file carries beyond the sub-stages, and the planner uses (the ``host`` entry of
+:mod:`moe.plan.measured`): the host work between pieces, the forward dispatch's row counts as the rank waits
+for them, the expert-parallel imbalance, and the machine's cores as the ranks share them
+(:func:`bench.overlap.costs.machine_costs`), which bound the step where the ranks outnumber the cores. Idle runs
+of 2026-11-29 (6 steps, bench/results/calibration-*-idle-*): pp=1 x ep=2 step ratio 0.96 and 0.92, hidden
++0.00 and +0.01; pp=2 x ep=2 0.95 and 0.95, hidden -0.02 and -0.02. With 3 steps a run's median moved by 10%.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ class Setup:
     moe_intermediate: int = 128
     layers: int = 4
     rate: str = "400mbit"
-    steps: int = 3
-    """Timed steps of each mode (the two modes interleaved step by step), after one warm-up step each."""
+    steps: int = 6
+    """Timed steps of each mode (the two modes interleaved step by step), after one warm-up step each: with 3,
+    the median of a 2-core machine's steps moved by 10% from run to run."""
 
     @property
     def nodes(self) -> int:
@@ -195,7 +197,9 @@ def compare(setup: Setup, costs: MeasuredCosts, overlap_record: dict, *, memory_
     return {"measured": measured, "predicted": predicted, "ratio": ratio, "error": error}
 
 
-def run(setup: Setup, out: Path, *, memory_bytes: float | None = None, keep_events: bool = False) -> dict:
+def run(
+    setup: Setup, out: Path, *, memory_bytes: float | None = None, keep_events: bool = False, command: str = ""
+) -> dict:
     """One emulated-cluster run of DualPipeV without overlap (the calibration) and with it, their steps
     interleaved so that the machine's load hits both alike; the costs file from the first, the planner's
     prediction from the costs file against the second. Writes ``costs-<device>-<date>.json`` and
@@ -223,6 +227,7 @@ def run(setup: Setup, out: Path, *, memory_bytes: float | None = None, keep_even
     lone = next(r for r in overlap_record["rows"] if r["mode"] == CALIBRATION_MODE)
     record = {
         "name": "calibration",
+        "command": command,
         "device": device,
         "date": today,
         "torch": torch.__version__,
@@ -300,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-events", action="store_true", help="also keep the overlap run's rank files (<out>/events)")
     args = p.parse_args(argv)
     setup = Setup(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Setup)})
-    print(report(run(setup, args.out, keep_events=args.keep_events)))
+    command = " ".join(["python -m bench.overlap.calibrate", *(sys.argv[1:] if argv is None else argv)])
+    print(report(run(setup, args.out, keep_events=args.keep_events, command=command)))
     return 0
 
 
