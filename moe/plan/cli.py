@@ -359,12 +359,17 @@ def _compare(args: argparse.Namespace, cfg: MoEConfig, cluster: Cluster, run: Ru
         print(compare_schedules_table(rows, layout, cluster))
     if args.json:
         doc = {"schema": JSON_SCHEMA_VERSION, "layout": dataclasses.asdict(layout), "rows": rows}
-        out = json.dumps(doc, indent=1)
-        if args.json == "-":
-            print(out)
-        else:
-            Path(args.json).write_text(out + "\n")
+        _write_json(args.json, doc)
     return 0
+
+
+def _write_json(target: str, doc: dict) -> None:
+    """``doc`` as JSON to the file ``target``, or to stdout where it is ``-``."""
+    out = json.dumps(doc, indent=1)
+    if target == "-":
+        print(out)
+    else:
+        Path(target).write_text(out + "\n")
 
 
 def _published(args: argparse.Namespace) -> int:
@@ -378,11 +383,7 @@ def _published(args: argparse.Namespace) -> int:
     if args.json:
         doc = {"schema": JSON_SCHEMA_VERSION, "published": rows,
                "skipped": [{"run": name, "why": why} for name, why in SKIPPED]}  # fmt: skip
-        out = json.dumps(doc, indent=1)
-        if args.json == "-":
-            print(out)
-        else:
-            Path(args.json).write_text(out + "\n")
+        _write_json(args.json, doc)
     return 0
 
 
@@ -459,11 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         if v3 is not None:
             doc["deepseek_v3"] = v3
-        out = json.dumps(doc, indent=1)
-        if args.json == "-":
-            print(out)
-        else:
-            Path(args.json).write_text(out + "\n")
+        _write_json(args.json, doc)
     if args.emit_config:
         from moe.plan.job import job_toml
 
