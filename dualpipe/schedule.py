@@ -229,10 +229,17 @@ class Schedule:
     ranks: tuple[tuple[Action, ...], ...]
     extra_warmup: int = 0
     """Warm-up forwards added on every rank (:attr:`ScheduleSpec.warmup`)."""
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.ranks) != self.layout.num_ranks:
             raise ValueError("one action list per rank is required")
+        # hashed once: the simulator's per-schedule caches look a schedule up every time they time it
+        fields = (self.name, self.layout, self.num_chunks, self.chunks_per_path, self.ranks, self.extra_warmup)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -172,6 +172,18 @@ def _messages(schedule: Schedule) -> tuple[tuple[tuple[MessageKey | None, tuple[
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=64)
+def _compute_counts(schedule: Schedule) -> tuple[int, ...]:
+    """Compute actions per rank (once per schedule, as :func:`_messages`)."""
+    return tuple(sum(1 for a in actions if a.op.is_compute) for actions in schedule.ranks)
+
+
+@functools.lru_cache(maxsize=64)
+def _names(schedule: Schedule) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """Per rank and action, its span's label and op (once per schedule, as :func:`_messages`)."""
+    return tuple(tuple((str(a), a.op.value) for a in actions) for actions in schedule.ranks)
+
+
 def _timelines(
     schedule: Schedule, costs: Costs, durations: Sequence[Sequence[float]] | None, ready: Sequence[float] | None
 ) -> list[list[Span]]:
@@ -183,6 +195,7 @@ def _timelines(
     arrival: dict[tuple, float] = {}
     spans: list[list[Span]] = [[] for _ in range(n)]
     messages = _messages(schedule)
+    names = _names(schedule)
     while any(pos[r] < len(schedule.ranks[r]) for r in range(n)):
         progress = False
         for rank, actions in enumerate(schedule.ranks):
@@ -197,7 +210,7 @@ def _timelines(
                     start = max([clock[rank], *(arrival[k] for k in keys)])
                     clock[rank] = start + (costs.of(a) if durations is None else durations[rank][done[rank]])
                     done[rank] += 1
-                    spans[rank].append(Span(start, clock[rank], str(a), a.op.value))
+                    spans[rank].append(Span(start, clock[rank], *names[rank][pos[rank]]))
                 pos[rank] += 1  # receives take no rank time in the async model
                 progress = True
         if not progress:
@@ -218,11 +231,15 @@ def _peak_activations(actions: Sequence[Action]) -> int:
     return peak
 
 
+@functools.lru_cache(maxsize=64)
+def _peaks(schedule: Schedule) -> tuple[int, ...]:
+    return tuple(_peak_activations(actions) for actions in schedule.ranks)
+
+
 def _check_durations(schedule: Schedule, durations: Sequence[Sequence[float]]) -> None:
     if len(durations) != len(schedule.ranks):
         raise ValueError(f"durations: one list per rank expected ({len(schedule.ranks)}), got {len(durations)}")
-    for rank, (actions, times) in enumerate(zip(schedule.ranks, durations, strict=True)):
-        computes = sum(1 for a in actions if a.op.is_compute)
+    for rank, (computes, times) in enumerate(zip(_compute_counts(schedule), durations, strict=True)):
         if len(times) != computes:
             raise ValueError(f"durations: rank {rank} runs {computes} compute actions, got {len(times)} durations")
         bad = [t for t in times if not math.isfinite(t) or t < 0]
@@ -253,7 +270,7 @@ def simulate(
     makespan = max((s[-1].end for s in spans if s), default=0.0)
     busy = tuple(sum(x.end - x.start for x in s) for s in spans)
     idle = tuple(makespan - b for b in busy)
-    peaks = tuple(_peak_activations(actions) for actions in schedule.ranks)
+    peaks = _peaks(schedule)
     fraction = stage_share(schedule)
     return SimResult(
         schedule=schedule.name,

@@ -34,6 +34,7 @@ and are left out: under 1% of a row at V3's width.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -45,7 +46,7 @@ from moe.optim_state import STATE_DTYPES
 from moe.pipeline_layout import AUTO
 from moe.plan import flops as fl
 from moe.plan.hardware import GPU, Cluster
-from moe.plan.params import rank_params
+from moe.plan.params import ConfigKey, rank_params
 from moe.plan.routing import expected_nodes, expected_ranks
 
 __all__ = [
@@ -348,6 +349,24 @@ def p2p_seconds(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Worklo
     return nbytes / cluster.gpu.value(f"nccl.p2p.{where}")
 
 
+@functools.lru_cache(maxsize=4096)
+def _grad_elements(
+    key: ConfigKey,
+    pp: int,
+    ep: int,
+    schedule: str,
+    rank: int,
+    modules_per_rank: int | None,
+    mtp_shared: bool,
+    pipeline_layout: str,
+) -> tuple[int, int]:
+    """(dense, expert) parameter elements pipeline rank ``rank`` holds, by value (a search asks per candidate)."""
+    specs = rank_params(
+        key.cfg, pp, ep, schedule, rank, modules_per_rank, mtp_shared=mtp_shared, pipeline_layout=pipeline_layout
+    )
+    return sum(p.numel for p in specs if not p.expert), sum(p.numel for p in specs if p.expert)
+
+
 def dp_reduce_seconds(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload) -> float:
     """Gradient reduction of one step on the busiest pipeline rank, not overlapped with anything.
 
@@ -357,13 +376,14 @@ def dp_reduce_seconds(cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: 
     once per group; the slowest rank bounds the step."""
     worst = 0.0
     layout = schedule_spec(par.schedule).stage_layout(par.pp, par.modules_per_rank)
+    key = ConfigKey.of(cfg)
     for r in range(par.pp):
-        specs = rank_params(
-            cfg, par.pp, par.ep, par.schedule, r, par.modules_per_rank, mtp_shared=work.mtp_shared,
-            pipeline_layout=par.pipeline_layout,
-        )  # fmt: skip
-        dense = sum(p.numel for p in specs if not p.expert) * work.grad_bytes
-        expert = sum(p.numel for p in specs if p.expert) * work.grad_bytes
+        dense, expert = (
+            n * work.grad_bytes
+            for n in _grad_elements(
+                key, par.pp, par.ep, par.schedule, r, par.modules_per_rank, work.mtp_shared, par.pipeline_layout
+            )
+        )
         t = allreduce_seconds(dense, par.dp, allreduce_busbw(cluster, par.dp, 1))
         t += allreduce_seconds(expert, par.edp, allreduce_busbw(cluster, par.edp, par.ep))
         if layout.mirrored:  # ranks r and pp-1-r: up to (pp-1) dp apart

@@ -566,14 +566,31 @@ def offloaded_bytes(cfg: MoEConfig, par: Parallelism, work: Workload, rank: int,
     """Per local module of pipeline rank ``rank`` (its ``stages``), the bytes ``par.offload`` moves to the host
     for one micro-batch (:func:`offload_bytes`: the blocks' saved tensors; the embedding's, the
     head's and the MTP modules' stay, an undercount where the runtime's ``all`` moves them too)."""
-    policy = parse_offload(par.offload, par.pp)
-    return [
-        offload_bytes(
-            policy, rank, cfg, sp.layers, work.tokens, work.seq_len, work.act_bytes, par.ep,
-            recompute=work.recompute, fp8=work.fp8_activations,
-        )
-        for sp in stages
-    ]  # fmt: skip
+    layers = tuple(tuple(sp.layers) for sp in stages)
+    shape = (work.tokens, work.seq_len, work.act_bytes, work.recompute, work.fp8_activations)
+    return list(_offloaded_bytes(ConfigKey.of(cfg), par.offload, par.pp, par.ep, rank, layers, *shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _offloaded_bytes(
+    key: ConfigKey,
+    offload: str,
+    pp: int,
+    ep: int,
+    rank: int,
+    layers: tuple[tuple[int, ...], ...],
+    tokens: int,
+    seq_len: int,
+    act_bytes: int,
+    recompute: str,
+    fp8: bool,
+) -> tuple[float, ...]:
+    """:func:`offloaded_bytes` by value, once per shape (sizing and timing both ask, candidate after candidate)."""
+    policy = parse_offload(offload, pp)
+    return tuple(
+        offload_bytes(policy, rank, key.cfg, held, tokens, seq_len, act_bytes, ep, recompute=recompute, fp8=fp8)
+        for held in layers
+    )
 
 
 @functools.lru_cache(maxsize=256)

@@ -22,6 +22,7 @@ is what a policy moves for one micro-batch of one stage (the planner's figure of
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -169,16 +170,27 @@ def with_copies(
     time is exposed and lengthens it. ``seconds[rank][module]``: one direction's copy time of one micro-batch
     of that local module (its moved bytes over the host link)."""
     out = []
-    for rank, actions in enumerate(schedule.ranks):
-        reloads, kept = reload_points(actions)
+    for rank, plan in enumerate(_copy_plan(schedule)):
         mine, leaving = [], 0.0  # the copy out of the last forward, which runs beside the next action
-        compute = iter(durations[rank])
+        for duration, (back, away) in zip(durations[rank], plan, strict=True):
+            mine.append(max(duration, leaving + sum(seconds[rank][module] for module in back)))
+            leaving = seconds[rank][away] if away >= 0 else 0.0
+        out.append(mine)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _copy_plan(schedule: Schedule) -> tuple[tuple[tuple[tuple[int, ...], int], ...], ...]:
+    """Per rank and compute action: the local modules of the micro-batches reloaded beside it, and the module
+    whose forward's tensors leave beside the next one (-1: none). Once per schedule: a search times it often."""
+    out = []
+    for actions in schedule.ranks:
+        reloads, kept = reload_points(actions)
+        plan = []
         for i, a in enumerate(actions):
             if not a.op.is_compute:
                 continue
-            copies = leaving + sum(seconds[rank][module] for module, _ in reloads.get(i, ()))
-            mine.append(max(next(compute), copies))
             made = a.op in (Op.F, Op.FB) and (a.module, a.chunk) not in kept
-            leaving = seconds[rank][a.module] if made else 0.0
-        out.append(mine)
-    return out
+            plan.append((tuple(module for module, _ in reloads.get(i, ())), a.module if made else -1))
+        out.append(tuple(plan))
+    return tuple(out)

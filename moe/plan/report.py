@@ -31,6 +31,7 @@ from moe.plan.search import (
     Candidate,
     Prediction,
     StageTimes,
+    busy_bound,
     candidates,
     loss_class,
     predict,
@@ -91,6 +92,9 @@ class Plan:
     skipped: int = 0
     """Candidates neither sized nor timed: their bound (:func:`moe.plan.search.step_bound`) is slower than ``top``
     fitting plans already timed, so none of them could enter the table."""
+    untimed: int = 0
+    """Candidates sized and fitting (counted in ``num_fitting``) but not timed: their busiest rank's work alone
+    (:func:`moe.plan.search.busy_bound`) is slower than ``top`` fitting plans already timed."""
 
     @property
     def best(self) -> Prediction:
@@ -248,7 +252,9 @@ def plan(
     say = progress or (lambda text: None)
     models: dict[Candidate, LayerCostModel] = {}
     model = _sizer(cfg, cluster, run, measured, options, models)
-    predictions, fitting, misses, skipped = _search_leading(found, model, cluster, top if prune else len(found), say)
+    predictions, fitting, misses, skipped, untimed = _search_leading(
+        found, model, cluster, top if prune else len(found), say
+    )
     rest = sorted(misses, key=lambda c: models[c].memory().total)
     predictions += [_predict(models[c]) for c in rest[: max(0, top - len(fitting))]]
     ranked = rank_predictions(predictions)
@@ -261,14 +267,14 @@ def plan(
     for v in variants:
         model(v)
     more = [_predict(models[v]) for v in variants if models[v].fits() or not fitting]
-    fits = len(fitting) + sum(models[v].fits() for v in variants)
+    fits = len(fitting) + untimed + sum(models[v].fits() for v in variants)
     best: dict[Candidate, Prediction] = {}  # each candidate once, at its best layout
     for p in rank_predictions([*ranked, *more]):
         best.setdefault(dataclasses.replace(p.candidate, pipeline_layout=AUTO), p)
     misfit = (rest[0], models[rest[0]].memory().total) if rest else None
     out = list(best.values())
     out[0] = _predict(models[out[0].candidate])  # the best keeps its timeline (the others' were dropped)
-    return Plan(out, len(found) + len(variants), fits, misfit, run.precision, cfg.mtp_layers, skipped)
+    return Plan(out, len(found) + len(variants), fits, misfit, run.precision, cfg.mtp_layers, skipped, untimed)
 
 
 def _search_leading(
@@ -277,21 +283,23 @@ def _search_leading(
     cluster: Cluster,
     top: int,
     say: Callable[[str], None],
-) -> tuple[list[Prediction], list[Candidate], list[Candidate], int]:
+) -> tuple[list[Prediction], list[Candidate], list[Candidate], int, int]:
     """Size and time the candidates in the order of their lower bound (:func:`moe.plan.search.step_bound`,
     cheap: no schedule is built), stopping once the next bound exceeds the ``top``-th step timed: every
     candidate left is slower than ``top`` fitting ones, so the top ``top`` are those of searching them all. A
     candidate that does not fit is tried with offloading (:func:`_offloaded`; its copies only add to the
     bound). Returns the predictions (their timelines dropped: only the best's is drawn, and a search holds
-    many), the fitting candidates timed (offloaded ones as run), the sized ones that do not fit even so, and how
-    many were left neither sized nor timed."""
+    many), the fitting candidates timed (offloaded ones as run), the sized ones that do not fit even so, how
+    many were left neither sized nor timed, and how many fit but were not timed: their busiest rank's work alone
+    (:func:`moe.plan.search.busy_bound`, before the schedule is simulated) is slower than the ``top``-th step."""
     bounds = {c: _bound(model(c)) for c in found}
     order = sorted(found, key=lambda c: (bounds[c], c))
     steps: list[float] = []  # the fastest ``top`` steps so far, sorted
     out, fitting, misses = [], [], []
+    late = 0
     for i, c in enumerate(order):
         if len(steps) >= top and bounds[c] > steps[top - 1]:
-            return out, fitting, misses, len(order) - i
+            return out, fitting, misses, len(order) - i, late
         say(f"sizing and timing {i + 1}/{len(order)} candidates, best bound first")
         v: Candidate | None = c
         if not model(c).fits():
@@ -299,17 +307,25 @@ def _search_leading(
             if v is None:
                 misses.append(c)
                 continue
+        if len(steps) >= top and _busy_bound(model(v)) > steps[top - 1]:
+            late += 1  # sized, but its busiest rank's work alone is slower than the top's: not timed
+            continue
         fitting.append(v)
         p = dataclasses.replace(_predict(model(v)), sim=None)
         out.append(p)
         bisect.insort(steps, p.step_time)
         del steps[top:]
-    return out, fitting, misses, 0
+    return out, fitting, misses, 0, late
 
 
 def _bound(model: LayerCostModel) -> float:
     c = model.candidate
     return step_bound(c, model, plans=stage_plans(model.cfg, c.pp, c.schedule, None, c.pipeline_layout))
+
+
+def _busy_bound(model: LayerCostModel) -> float:
+    c = model.candidate
+    return busy_bound(c, model, plans=stage_plans(model.cfg, c.pp, c.schedule, None, c.pipeline_layout))
 
 
 def _row(p: Prediction) -> list[str]:
@@ -375,6 +391,11 @@ def plan_table(result: Plan, top: int = 10) -> str:
             f"skipped: {result.skipped} candidates neither sized nor timed (their compute and pipeline fill alone, "
             f"without the rest of the bubble or exposed all-to-all, are slower than the {top} plans above: "
             "moe.plan.search.step_bound); the counts above are of the others"
+        )
+    if result.untimed:
+        lines.append(
+            f"not timed: {result.untimed} candidates that fit (their busiest rank's work alone, without waiting for "
+            f"a pipeline message, is slower than the {top} plans above: moe.plan.search.busy_bound)"
         )
     return "\n".join(lines)
 

@@ -267,6 +267,15 @@ def _holds(spec: ScheduleSpec, pp: int, chunks: int, extra_warmup: int) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=4096)
+def _chunk_times(
+    f_blocks: tuple[BlockTimes, ...], b_blocks: tuple[BlockTimes, ...], extra_f: float, extra_b: float
+) -> ChunkTimes:
+    """:func:`moe.plan.pair.chunk_times` by value: candidates that differ in what leaves a stage's blocks alone
+    (dp, chunks, offload, overlap) time the same chunks."""
+    return chunk_times(f_blocks, b_blocks, extra_f=extra_f, extra_b=extra_b)
+
+
 class StageTimes:
     """Chunk times per (forward stage, backward stage), computed once each. Each stage runs the blocks of its
     plan (:func:`moe.plan.params.stage_plans`): its layers, then its MTP blocks (layers ``num_layers ..``);
@@ -285,11 +294,8 @@ class StageTimes:
     def pair(self, f_stage: int, b_stage: int) -> ChunkTimes:
         key = (f_stage, b_stage)
         if key not in self._cache:
-            self._cache[key] = chunk_times(
-                self.blocks[f_stage],
-                self.blocks[b_stage],
-                extra_f=self.extra[f_stage][0],
-                extra_b=self.extra[b_stage][1],
+            self._cache[key] = _chunk_times(
+                tuple(self.blocks[f_stage]), tuple(self.blocks[b_stage]), self.extra[f_stage][0], self.extra[b_stage][1]
             )
         return self._cache[key]
 
@@ -320,64 +326,86 @@ class _Tally:
     """Per rank, the blocks it runs a micro-batch through, forward and backward each counting a half."""
 
 
-def _durations(schedule: Schedule, times: StageTimes, overlap: bool = True) -> _Tally:
-    """Per rank, the duration of each compute action; and the step's all-to-all terms (:class:`_Tally`).
-    Without ``overlap`` a pair runs as a lone forward, then a lone backward (``overlap=False`` in the executor).
-    A ``deferred`` pair (ZB1P's) costs the pair less its backward stage's ``W`` and queues that ``W`` as an
-    ``I`` does; its backward half's all-to-all counts as exposed, as an ``I``'s does (at most all of the pair's)."""
+_Key = tuple[Op, int, int, bool]
+"""A compute action as :func:`_durations` times it: its op, its stage, its backward stage (``FB``; a ``W``'s:
+the stage whose weight gradient it runs), whether it defers its weight gradient."""
+
+
+@functools.lru_cache(maxsize=64)
+def _action_keys(schedule: Schedule) -> tuple[tuple[_Key, ...], ...]:
+    """Per rank, each compute action's :data:`_Key` (once per schedule: the search times one many times)."""
     layout = schedule.layout
-    out = _Tally()
+    out = []
     for rank, actions in enumerate(schedule.ranks):
         deferred: list[int] = []  # stages whose weight gradients an I left for a W (FIFO)
-        mine: list[float] = []
-        busy = blocks = 0.0
+        keys = []
         for a in actions:
             if not a.op.is_compute:
                 continue
             stage = layout.stage_of(rank, a.module) if a.module >= 0 else -1
-            if a.op is Op.F:
-                t = times.alone(stage)
-                mine.append(t.F)
-                out.exposed += t.exposed_f
-                out.total += t.comm_f
-                out.flight, out.covered = out.flight + t.flight[0], out.covered + t.covered[0]
-                busy, blocks = busy + t.F - t.exposed_f, blocks + times.half_blocks(stage)
-            elif a.op in (Op.B, Op.I):
-                t = times.alone(stage)
-                if a.op is Op.I:  # dX alone: the dW that would hide part of its transfers comes later
-                    deferred.append(stage)
-                mine.append(t.B if a.op is Op.B else t.B - t.W)
-                out.exposed += t.exposed_b if a.op is Op.B else t.comm_f
-                out.total += t.comm_f
-                out.flight, out.covered = out.flight + t.flight[1], out.covered + t.covered[1]
-                busy += t.B - t.exposed_b - (0.0 if a.op is Op.B else t.W)
-                blocks += times.half_blocks(stage)
-            elif a.op is Op.W:
-                w = times.alone(deferred.pop(0)).W
-                mine.append(w)
-                busy += w
-            else:  # FB; a deferred one's backward half is an I: its W comes later, its transfers count as an I's
-                b_stage = layout.stage_of(rank, a.b_module)
-                f, b = times.alone(stage), times.alone(b_stage)
-                w = b.W if a.deferred else 0.0
-                if a.deferred:
-                    deferred.append(b_stage)
-                if overlap:
-                    t = times.pair(stage, b_stage)
-                    mine.append(t.FB - w)
-                    out.exposed += min(t.exposed_fb + b.comm_f, f.comm_f + b.comm_f) if a.deferred else t.exposed_fb
-                    out.flight, out.covered = out.flight + t.flight[2], out.covered + t.covered[2]
-                    busy += t.FB - t.exposed_fb - w
-                else:
-                    mine.append(f.F + b.B - w)
-                    out.exposed += f.exposed_f + (b.comm_f if a.deferred else b.exposed_b)
-                    out.flight, out.covered = (
-                        out.flight + f.flight[0] + b.flight[1],
-                        out.covered + f.covered[0] + b.covered[1],
-                    )
-                    busy += f.F - f.exposed_f + b.B - b.exposed_b - w
-                out.total += f.comm_f + b.comm_f
-                blocks += times.half_blocks(stage) + times.half_blocks(b_stage)
+            if a.op is Op.W:
+                keys.append((Op.W, -1, deferred.pop(0), False))
+                continue
+            b_stage = layout.stage_of(rank, a.b_module) if a.op is Op.FB else -1
+            if a.op is Op.I or (a.op is Op.FB and a.deferred):
+                deferred.append(stage if a.op is Op.I else b_stage)
+            keys.append((a.op, stage, b_stage, a.op is Op.FB and a.deferred))
+        out.append(tuple(keys))
+    return tuple(out)
+
+
+def _action_terms(key: _Key, times: StageTimes, overlap: bool) -> tuple[float, ...]:
+    """One action's (duration, exposed, total, flight, covered, busy, blocks): :class:`_Tally`'s terms."""
+    op, stage, b_stage, deferred = key
+    if op is Op.W:
+        w = times.alone(b_stage).W
+        return w, 0.0, 0.0, 0.0, 0.0, w, 0.0
+    if op is Op.F:
+        t = times.alone(stage)
+        return t.F, t.exposed_f, t.comm_f, t.flight[0], t.covered[0], t.F - t.exposed_f, times.half_blocks(stage)
+    if op in (Op.B, Op.I):  # an I: dX alone, the dW that would hide part of its transfers comes later
+        t = times.alone(stage)
+        full = op is Op.B
+        exposed = t.exposed_b if full else t.comm_f
+        busy = t.B - t.exposed_b - (0.0 if full else t.W)
+        return t.B if full else t.B - t.W, exposed, t.comm_f, t.flight[1], t.covered[1], busy, times.half_blocks(stage)
+    # FB; a deferred one's backward half is an I: its W comes later, its transfers count as an I's
+    f, b = times.alone(stage), times.alone(b_stage)
+    w = b.W if deferred else 0.0
+    blocks = times.half_blocks(stage) + times.half_blocks(b_stage)
+    if overlap:
+        t = times.pair(stage, b_stage)
+        exposed = min(t.exposed_fb + b.comm_f, f.comm_f + b.comm_f) if deferred else t.exposed_fb
+        busy = t.FB - t.exposed_fb - w
+        return t.FB - w, exposed, f.comm_f + b.comm_f, t.flight[2], t.covered[2], busy, blocks
+    exposed = f.exposed_f + (b.comm_f if deferred else b.exposed_b)
+    flight, covered = f.flight[0] + b.flight[1], f.covered[0] + b.covered[1]
+    busy = f.F - f.exposed_f + b.B - b.exposed_b - w
+    return f.F + b.B - w, exposed, f.comm_f + b.comm_f, flight, covered, busy, blocks
+
+
+def _durations(schedule: Schedule, times: StageTimes, overlap: bool = True) -> _Tally:
+    """Per rank, the duration of each compute action; and the step's all-to-all terms (:class:`_Tally`).
+    Without ``overlap`` a pair runs as a lone forward, then a lone backward (``overlap=False`` in the executor).
+    A ``deferred`` pair (ZB1P's) costs the pair less its backward stage's ``W`` and queues that ``W`` as an
+    ``I`` does; its backward half's all-to-all counts as exposed, as an ``I``'s does (at most all of the pair's).
+    Each distinct action is timed once (:func:`_action_terms`)."""
+    out = _Tally()
+    terms: dict[_Key, tuple[float, ...]] = {}
+    for keys in _action_keys(schedule):
+        mine = []
+        busy = blocks = 0.0
+        for key in keys:
+            got = terms.get(key)
+            if got is None:
+                got = terms[key] = _action_terms(key, times, overlap)
+            mine.append(got[0])
+            out.exposed += got[1]
+            out.total += got[2]
+            out.flight += got[3]
+            out.covered += got[4]
+            busy += got[5]
+            blocks += got[6]
         out.durations.append(mine)
         out.busy.append(busy)
         out.blocks.append(blocks)
@@ -389,6 +417,29 @@ def _schedule(name: str, pp: int, chunks: int, extra_warmup: int, overlap: bool)
     """:func:`dualpipe.schedule.build_schedule`, once per shape: candidates that differ in ep, recompute, SMs or
     layout run the same schedule (a :class:`Schedule` is immutable, so they can share it)."""
     return build_schedule(name, pp, chunks, extra_warmup=extra_warmup, overlap=overlap)
+
+
+def _timed(
+    candidate: Candidate, model: CostModel, plans: Sequence[StagePlan], overlap: bool | None
+) -> tuple[Schedule, _Tally, list[list[float]]]:
+    """``candidate``'s schedule, its :class:`_Tally` and each compute action's duration (offload copies in)."""
+    overlap = candidate.overlap if overlap is None else overlap
+    schedule = _schedule(candidate.schedule, candidate.pp, candidate.num_chunks, candidate.extra_warmup, overlap)
+    tally = _durations(schedule, StageTimes(model, plans), overlap)
+    durations = tally.durations
+    if candidate.offload:
+        durations = with_copies(schedule, durations, [model.offload_seconds(r) for r in range(candidate.pp)])
+    return schedule, tally, durations
+
+
+def busy_bound(candidate: Candidate, model: CostModel, *, plans: Sequence[StagePlan]) -> float:
+    """A lower bound on :func:`predict`'s step time without simulating the schedule: the busiest rank runs
+    its compute actions one after another at their durations (exposed all-to-all and offload copies in; no
+    wait for a pipeline message), and the cores of a machine whose ranks share them allow no less either;
+    plus the data-parallel reduction. Tighter than :func:`step_bound`, dearer: the schedule is built."""
+    _, tally, durations = _timed(candidate, model, plans, None)
+    pipeline = max(max(sum(d) for d in durations), cpu_bound(model, tally))
+    return (pipeline + model.dp_reduce()) * (1 - 1e-9)  # a hair under, as step_bound
 
 
 def predict(
@@ -404,13 +455,8 @@ def predict(
     """Time and size ``candidate`` with ``model`` (see the module docstring), its stages as ``plans`` say
     (:func:`moe.plan.params.stage_plans` of its ``pipeline_layout``); without ``overlap`` (default: the
     candidate's) each pair runs as its forward, then its backward, and the V family runs its plan unpaired."""
-    overlap = candidate.overlap if overlap is None else overlap
-    schedule = _schedule(candidate.schedule, candidate.pp, candidate.num_chunks, candidate.extra_warmup, overlap)
-    times = StageTimes(model, plans)
-    tally = _durations(schedule, times, overlap)
-    exposed, total, durations = tally.exposed, tally.total, tally.durations
-    if candidate.offload:
-        durations = with_copies(schedule, durations, [model.offload_seconds(r) for r in range(candidate.pp)])
+    schedule, tally, durations = _timed(candidate, model, plans, overlap)
+    exposed, total = tally.exposed, tally.total
     sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
     cpu = cpu_bound(model, tally)
     pipeline = max(sim.makespan, cpu)
