@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": [asdict(r) for r in rows],
         }
         path = Path(args.out) / f"plan-speed-{host}-{date}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {path}")
     return 0

@@ -573,16 +573,34 @@ def _selective(ops: list[fl.Op], gpu: GPU, comm_sms: int, timer: OpTimer) -> flo
 def analytic_costs(
     cfg: MoEConfig, cluster: Cluster, par: Parallelism, work: Workload, moe: bool, timer: OpTimer = op_seconds
 ) -> SubstageCosts:
-    """:class:`SubstageCosts` from the roofline of every op (``timer``: seconds of one op's phase)."""
+    """:class:`SubstageCosts` from the roofline of every op (``timer``: seconds of one op's phase). A layer's
+    fields depend on the parallelism only through ``ep`` (the P2P and the data-parallel reduction on all of it):
+    with the roofline's own timer they are computed once per (model, cluster, ep, workload)."""
     if moe and not cfg.moe_layers:
         raise ValueError("the config has no MoE layer")
+    if timer is op_seconds:
+        layer = _roofline_layer(ConfigKey.of(cfg), cluster, par.ep, work, moe)
+    else:
+        layer = _layer_costs(cfg, cluster, par.ep, work, moe, timer)
+    return replace(
+        layer, p2p=p2p_seconds(cfg, cluster, par, work), dp_reduce=dp_reduce_seconds(cfg, cluster, par, work)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _roofline_layer(key: ConfigKey, cluster: Cluster, ep: int, work: Workload, moe: bool) -> SubstageCosts:
+    return _layer_costs(key.cfg, cluster, ep, work, moe, op_seconds)
+
+
+def _layer_costs(cfg: MoEConfig, cluster: Cluster, ep: int, work: Workload, moe: bool, timer: OpTimer) -> SubstageCosts:
+    """One layer's fields of :func:`analytic_costs` (``p2p`` and ``dp_reduce`` left 0)."""
     gpu, t, b = cluster.gpu, work.tokens, work.act_bytes
-    comm_sms = work.comm_sms if (moe and par.ep > 1) else 0
-    moved = all_to_all_bytes(cfg, cluster, par.ep, t, work.dispatch_bytes)
-    back = all_to_all_bytes(cfg, cluster, par.ep, t, b)
+    comm_sms = work.comm_sms if (moe and ep > 1) else 0
+    moved = all_to_all_bytes(cfg, cluster, ep, t, work.dispatch_bytes)
+    back = all_to_all_bytes(cfg, cluster, ep, t, b)
     dispatch = all_to_all_seconds(moved, gpu, "dispatch") if moe else 0.0
     combine = all_to_all_seconds(back, gpu, "combine") if moe else 0.0
-    subs = _sub_ops(cfg, t, work.seq_len, par.ep, t * moved.ranks_reached, b, moe, work.precision.fp8)
+    subs = _sub_ops(cfg, t, work.seq_len, ep, t * moved.ranks_reached, b, moe, work.precision.fp8)
     attn, shared, mlp = subs["attn"], subs["shared"], subs["mlp"]
     detail = {
         f"{op.name}.{ph}": timer(op, ph, gpu, comm_sms) for op in attn + shared + mlp for ph in ("fwd", "dx", "dw")
@@ -616,7 +634,7 @@ def analytic_costs(
         embed_B=e_dx + e_dw,
         head_F=h_f,
         head_B=h_dx + h_dw,
-        p2p=p2p_seconds(cfg, cluster, par, work),
-        dp_reduce=dp_reduce_seconds(cfg, cluster, par, work),
+        p2p=0.0,
+        dp_reduce=0.0,
         detail=detail,
     )
