@@ -45,7 +45,8 @@ JSON_SCHEMA_VERSION = 2
 ``deepseek_v3`` side-by-side with ``--deepseek-v3``. Added since, without a new number (nothing removed or
 renamed): a row's and the inputs' ``pipeline_layout``, ``deepseek_v3.memory_gib_layout``, ``inputs.precision``
 and ``deepseek_v3.precision``, a row's ``memory_bytes.host`` (not in its ``total``); with ``--published`` a document of
-its own (``published``: one row per run, ``skipped``)."""
+its own (``published``: one row per run, ``skipped``); ``num_skipped`` and ``num_untimed`` (the search's
+candidates neither sized nor timed, and sized and fitting but not timed)."""
 
 TOKENS_PER_GPU = 16384
 """The default batch per GPU per optimizer step: 4 sequences of 4,096 tokens, so that every pipeline rank sees 4 x pp
@@ -455,6 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "num_candidates": result.num_candidates,
             "num_fitting": result.num_fitting,
+            "num_skipped": result.skipped,
+            "num_untimed": result.untimed,
             "best": result.best.to_dict(),
             "top": [p.to_dict() for p in result.ranked[: args.top]],
         }

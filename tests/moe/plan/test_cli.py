@@ -34,7 +34,17 @@ def test_json_schema(tmp_path: Path) -> None:
     assert main([*SMALL, "--json", str(out), "--png", str(tmp_path / "plan.png")]) == 0
     doc = json.loads(out.read_text())
     assert doc["schema"] == JSON_SCHEMA_VERSION
-    assert set(doc) == {"schema", "inputs", "num_candidates", "num_fitting", "best", "top"}
+    assert set(doc) == {
+        "schema",
+        "inputs",
+        "num_candidates",
+        "num_fitting",
+        "num_skipped",
+        "num_untimed",
+        "best",
+        "top",
+    }
+    assert doc["num_fitting"] + doc["num_skipped"] <= doc["num_candidates"] and doc["num_untimed"] >= 0
     assert doc["inputs"]["gpus"] == 8 and "H100" in doc["inputs"]["gpu"]["name"].upper()
     assert 0 < doc["num_fitting"] <= doc["num_candidates"]
     assert doc["best"] == doc["top"][0] and len(doc["top"]) <= 10
