@@ -244,6 +244,8 @@ def load_costs(path: str | os.PathLike[str]) -> MeasuredCosts:
             data = json.load(f)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON: {exc}") from exc
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it: {exc.strerror}") from exc
     return MeasuredCosts.from_json(data, where=str(path))
 
 
