@@ -64,7 +64,7 @@ def test_not_json(tmp_path) -> None:
     path.write_text("{")
     with pytest.raises(ValueError, match="not JSON"):
         load_costs(path)
-    with pytest.raises(ValueError, match="missing.json: cannot read it: No such file"):  # a one-line error, no traceback
+    with pytest.raises(ValueError, match=r"missing\.json: cannot read it: No such file"):  # one line, no traceback
         load_costs(tmp_path / "missing.json")
 
 
