@@ -154,11 +154,24 @@ def stage_share(schedule: Schedule) -> float:
     return schedule.layout.num_ranks / len(schedule.layout.paths[0])
 
 
-@functools.lru_cache(maxsize=64)
-def _messages(schedule: Schedule) -> tuple[tuple[tuple[MessageKey | None, tuple[MessageKey, ...] | None], ...], ...]:
+class _Static(NamedTuple):
+    """What timing a schedule needs of it beyond the costs, computed once per schedule (the planner times one
+    schedule many times)."""
+
+    messages: tuple[tuple[tuple[MessageKey | None, tuple[MessageKey, ...] | None], ...], ...]
     """Per rank and action: (the message a send sends, None), (None, the messages a compute consumes), or
-    (None, None) for a receive; computed once per schedule (the planner times one schedule many times)."""
-    out = []
+    (None, None) for a receive."""
+    names: tuple[tuple[tuple[str, str], ...], ...]
+    """Per rank and action, its span's label and op."""
+    computes: tuple[int, ...]
+    """Compute actions per rank."""
+    peaks: tuple[int, ...]
+    """Per rank, the most modules' activations live at once (:func:`_peak_activations`)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _static(schedule: Schedule) -> _Static:
+    messages = []
     for rank, actions in enumerate(schedule.ranks):
         row: list[tuple[MessageKey | None, tuple[MessageKey, ...] | None]] = []
         for a in actions:
@@ -168,20 +181,13 @@ def _messages(schedule: Schedule) -> tuple[tuple[tuple[MessageKey | None, tuple[
                 row.append((None, tuple(needed_receives(schedule, rank, a))))
             else:
                 row.append((None, None))
-        out.append(tuple(row))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=64)
-def _compute_counts(schedule: Schedule) -> tuple[int, ...]:
-    """Compute actions per rank (once per schedule, as :func:`_messages`)."""
-    return tuple(sum(1 for a in actions if a.op.is_compute) for actions in schedule.ranks)
-
-
-@functools.lru_cache(maxsize=64)
-def _names(schedule: Schedule) -> tuple[tuple[tuple[str, str], ...], ...]:
-    """Per rank and action, its span's label and op (once per schedule, as :func:`_messages`)."""
-    return tuple(tuple((str(a), a.op.value) for a in actions) for actions in schedule.ranks)
+        messages.append(tuple(row))
+    return _Static(
+        messages=tuple(messages),
+        names=tuple(tuple((str(a), a.op.value) for a in actions) for actions in schedule.ranks),
+        computes=tuple(sum(1 for a in actions if a.op.is_compute) for actions in schedule.ranks),
+        peaks=tuple(_peak_activations(actions) for actions in schedule.ranks),
+    )
 
 
 def _timelines(
@@ -194,8 +200,8 @@ def _timelines(
     clock = [0.0] * n if ready is None else [float(t) for t in ready]
     arrival: dict[tuple, float] = {}
     spans: list[list[Span]] = [[] for _ in range(n)]
-    messages = _messages(schedule)
-    names = _names(schedule)
+    static = _static(schedule)
+    messages, names = static.messages, static.names
     while any(pos[r] < len(schedule.ranks[r]) for r in range(n)):
         progress = False
         for rank, actions in enumerate(schedule.ranks):
@@ -231,15 +237,10 @@ def _peak_activations(actions: Sequence[Action]) -> int:
     return peak
 
 
-@functools.lru_cache(maxsize=64)
-def _peaks(schedule: Schedule) -> tuple[int, ...]:
-    return tuple(_peak_activations(actions) for actions in schedule.ranks)
-
-
 def _check_durations(schedule: Schedule, durations: Sequence[Sequence[float]]) -> None:
     if len(durations) != len(schedule.ranks):
         raise ValueError(f"durations: one list per rank expected ({len(schedule.ranks)}), got {len(durations)}")
-    for rank, (computes, times) in enumerate(zip(_compute_counts(schedule), durations, strict=True)):
+    for rank, (computes, times) in enumerate(zip(_static(schedule).computes, durations, strict=True)):
         if len(times) != computes:
             raise ValueError(f"durations: rank {rank} runs {computes} compute actions, got {len(times)} durations")
         bad = [t for t in times if not math.isfinite(t) or t < 0]
@@ -270,7 +271,7 @@ def simulate(
     makespan = max((s[-1].end for s in spans if s), default=0.0)
     busy = tuple(sum(x.end - x.start for x in s) for s in spans)
     idle = tuple(makespan - b for b in busy)
-    peaks = _peaks(schedule)
+    peaks = _static(schedule).peaks
     fraction = stage_share(schedule)
     return SimResult(
         schedule=schedule.name,

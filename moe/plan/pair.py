@@ -141,18 +141,20 @@ def _forward_ops(blocks: Sequence[BlockTimes], tag: str) -> list[dict[str, list[
     for i, b in enumerate(blocks):
         p = f"{tag}{i}."
         host_d = _host(p, "host_dispatch", b.host_f / 2, p + "attn")
-        counts = []
+        issued = host_d[-1].name if host_d else p + "attn"
+        counts, waited = [], []
         if b.counts > 0:  # exchanged from the issue (after its host work) on, waited for where the rows start
-            counts = [_Op(p + "counts", "comm", 0.0, (host_d[-1].name if host_d else p + "attn",))]
-        waited = [_Op(p + "wait_counts", "compute", b.counts, (p + "counts",), work=False, uses=p + "counts")]
-        dispatch_after = waited[0].name if counts else (host_d[-1].name if host_d else p + "attn")
+            counts = [_Op(p + "counts", "comm", 0.0, (issued,))]
+            waited = [_Op(p + "wait_counts", "compute", b.counts, (p + "counts",), work=False, uses=p + "counts")]
         host_c = _host(p, "host_combine", b.host_f / 2, p + "mlp")
         out.append(
             {
                 "attn": [_Op(p + "attn", "compute", b.attn_f, (prev,) if prev else (), uses=prev or "")],
                 "issue": host_d + counts,
-                "prepared": (waited if counts else [])
-                + [_Op(p + "dispatch", "comm", b.dispatch, (dispatch_after, *(o.name for o in host_d)))],
+                "prepared": [
+                    *waited,
+                    _Op(p + "dispatch", "comm", b.dispatch, (waited[-1].name if waited else issued,)),
+                ],
                 "shared": [_Op(p + "shared", "compute", b.shared_f, (p + "attn",))],
                 "mlp": [_Op(p + "mlp", "compute", b.mlp_f, (p + "dispatch",), uses=p + "dispatch")],
                 "combine": [
