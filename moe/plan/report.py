@@ -16,7 +16,7 @@ from typing import Any
 
 from dualpipe.schedule import SCHEDULES, schedule_spec
 from moe.models.config import MoEConfig
-from moe.pipeline_layout import AUTO, expand
+from moe.pipeline_layout import AUTO, StagePlan, expand
 from moe.plan.costs import NO_FP8, RECOMPUTE, TRAINER_DEFAULTS, MemoryOptions, Precision
 from moe.plan.footprint import HEADROOM, Footprint, layer_activations
 from moe.plan.hardware import Cluster
@@ -31,6 +31,7 @@ from moe.plan.search import (
     Candidate,
     Prediction,
     StageTimes,
+    Timed,
     busy_bound,
     candidates,
     loss_class,
@@ -38,6 +39,7 @@ from moe.plan.search import (
     rank_predictions,
     seconds,
     step_bound,
+    time_actions,
     why_worse,
 )
 
@@ -154,18 +156,24 @@ def _sizer(
     return model
 
 
-def _predict(model: LayerCostModel, overlap: bool | None = None) -> Prediction:
-    """Time and size ``model``'s candidate on its cluster (``overlap``: :func:`moe.plan.search.predict`'s)."""
+def _plans(model: LayerCostModel) -> list[StagePlan]:
+    """The stages of ``model``'s candidate (:func:`moe.plan.params.stage_plans` of its layout)."""
+    c = model.candidate
+    return stage_plans(model.cfg, c.pp, c.schedule, None, c.pipeline_layout)
+
+
+def _predict(model: LayerCostModel, overlap: bool | None = None, timed: Timed | None = None) -> Prediction:
+    """Time and size ``model``'s candidate on its cluster (``overlap``, ``timed``: :func:`moe.plan.search.predict`'s
+    arguments)."""
     return predict(
         model.candidate,
         model,
-        plans=stage_plans(
-            model.cfg, model.candidate.pp, model.candidate.schedule, None, model.candidate.pipeline_layout
-        ),
+        plans=_plans(model),
         tokens_per_step=model.tokens_per_step,
         num_gpus=model.cluster.num_gpus,
         peak_flops=model.cluster.gpu.bf16_flops,
         overlap=overlap,
+        timed=timed,
     )
 
 
@@ -307,11 +315,14 @@ def _search_leading(
             if v is None:
                 misses.append(c)
                 continue
-        if len(steps) >= top and _busy_bound(model(v)) > steps[top - 1]:
+        m = model(v)
+        plans = _plans(m)
+        timed = time_actions(v, m, plans=plans)  # once for the bound and the timing
+        if len(steps) >= top and busy_bound(v, m, plans=plans, timed=timed) > steps[top - 1]:
             late += 1  # sized, but its busiest rank's work alone is slower than the top's: not timed
             continue
         fitting.append(v)
-        p = dataclasses.replace(_predict(model(v)), sim=None)
+        p = dataclasses.replace(_predict(m, timed=timed), sim=None)
         out.append(p)
         bisect.insort(steps, p.step_time)
         del steps[top:]
@@ -319,13 +330,7 @@ def _search_leading(
 
 
 def _bound(model: LayerCostModel) -> float:
-    c = model.candidate
-    return step_bound(c, model, plans=stage_plans(model.cfg, c.pp, c.schedule, None, c.pipeline_layout))
-
-
-def _busy_bound(model: LayerCostModel) -> float:
-    c = model.candidate
-    return busy_bound(c, model, plans=stage_plans(model.cfg, c.pp, c.schedule, None, c.pipeline_layout))
+    return step_bound(model.candidate, model, plans=_plans(model))
 
 
 def _row(p: Prediction) -> list[str]:
@@ -489,8 +494,7 @@ def v3_side_by_side(
     cand, model = p.candidate, tried[p.candidate]
     moe = model.layer(cfg.moe_layers[0])
     # The report's bubble formula with this model's per-chunk costs (a middle stage's chunk, paired with itself).
-    plans = stage_plans(cfg, cand.pp, cand.schedule, None, cand.pipeline_layout)
-    times = StageTimes(model, plans).alone(layout.pp // 2)
+    times = StageTimes(model, _plans(model)).alone(layout.pp // 2)
     formula = (layout.pp / 2 - 1) * (times.FB + times.B - 3 * times.W)
     plain = evaluate(cfg, cluster, run, dataclasses.replace(cand, recompute="none"), measured)
     auto_memory = tried[auto].memory()

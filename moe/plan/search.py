@@ -21,7 +21,7 @@ import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from dualpipe.schedule import SCHEDULES, Op, Schedule, ScheduleSpec, build_schedule, schedule_spec
 from dualpipe.simulate import Costs, SimResult, simulate
@@ -419,25 +419,39 @@ def _schedule(name: str, pp: int, chunks: int, extra_warmup: int, overlap: bool)
     return build_schedule(name, pp, chunks, extra_warmup=extra_warmup, overlap=overlap)
 
 
-def _timed(
-    candidate: Candidate, model: CostModel, plans: Sequence[StagePlan], overlap: bool | None
-) -> tuple[Schedule, _Tally, list[list[float]]]:
-    """``candidate``'s schedule, its :class:`_Tally` and each compute action's duration (offload copies in)."""
+class Timed(NamedTuple):
+    """What timing a candidate's schedule takes (:func:`time_actions`): the schedule, its :class:`_Tally` and each
+    compute action's duration (offload copies in)."""
+
+    schedule: Schedule
+    tally: _Tally
+    durations: list[list[float]]
+
+
+def time_actions(
+    candidate: Candidate, model: CostModel, *, plans: Sequence[StagePlan], overlap: bool | None = None
+) -> Timed:
+    """``candidate``'s schedule and its actions timed (``overlap``: :func:`predict`'s), before any simulation:
+    what :func:`busy_bound` and :func:`predict` share, so that a search bounding a candidate and then timing it
+    does this once."""
     overlap = candidate.overlap if overlap is None else overlap
     schedule = _schedule(candidate.schedule, candidate.pp, candidate.num_chunks, candidate.extra_warmup, overlap)
     tally = _durations(schedule, StageTimes(model, plans), overlap)
     durations = tally.durations
     if candidate.offload:
         durations = with_copies(schedule, durations, [model.offload_seconds(r) for r in range(candidate.pp)])
-    return schedule, tally, durations
+    return Timed(schedule, tally, durations)
 
 
-def busy_bound(candidate: Candidate, model: CostModel, *, plans: Sequence[StagePlan]) -> float:
+def busy_bound(
+    candidate: Candidate, model: CostModel, *, plans: Sequence[StagePlan], timed: Timed | None = None
+) -> float:
     """A lower bound on :func:`predict`'s step time without simulating the schedule: the busiest rank runs
     its compute actions one after another at their durations (exposed all-to-all and offload copies in; no
     wait for a pipeline message), and the cores of a machine whose ranks share them allow no less either;
-    plus the data-parallel reduction. Tighter than :func:`step_bound`, dearer: the schedule is built."""
-    _, tally, durations = _timed(candidate, model, plans, None)
+    plus the data-parallel reduction. Tighter than :func:`step_bound`, dearer: the schedule is built (``timed``:
+    :func:`time_actions`'s, if already at hand)."""
+    _, tally, durations = timed or time_actions(candidate, model, plans=plans)
     pipeline = max(max(sum(d) for d in durations), cpu_bound(model, tally))
     return (pipeline + model.dp_reduce()) * (1 - 1e-9)  # a hair under, as step_bound
 
@@ -451,11 +465,13 @@ def predict(
     num_gpus: int,
     peak_flops: float,
     overlap: bool | None = None,
+    timed: Timed | None = None,
 ) -> Prediction:
     """Time and size ``candidate`` with ``model`` (see the module docstring), its stages as ``plans`` say
     (:func:`moe.plan.params.stage_plans` of its ``pipeline_layout``); without ``overlap`` (default: the
-    candidate's) each pair runs as its forward, then its backward, and the V family runs its plan unpaired."""
-    schedule, tally, durations = _timed(candidate, model, plans, overlap)
+    candidate's) each pair runs as its forward, then its backward, and the V family runs its plan unpaired.
+    ``timed``: :func:`time_actions`'s result for the same ``overlap``, if already at hand."""
+    schedule, tally, durations = timed or time_actions(candidate, model, plans=plans, overlap=overlap)
     exposed, total = tally.exposed, tally.total
     sim = simulate(schedule, Costs(latency=model.p2p()), durations=durations)
     cpu = cpu_bound(model, tally)
