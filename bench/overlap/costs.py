@@ -35,7 +35,7 @@ import re
 import statistics
 from collections.abc import Iterable, Sequence
 
-from bench.overlap.stats import RankSteps, step_parts
+from bench.overlap.stats import RankSteps, pipelines, step_parts
 from moe.models.config import MoEConfig
 from moe.plan.measured import MeasuredCosts
 
@@ -194,14 +194,11 @@ def expert_imbalance(steps: Iterable[dict[int, RankSteps]], pp: int) -> float:
     its group's mean: per step the mean over the groups (one per pipeline rank), then the median over steps."""
     per_step = []
     for ranks in steps:
-        ep = len(ranks) // pp
         ratios = []
-        for p in range(pp):
-            mlp = [
-                sum(c.end - c.start for c in ranks[e * pp + p].compute if c.name.startswith("mlp")) for e in range(ep)
-            ]
+        for group in zip(*pipelines(ranks, pp)):
+            mlp = [sum(c.end - c.start for c in r.compute if c.name.startswith("mlp")) for r in group]
             if sum(mlp) > 0:
-                ratios.append(max(mlp) * ep / sum(mlp))
+                ratios.append(max(mlp) * len(mlp) / sum(mlp))
         if ratios:
             per_step.append(statistics.fmean(ratios))
     return _median(per_step) or 1.0

@@ -35,6 +35,7 @@ from bench.overlap.stats import (
     measured_costs,
     parse_events,
     peer_skews,
+    pipelines,
     predicted_bubble,
     rank_hidden,
     replayed_bubble,
@@ -211,12 +212,6 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _pipelines(ranks: dict[int, RankSteps], pp: int) -> list[list[RankSteps]]:
-    """Each expert-parallel rank's pipeline, in pipeline-rank order (global rank ``ep_rank * pp + pp_rank``,
-    :func:`bench.overlap.run.ep_major_layout`). Its transpose is the expert-parallel groups."""
-    return [[ranks[e * pp + p] for p in range(pp)] for e in range(len(ranks) // pp)]
-
-
 def _exposure(steps: list[tuple[int, dict[int, RankSteps]]], pp: int) -> dict:
     """ModeRow's exposure fields: the kinds summed over every rank and timed step, then divided by the
     rank-steps (means, so the kinds add up); the skews pooled over every all-to-all of those steps."""
@@ -229,7 +224,7 @@ def _exposure(steps: list[tuple[int, dict[int, RankSteps]]], pp: int) -> dict:
             for i, v in enumerate(totals):
                 acc[i] += v
         hidden = sum((rank_hidden(r) for r in ranks.values()), hidden)
-        for group in zip(*_pipelines(ranks, pp)):
+        for group in zip(*pipelines(ranks, pp)):
             skews += peer_skews(group)
     for s in skews:
         sums[s.kind][3] += s.peer_wait
@@ -273,11 +268,11 @@ def _row(
         in_flight, exposed, hidden = comm_totals(list(ranks.values()))
         costs = measured_costs(list(ranks.values()))
         mean_predicted = predicted_bubble(schedule, num_ranks, opts["chunks"], costs, extra, overlap)
-        pipelines = _pipelines(ranks, num_ranks)
+        per_pipeline = pipelines(ranks, num_ranks)
         # torch runs its own action order, which our schedule's replay does not describe
         replayed = math.nan
         if mode not in TORCH_MODES:
-            replayed = replayed_bubble(schedule, pipelines, opts["chunks"], extra_warmup=extra, overlap=overlap)
+            replayed = replayed_bubble(schedule, per_pipeline, opts["chunks"], extra_warmup=extra, overlap=overlap)
         paired = comm_totals(list(ranks.values()), within="FB")[2]
         total, busiest, threads = cpu.get((mode, step), (math.nan, math.nan, math.nan))
         use, rank_use = total / (cores * (t1 - t0)), busiest / (t1 - t0)

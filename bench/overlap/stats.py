@@ -73,6 +73,7 @@ __all__ = [
     "op_of",
     "parse_events",
     "peer_skews",
+    "pipelines",
     "predicted_bubble",
     "rank_hidden",
     "replayed_bubble",
@@ -275,6 +276,12 @@ class PeerSkew:
     """The last rank's start minus the first rank's."""
     peer_wait: float
     """Exposed time, summed over the group's ranks, before the last rank started it."""
+
+
+def pipelines(ranks: dict[int, RankSteps], pp: int) -> list[list[RankSteps]]:
+    """Each expert-parallel rank's pipeline, in pipeline-rank order (global rank ``ep_rank * pp + pp_rank``,
+    :func:`bench.overlap.run.ep_major_layout`). Its transpose is the expert-parallel groups."""
+    return [[ranks[e * pp + p] for p in range(pp)] for e in range(len(ranks) // pp)]
 
 
 def peer_skews(group: Sequence[RankSteps]) -> list[PeerSkew]:
